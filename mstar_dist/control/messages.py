@@ -1,0 +1,174 @@
+"""Every message that crosses a control socket, in one place (DESIGN §6).
+
+Messages are msgspec structs encoded as msgpack inside an :class:`Envelope` that carries the deployment token
+and the sender's name; a receiver drops (and logs) envelopes whose token is not its own. Never pickle.
+
+Ranks in these messages are *global* ranks (torch.distributed's world numbering of the logical cluster).
+Sender names are ``"rank<N>"`` for a worker and ``"conductor"`` for the conductor on rank 0.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+from mstar_dist.transport.inline import InlineTensor
+
+
+class TensorRef(msgspec.Struct, frozen=True):
+    """A tensor kept in a rank's tensor store; moved over the data plane, never inside a message."""
+
+    uuid: str
+    rank: int
+    """Global rank whose store holds the tensor."""
+    shape: list[int]
+    dtype: str
+    nbytes: int
+
+
+Value = Union[InlineTensor, TensorRef]
+
+
+class Sampling(msgspec.Struct, frozen=True):
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+
+# ---- conductor -> worker -------------------------------------------------------------------------------------
+
+
+class RunWalk(msgspec.Struct, tag=True):
+    """Run the part of ``walk`` placed on the receiving rank for one request.
+
+    ``inputs`` maps signal names to values; a :class:`TensorRef` held by another rank arrives over the data
+    plane after that rank's :class:`TensorDesc`. ``export`` names persisted outputs whose consumer is on another
+    rank (so the producer must materialise them). ``loop_limits`` overrides a named loop's ``max_iters``.
+    """
+
+    request_id: str
+    walk: str
+    walk_index: int
+    seed: int
+    inputs: dict[str, Value]
+    sampling: Sampling
+    export: list[str] = []
+    loop_limits: dict[str, int] = {}
+    stop_token_ids: list[int] = []
+
+
+class Push(msgspec.Struct, tag=True):
+    """Send the stored tensor ``uuid`` to global rank ``dst`` (descriptor first, then the p2p send).
+
+    With ``release`` the producer drops its persisted reference once the send completes.
+    """
+
+    request_id: str
+    uuid: str
+    dst: int
+    release: bool = True
+
+
+class StopLoops(msgspec.Struct, tag=True):
+    """Stop the named loop of a request after its current iteration (stop strings found by the conductor)."""
+
+    request_id: str
+    loop: str
+
+
+class RemoveRequest(msgspec.Struct, tag=True):
+    """Forget a request: end its walks, free its KV and every tensor tagged with it. Idempotent."""
+
+    request_id: str
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    """Stop serving; with ``error`` the receiving rank exits non-zero (another rank failed)."""
+
+    reason: str
+    error: bool = False
+
+
+# ---- worker -> worker ----------------------------------------------------------------------------------------
+
+
+class TensorDesc(msgspec.Struct, tag=True):
+    """Precedes a p2p send on the pair (src, receiver): the receiver posts its recv in descriptor order."""
+
+    request_id: str
+    uuid: str
+    src: int
+    shape: list[int]
+    dtype: str
+
+
+# ---- worker -> conductor -------------------------------------------------------------------------------------
+
+
+class Emit(msgspec.Struct, tag=True):
+    """Values a node sent to ``EMIT_TO_CLIENT`` (e.g. one sampled token per decode step)."""
+
+    request_id: str
+    walk: str
+    signal: str
+    values: list[InlineTensor]
+
+
+class WalkDone(msgspec.Struct, tag=True):
+    """The receiving rank finished its part of a walk; ``outputs`` are the walk's outputs it produced."""
+
+    request_id: str
+    walk: str
+    rank: int
+    outputs: dict[str, Value]
+    error: str | None = None
+    finish_reason: str | None = None
+
+
+class Ready(msgspec.Struct, tag=True):
+    rank: int
+    host: str
+    load_seconds: float
+
+
+class LoadFailed(msgspec.Struct, tag=True):
+    rank: int
+    host: str
+    error: str
+
+
+class Stats(msgspec.Struct, tag=True):
+    """Periodic per-rank gauges for /metrics (live tensors is the leak canary)."""
+
+    rank: int
+    live_tensors: int
+    live_bytes: int
+    edge_bytes_sent: int
+    edge_bytes_received: int
+    host_staging_copies: int
+
+
+Message = Union[
+    RunWalk, Push, StopLoops, RemoveRequest, Shutdown, TensorDesc, Emit, WalkDone, Ready, LoadFailed, Stats
+]
+
+
+class Envelope(msgspec.Struct):
+    token: str
+    """Deployment token: every rank derives the same value; a stray sender's envelopes are rejected."""
+    sender: str
+    body: Message
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Envelope)
+
+
+def encode(token: str, sender: str, body: Message) -> bytes:
+    return _encoder.encode(Envelope(token=token, sender=sender, body=body))
+
+
+def decode(payload: bytes) -> Envelope:
+    """Raises ``msgspec.DecodeError`` / ``ValidationError`` for bytes that are not an envelope."""
+    return _decoder.decode(payload)

@@ -1,0 +1,58 @@
+"""Component interface: what a worker runs for a graph node (DESIGN §8).
+
+The worker hands a component every ready call for it at once, across requests, so an engine batches what it can
+(decode steps of many requests in one forward). ``run_batch`` returns one entry per call: a ``NodeResult``, an
+exception (that request fails, the others go on), or ``None`` (not now: e.g. no free KV slot; retried later).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mstar_dist.graph.walk import NodeCall, NodeResult
+
+
+@dataclass
+class WalkContext:
+    """Per (request, walk) facts a component may use; built by the worker from ``RunWalk``."""
+
+    request_id: str
+    walk: str
+    walk_index: int
+    seed: int
+    """Seed of this walk: the request's seed advanced by one per completed walk (DESIGN §4)."""
+    sampling: Any
+    export: frozenset[str] = frozenset()
+    """Persisted outputs a consumer on another rank needs: the producer must materialise them."""
+    stop_token_ids: frozenset[int] = frozenset()
+    state: dict[str, Any] = field(default_factory=dict)
+    """Component-private per-walk state (e.g. the seeded sampling generator)."""
+
+    def generator(self, device: torch.device | str) -> torch.Generator:
+        gen = self.state.get("generator")
+        if gen is None:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(self.seed & 0x7FFF_FFFF_FFFF_FFFF)
+            self.state["generator"] = gen
+        return gen
+
+
+class Component(ABC):
+    name: str
+
+    @abstractmethod
+    def run_batch(self, calls: list[NodeCall]) -> list[NodeResult | BaseException | None]:
+        """Run ready calls (from several requests); one entry per call, in order."""
+
+    def release(self, request_id: str) -> None:
+        """Free everything this component keeps for ``request_id`` (KV slots). Idempotent."""
+
+    def warmup(self) -> None:
+        """Run once after loading so the first request is not slow."""
+
+    def stats(self) -> dict[str, int]:
+        return {}

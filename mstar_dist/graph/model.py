@@ -1,0 +1,88 @@
+"""The contract between the runtime and a model family (DESIGN §4).
+
+A model declares its walks (``graphs``), builds the components placed on a rank (``build_component``), and drives
+a request on the conductor: ``preprocess`` (tokenize), ``start`` (first walk), ``after_walk`` (next walk or done),
+``postprocess`` (values emitted to the client -> text). Model code never sees ranks or transports.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+from mstar_dist.graph.nodes import Section
+
+
+@dataclass
+class WalkStep:
+    """The next walk of a request: its name, its inputs (tensors or store references) and loop limits."""
+
+    walk: str
+    inputs: dict[str, Any]
+    loop_limits: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class RequestState:
+    """What the conductor knows about one request; ``data`` is the model's own per-request state."""
+
+    request_id: str
+    seed: int
+    max_tokens: int
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+    """Set by the model when it ends the request itself (e.g. EOS right after prefill)."""
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+class CompositeModel(ABC):
+    """A model family. Instances are built on every rank from ``(weights_dir, model_kwargs)``."""
+
+    name: str = "model"
+
+    def __init__(self, weights_dir: str | None, **model_kwargs: Any):
+        self.weights_dir = weights_dir
+        self.model_kwargs = model_kwargs
+
+    @abstractmethod
+    def graphs(self) -> dict[str, Section]:
+        """Walk name -> section. Pure: the same on every rank."""
+
+    def prepare_weights(self) -> None:
+        """Make ``weights_dir`` exist (called once per host before loading). Default: nothing to do."""
+
+    @abstractmethod
+    def build_component(self, node: str, *, device: str, walks: set[str]) -> Any:
+        """Build and load the component ``node`` for this rank (an :class:`mstar_dist.engine.component.Component`)."""
+
+    # ---- conductor side (rank 0) ----
+    def load_frontend(self) -> None:
+        """Load what the conductor needs (tokenizer, templates)."""
+
+    @property
+    def max_context_tokens(self) -> int:
+        return 1 << 30
+
+    @abstractmethod
+    def preprocess(self, state: RequestState, prompt: str | None, messages: list[dict] | None) -> None:
+        """Tokenize into ``state.data``; raise ``ValueError`` with a message for the client on bad input."""
+
+    @abstractmethod
+    def start(self, state: RequestState) -> WalkStep: ...
+
+    @abstractmethod
+    def after_walk(self, state: RequestState, walk: str, outputs: dict[str, Any]) -> WalkStep | None:
+        """Next walk, or ``None`` when the request is complete."""
+
+    @abstractmethod
+    def postprocess(self, state: RequestState, signal: str, values: list[Any]) -> str:
+        """Values a node emitted to the client -> new text (may be empty while a character is incomplete)."""
+
+    def finish_text(self, state: RequestState) -> str:
+        """Text still held back when the request ends (an incomplete character, flushed)."""
+        return ""
+
+    def stop_token_ids(self) -> list[int]:
+        return []

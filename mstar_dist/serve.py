@@ -1,0 +1,45 @@
+"""``python -m mstar_dist.serve CFG.yaml [flags]`` — the torchrun entry point (DESIGN §2).
+
+Thin: parse flags, then :func:`mstar_dist.worker.boot.serve` does parse -> identify -> init -> control plane ->
+load -> serve, with unconditional teardown. Exit status: 0 after a clean shutdown (SIGTERM), non-zero after any
+failure, with a message naming the rank, host and cause.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="mstar-dist", description="Serve a composite model across torchrun ranks.")
+    p.add_argument("config", help="deployment YAML (see launch/configs/)")
+    p.add_argument("--host", default=None, help="HTTP bind address (overrides server.host; default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="HTTP port (overrides server.port)")
+    p.add_argument("--max-concurrent-requests", type=int, default=None, help="overrides limits.max_concurrent_requests")
+    p.add_argument("--request-timeout", type=float, default=None, help="seconds; overrides limits.request_timeout_s")
+    p.add_argument("--startup-timeout", type=float, default=300.0,
+                   help="seconds every rank has to join, load and report READY (default 300)")
+    p.add_argument("--log-level", default=os.environ.get("MSTAR_LOG_LEVEL", "INFO"),
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument("--dry-run", action="store_true", help="validate the config and print the placement, then exit")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    rank = os.environ.get("RANK", "?")
+    logging.basicConfig(
+        level=args.log_level,
+        format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    from mstar_dist.worker.boot import serve
+
+    return serve(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,232 @@
+"""Startup and teardown of one rank (DESIGN §2): parse, identify, init, control plane, load, serve.
+
+Every rank runs :func:`serve`. The steps and who they wait for:
+1. parse the YAML into the immutable deployment (pure; identical on every rank);
+2. identify this process in the cluster spec against torchrun's variables (ValueError on any mismatch);
+3. ``init_process_group`` (gloo on CPU, ``cuda:nccl,cpu:gloo`` on GPUs), then one pair group per directed edge
+   pair, created on every rank in one order, and warmed — a collective step: blocks until all ranks join or
+   ``--startup-timeout`` passes;
+4. bind this rank's control socket, publish its endpoint in the torchrun store, read every peer's (bounded wait);
+5. load only this rank's components (weights prepared once per host first) and report READY or LOAD_FAILED;
+6. rank 0 waits for every READY, prints the placement, starts the conductor and binds HTTP.
+A failure anywhere exits non-zero on every rank (rank 0 broadcasts ``Shutdown``) with a message naming the rank,
+host and cause; SIGTERM stops cleanly with exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mstar_dist.config.cluster import ClusterSpec, RankInfo, device_for, identify
+from mstar_dist.config.deployment import DeploymentConfig, load_config
+from mstar_dist.control import messages as m
+from mstar_dist.control.channel import ControlChannel, default_store, lookup_endpoint, publish_endpoint
+from mstar_dist.graph.model import CompositeModel
+from mstar_dist.graph.nodes import node_names
+from mstar_dist.topology.placement import Placement
+from mstar_dist.worker.worker import CONDUCTOR, Worker, rank_name
+
+log = logging.getLogger("mstar_dist.boot")
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """Config + cluster + model + placement: a pure function of the files and torchrun's world size."""
+
+    config: DeploymentConfig
+    cluster: ClusterSpec
+    model: CompositeModel
+    placement: Placement
+    token: str
+
+    @classmethod
+    def build(cls, config: DeploymentConfig, world_size: int, local_world_size: int | None) -> "Deployment":
+        from models import get_model_class
+
+        cluster = config.resolve_cluster(world_size, local_world_size)
+        model = get_model_class(config.model)(config.weights, **dict(config.model_kwargs))
+        walks = {walk: node_names(section) for walk, section in model.graphs().items()}
+        placement = Placement.build(config, walks, cluster.world_size)
+        for group in config.node_groups:
+            if group.tp_size != 1:
+                raise ValueError(f"node_groups: tp_size={group.tp_size} is not supported by this runtime yet (use 1)")
+        for walk, nodes in walks.items():
+            if len({r.ranks for n in nodes for r in placement.replicas(walk, n)}) > 1 and len(nodes) > 1:
+                raise ValueError(f"walk {walk!r}: its nodes are on different ranks; this runtime runs a walk's "
+                                 f"nodes on one rank (place {sorted(nodes)} together)")
+        seed = f"{config.to_dict()}|{world_size}|{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        seed += f"|{os.environ.get('TORCHELASTIC_RUN_ID', '')}"
+        token = hashlib.sha256(seed.encode()).hexdigest()[:32]
+        return cls(config=config, cluster=cluster, model=model, placement=placement, token=token)
+
+
+def _hostnames() -> set[str]:
+    names = {socket.gethostname(), socket.getfqdn()}
+    try:
+        names.update(info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None))
+    except OSError:
+        pass
+    return names
+
+
+def _load_components(dep: Deployment, info: RankInfo, device: str, store: Any, timeout_s: float) -> dict:
+    """Prepare weights once per host (local rank 0), then build this rank's components."""
+    key = f"mstar_dist/weights/{info.node_rank}"
+    if info.local_rank == 0:
+        try:
+            dep.model.prepare_weights()
+            store.set(key, "ok")
+        except Exception as exc:
+            store.set(key, f"error: {exc}")
+            raise
+    else:
+        import datetime
+
+        store.wait([key], datetime.timedelta(seconds=timeout_s))
+        status = store.get(key).decode()
+        if status != "ok":
+            raise RuntimeError(f"weights preparation on host {info.host_name} failed: {status}")
+    components = {}
+    for node, walks in sorted(dep.placement.components_on(info.global_rank).items()):
+        t0 = time.monotonic()
+        components[node] = dep.model.build_component(node, device=device, walks=set(walks))
+        components[node].warmup()
+        log.info("loaded %s for walks %s on %s in %.1f s", node, sorted(walks), device, time.monotonic() - t0)
+    return components
+
+
+def serve(args: argparse.Namespace) -> int:
+    from mstar_dist.distributed.groups import create_pair_groups, warm_pairs
+    from mstar_dist.distributed.init import backend_for_device, init_distributed, shutdown_distributed
+    from mstar_dist.transport.p2p import P2PTransport
+    from mstar_dist.transport.store import TensorStore
+
+    config = load_config(args.config).with_overrides(
+        host=args.host, port=args.port, max_concurrent_requests=args.max_concurrent_requests,
+        request_timeout_s=args.request_timeout,
+    )
+    env = os.environ
+    world_size = int(env.get("WORLD_SIZE", "1"))
+    local_ws = int(env["LOCAL_WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in env else None
+    dep = Deployment.build(config, world_size, local_ws)
+    if args.dry_run:
+        print(dep.placement.describe(dep.cluster))
+        return 0
+    info = identify(dep.cluster, env, _hostnames())
+    rank = info.global_rank
+    where = f"rank {rank} on host {info.host_name}"
+    device = device_for(info, torch.cuda.is_available())
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+
+    channel = conductor_channel = conductor = http = None
+    rc = 0
+    try:
+        init_distributed(global_rank=rank, world_size=world_size, device=device, timeout_s=args.startup_timeout)
+        store = default_store()
+        pairs = create_pair_groups(dep.placement.edge_pairs, global_rank=rank, backend=backend_for_device(device),
+                                   timeout_s=args.startup_timeout)
+        warm_pairs(pairs, rank, device)
+        transport = P2PTransport(rank, pairs, torch.device(device))
+
+        channel = ControlChannel(rank_name(rank), info.addr)
+        publish_endpoint(store, rank_name(rank), channel.endpoint)
+        if dep.placement.is_conductor(rank):
+            conductor_channel = ControlChannel(CONDUCTOR, info.addr)
+            publish_endpoint(store, CONDUCTOR, conductor_channel.endpoint)
+        channel.connect(CONDUCTOR, lookup_endpoint(store, CONDUCTOR, args.startup_timeout))
+        for peer in range(world_size):
+            endpoint = lookup_endpoint(store, rank_name(peer), args.startup_timeout)
+            channel.connect(rank_name(peer), endpoint)
+            if conductor_channel is not None:
+                conductor_channel.connect(rank_name(peer), endpoint)
+
+        t0 = time.monotonic()
+        try:
+            components = _load_components(dep, info, device, store, args.startup_timeout)
+        except Exception as exc:
+            channel.send(CONDUCTOR, m.encode(dep.token, rank_name(rank),
+                                             m.LoadFailed(rank=rank, host=info.host_name, error=f"{type(exc).__name__}: {exc}")))
+            raise
+        channel.send(CONDUCTOR, m.encode(dep.token, rank_name(rank),
+                                         m.Ready(rank=rank, host=info.host_name, load_seconds=time.monotonic() - t0)))
+        worker = Worker(
+            global_rank=rank, graphs=dep.model.graphs(), components=components, channel=channel,
+            transport=transport, store=TensorStore(), token=dep.token, device=torch.device(device),
+            inline_max_bytes=dep.config.transport.inline_max_bytes,
+        )
+        if conductor_channel is not None:
+            conductor, http = _start_front(dep, conductor_channel, args.startup_timeout, stop)
+        worker.run(should_stop=stop.is_set)
+        if worker.stopping and worker.failed_reason:
+            raise RuntimeError(worker.failed_reason)
+    except Exception as exc:
+        log.error("%s failed: %s\n%s", where, exc, traceback.format_exc())
+        rc = 1
+        if conductor is None and conductor_channel is not None:
+            _broadcast_shutdown(dep, conductor_channel, world_size, f"{where} failed: {exc}")
+    finally:
+        if http is not None:
+            http.stop()
+        if conductor is not None:
+            conductor.stopped.set()
+            _broadcast_shutdown(dep, conductor.channel, world_size, "rank 0 is stopping", error=rc != 0)
+            time.sleep(0.2)  # let the shutdown messages leave before the sockets close
+        for ch in (channel, conductor_channel):
+            if ch is not None:
+                ch.close()
+        shutdown_distributed()
+    log.info("%s exits with status %d", where, rc)
+    return rc
+
+
+def _broadcast_shutdown(dep: Deployment, channel: ControlChannel, world_size: int, reason: str,
+                        error: bool = True) -> None:
+    for peer in range(world_size):
+        try:
+            channel.send(rank_name(peer), m.encode(dep.token, CONDUCTOR, m.Shutdown(reason=reason, error=error)))
+        except Exception:  # a peer that is gone cannot be told
+            pass
+
+
+def _start_front(dep: Deployment, channel: ControlChannel, timeout_s: float, stop: threading.Event):
+    """Rank 0: wait for every READY, start the conductor thread and bind HTTP (DESIGN §2 step 6)."""
+    from mstar_dist.conductor.backend import ConductorBackend
+    from mstar_dist.conductor.conductor import Conductor
+    from mstar_dist.server.app import build_app
+    from mstar_dist.server.http_server import HttpServer
+
+    cfg = dep.config
+    conductor = Conductor(
+        model=dep.model, placement=dep.placement, channel=channel, token=dep.token,
+        world_size=dep.cluster.world_size, max_concurrent=cfg.limits.max_concurrent_requests,
+        request_timeout_s=cfg.limits.request_timeout_s, rank_hosts=dep.cluster.rank_hosts(),
+    )
+    dep.model.load_frontend()
+    conductor.wait_ready(timeout_s)
+    print(dep.placement.describe(dep.cluster), flush=True)
+    thread = threading.Thread(target=conductor.run, name="conductor", daemon=True)
+    thread.start()
+    backend = ConductorBackend(
+        conductor, model_name=cfg.model, max_context_tokens=dep.model.max_context_tokens,
+        max_tokens_limit=min(cfg.limits.max_tokens, dep.model.max_context_tokens - 1),
+    )
+    http = HttpServer(build_app(backend))
+    http.start(cfg.server.host, cfg.server.port, timeout_s=30)
+    print(f"mstar_dist: serving {cfg.model} on http://{cfg.server.host}:{cfg.server.port}", flush=True)
+    return conductor, http

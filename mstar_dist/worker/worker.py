@@ -1,0 +1,362 @@
+"""The rank's event loop (DESIGN §2, §7): control messages in, data-plane transfers, batched node calls, results out.
+
+Runs on the main thread and issues *all* of this rank's torch.distributed work (sends and receives on the pair
+groups), so NCCL ops of a rank are never issued from two threads. Each turn of the loop:
+1. drains the control socket (``RunWalk``, ``Push``, ``TensorDesc``, ``StopLoops``, ``RemoveRequest``);
+2. polls in-flight transfers (a receive completes a waiting walk's input; a send releases the producer's ref);
+3. gathers every walk's pending node call, hands each component all of its calls at once (continuous batching),
+   and routes the results (``Emit`` to the conductor, ``WalkDone`` when a walk ends).
+A request that fails on this rank is reported in ``WalkDone.error``; the rank lives on.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mstar_dist.control import messages as m
+from mstar_dist.engine.component import Component, WalkContext
+from mstar_dist.engine.sampling import SamplingParams
+from mstar_dist.graph.nodes import Section
+from mstar_dist.graph.walk import GraphError, NodeCall, NodeResult, WalkRun
+from mstar_dist.transport.inline import decode_tensor, encode_tensor
+
+log = logging.getLogger(__name__)
+
+CONDUCTOR = "conductor"
+
+
+def rank_name(global_rank: int) -> str:
+    return f"rank{global_rank}"
+
+
+@dataclass
+class _Waiting:
+    """A RunWalk whose inputs include tensors still in flight from other ranks."""
+
+    msg: m.RunWalk
+    missing: set[str]
+    since: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _Outgoing:
+    transfer: Any
+    uuid: str
+    release: bool
+
+
+class Worker:
+    """One rank's worker. ``channel`` is this rank's ControlChannel (already connected to every peer)."""
+
+    def __init__(
+        self,
+        *,
+        global_rank: int,
+        graphs: dict[str, Section],
+        components: dict[str, Component],
+        channel: Any,
+        transport: Any,
+        store: Any,
+        token: str,
+        device: torch.device,
+        inline_max_bytes: int,
+        transfer_timeout_s: float = 120.0,
+    ):
+        self.global_rank = global_rank
+        self.graphs = graphs
+        self.components = components
+        self.channel = channel
+        self.transport = transport
+        self.store = store
+        self.token = token
+        self.device = device
+        self.inline_max_bytes = inline_max_bytes
+        self.transfer_timeout_s = transfer_timeout_s
+        self.name = rank_name(global_rank)
+        self._runs: dict[str, WalkRun] = {}
+        self._waiting: dict[str, _Waiting] = {}
+        self._incoming: dict[str, Any] = {}  # uuid -> Transfer (posted in descriptor order)
+        self._incoming_req: dict[str, str] = {}  # uuid -> request id
+        self._outgoing: list[_Outgoing] = []
+        self._emits: dict[str, list[tuple[str, torch.Tensor]]] = collections.defaultdict(list)
+        self._removed: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._last_stats = 0.0
+        self.stopping = False
+        self.failed_reason: str | None = None
+
+    # ---- loop ----
+    def run(self, should_stop=lambda: False) -> None:
+        """Serve until a ``Shutdown`` message arrives or ``should_stop()`` is true. Never returns on its own."""
+        while not self.stopping and not should_stop():
+            busy = bool(self._runs) or bool(self._incoming) or bool(self._outgoing)
+            for sender, payload in self.channel.recv(0 if busy else 20):
+                self._handle(sender, payload)
+            self._poll_transfers()
+            self._step()
+            self._maybe_send_stats()
+
+    def _send(self, peer: str, body: m.Message) -> None:
+        self.channel.send(peer, m.encode(self.token, self.name, body))
+
+    def _handle(self, sender: str, payload: bytes) -> None:
+        try:
+            env = m.decode(payload)
+        except Exception as exc:
+            log.warning("%s: dropped an undecodable control message from %r: %s", self.name, sender, exc)
+            return
+        if env.token != self.token:
+            log.warning("%s: rejected a message from %r with a foreign deployment token", self.name, sender)
+            return
+        body = env.body
+        if isinstance(body, m.RunWalk):
+            self._on_run_walk(body)
+        elif isinstance(body, m.TensorDesc):
+            self._on_tensor_desc(body)
+        elif isinstance(body, m.Push):
+            self._on_push(body)
+        elif isinstance(body, m.StopLoops):
+            run = self._runs.get(body.request_id)
+            if run is not None:
+                run.stop_loop(body.loop)
+        elif isinstance(body, m.RemoveRequest):
+            self._remove(body.request_id)
+        elif isinstance(body, m.Shutdown):
+            log.info("%s: shutdown requested: %s", self.name, body.reason)
+            self.stopping = True
+            if body.error:
+                self.failed_reason = body.reason
+        else:
+            log.warning("%s: unexpected %s from %r", self.name, type(body).__name__, sender)
+
+    # ---- messages ----
+    def _on_run_walk(self, msg: m.RunWalk) -> None:
+        if msg.request_id in self._removed:
+            return
+        missing = {
+            name
+            for name, value in msg.inputs.items()
+            if isinstance(value, m.TensorRef) and value.rank != self.global_rank
+        }
+        if missing:
+            self._waiting[msg.request_id] = _Waiting(msg=msg, missing=missing)
+            self._try_start_waiting(msg.request_id)
+        else:
+            self._start_walk(msg, {})
+
+    def _on_tensor_desc(self, desc: m.TensorDesc) -> None:
+        # Post the receive now, in descriptor order, whatever the request's state: the sender is already sending.
+        transfer = self.transport.recv(desc.shape, _dtype(desc.dtype), desc.src)
+        self._incoming[desc.uuid] = transfer
+        self._incoming_req[desc.uuid] = desc.request_id
+
+    def _on_push(self, msg: m.Push) -> None:
+        try:
+            tensor = self.store.get(msg.uuid)
+        except KeyError as exc:
+            log.error("%s: push of %s for %s: %s", self.name, msg.uuid, msg.request_id, exc)
+            return
+        self._send(
+            rank_name(msg.dst),
+            m.TensorDesc(
+                request_id=msg.request_id,
+                uuid=msg.uuid,
+                src=self.global_rank,
+                shape=list(tensor.shape),
+                dtype=str(tensor.dtype).removeprefix("torch."),
+            ),
+        )
+        self._outgoing.append(_Outgoing(self.transport.send(tensor, msg.dst), msg.uuid, msg.release))
+
+    def _remove(self, request_id: str) -> None:
+        self._removed[request_id] = None
+        while len(self._removed) > 100_000:
+            self._removed.popitem(last=False)
+        self._runs.pop(request_id, None)
+        self._waiting.pop(request_id, None)
+        self._emits.pop(request_id, None)
+        for component in self.components.values():
+            component.release(request_id)
+        self.store.drop_tag(request_id)
+
+    # ---- transfers ----
+    def _poll_transfers(self) -> None:
+        still = []
+        for out in self._outgoing:
+            if out.transfer.done():
+                if out.release:
+                    try:
+                        self.store.unpersist(out.uuid)
+                    except KeyError:
+                        pass  # the request was removed meanwhile
+            else:
+                still.append(out)
+        self._outgoing = still
+        for request_id in list(self._waiting):
+            self._try_start_waiting(request_id)
+        for uuid in [u for u, t in self._incoming.items() if self._incoming_req[u] in self._removed and t.done()]:
+            del self._incoming[uuid], self._incoming_req[uuid]
+
+    def _try_start_waiting(self, request_id: str) -> None:
+        waiting = self._waiting[request_id]
+        ready: dict[str, torch.Tensor] = {}
+        for name in waiting.missing:
+            ref = waiting.msg.inputs[name]
+            transfer = self._incoming.get(ref.uuid)
+            if transfer is None or not transfer.done():
+                if time.monotonic() - waiting.since > self.transfer_timeout_s:
+                    del self._waiting[request_id]
+                    self._fail(waiting.msg, f"input {name!r} from rank {ref.rank} did not arrive within "
+                               f"{self.transfer_timeout_s:.0f} s")
+                return
+            ready[name] = transfer.tensor
+        for name in waiting.missing:
+            uuid = waiting.msg.inputs[name].uuid
+            del self._incoming[uuid], self._incoming_req[uuid]
+        del self._waiting[request_id]
+        self._start_walk(waiting.msg, ready)
+
+    # ---- walks ----
+    def _start_walk(self, msg: m.RunWalk, received: dict[str, torch.Tensor]) -> None:
+        try:
+            inputs = {name: self._resolve(value, received.get(name)) for name, value in msg.inputs.items()}
+            section = self.graphs[msg.walk]
+            ctx = WalkContext(
+                request_id=msg.request_id,
+                walk=msg.walk,
+                walk_index=msg.walk_index,
+                seed=msg.seed,
+                sampling=SamplingParams(
+                    temperature=msg.sampling.temperature, top_p=msg.sampling.top_p, top_k=msg.sampling.top_k
+                ),
+                export=frozenset(msg.export),
+                stop_token_ids=frozenset(msg.stop_token_ids),
+            )
+            emits = self._emits[msg.request_id]
+            run = WalkRun(
+                request_id=msg.request_id,
+                walk=msg.walk,
+                section=section,
+                inputs=inputs,
+                ctx=ctx,
+                loop_limits=dict(msg.loop_limits),
+                on_emit=lambda signal, value: emits.append((signal, value)),
+            )
+        except Exception as exc:
+            self._fail(msg, f"{type(exc).__name__}: {exc}")
+            return
+        self._runs[msg.request_id] = run
+        if run.done:
+            self._finish(run)
+
+    def _resolve(self, value: m.Value, received: torch.Tensor | None) -> torch.Tensor:
+        if isinstance(value, m.TensorRef):
+            return received if received is not None else self.store.get(value.uuid)
+        return decode_tensor(value, self.device)
+
+    def _step(self) -> None:
+        by_component: dict[str, list[NodeCall]] = collections.defaultdict(list)
+        for run in self._runs.values():
+            if run.pending is not None:
+                by_component[run.pending.node].append(run.pending)
+        finished: list[WalkRun] = []
+        for node, calls in by_component.items():
+            component = self.components.get(node)
+            if component is None:
+                results: list = [GraphError(f"node {node!r} is not placed on rank {self.global_rank}")] * len(calls)
+            else:
+                results = component.run_batch(calls)
+            for call, result in zip(calls, results):
+                if result is None:
+                    continue
+                run = call.run
+                if isinstance(result, BaseException):
+                    self._fail_run(run, result)
+                    continue
+                try:
+                    run.complete(result)
+                except Exception as exc:
+                    self._fail_run(run, exc)
+                    continue
+                if run.done:
+                    finished.append(run)
+        self._flush_emits()
+        for run in finished:
+            self._finish(run)
+
+    def _flush_emits(self) -> None:
+        for request_id, items in self._emits.items():
+            if not items:
+                continue
+            by_signal: dict[str, list] = collections.defaultdict(list)
+            for signal, value in items:
+                by_signal[signal].append(encode_tensor(value.detach().to("cpu")))
+            for signal, values in by_signal.items():
+                self._send(CONDUCTOR, m.Emit(request_id=request_id, walk="", signal=signal, values=values))
+            items.clear()
+
+    def _finish(self, run: WalkRun) -> None:
+        self._flush_emits()
+        self._runs.pop(run.request_id, None)
+        self._emits.pop(run.request_id, None)
+        outputs: dict[str, m.Value] = {}
+        for signal, value in run.outputs.items():
+            if not isinstance(value, torch.Tensor):
+                continue
+            nbytes = value.numel() * value.element_size()
+            if signal in run.persist_signals or nbytes > self.inline_max_bytes:
+                uuid = self.store.put(value, refs=0, persist=True, tag=run.request_id)
+                outputs[signal] = m.TensorRef(
+                    uuid=uuid, rank=self.global_rank, shape=list(value.shape),
+                    dtype=str(value.dtype).removeprefix("torch."), nbytes=nbytes,
+                )
+            else:
+                outputs[signal] = encode_tensor(value.detach().to("cpu"))
+        self._send(
+            CONDUCTOR,
+            m.WalkDone(request_id=run.request_id, walk=run.walk, rank=self.global_rank, outputs=outputs,
+                       finish_reason=run.finish_reason),
+        )
+
+    def _fail_run(self, run: WalkRun, exc: BaseException) -> None:
+        log.error("%s: request %s failed in walk %s:\n%s", self.name, run.request_id, run.walk,
+                  "".join(traceback.format_exception(exc)))
+        self._runs.pop(run.request_id, None)
+        self._emits.pop(run.request_id, None)
+        for component in self.components.values():
+            component.release(run.request_id)
+        self._send(CONDUCTOR, m.WalkDone(request_id=run.request_id, walk=run.walk, rank=self.global_rank,
+                                         outputs={}, error=f"{type(exc).__name__}: {exc}"))
+
+    def _fail(self, msg: m.RunWalk, error: str) -> None:
+        log.error("%s: request %s walk %s failed: %s", self.name, msg.request_id, msg.walk, error)
+        self._send(CONDUCTOR, m.WalkDone(request_id=msg.request_id, walk=msg.walk, rank=self.global_rank,
+                                         outputs={}, error=error))
+
+    def _maybe_send_stats(self) -> None:
+        now = time.monotonic()
+        if now - self._last_stats < 0.5:
+            return
+        self._last_stats = now
+        st = self.transport.stats() if self.transport is not None else {}
+        self._send(CONDUCTOR, m.Stats(
+            rank=self.global_rank,
+            live_tensors=self.store.live_tensors,
+            live_bytes=self.store.live_bytes,
+            edge_bytes_sent=int(st.get("bytes_sent", 0)),
+            edge_bytes_received=int(st.get("bytes_received", 0)),
+            host_staging_copies=int(st.get("host_staging_copies", 0)),
+        ))
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r} in a tensor descriptor")
+    return dtype
