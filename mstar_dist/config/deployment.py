@@ -1,0 +1,281 @@
+"""Deployment config: the YAML file (DESIGN §3) as one immutable, checked `DeploymentConfig`.
+
+Every rank parses the same file into an equal object. Mistakes are `ConfigError` (a ValueError) naming the
+full key path (``node_groups[1].tp_size``), the value and the file. Placement against the model's walks is
+checked later, in `mstar_dist.topology.placement`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from mstar_dist.config.cluster import ClusterSpec, default_cluster, parse_cluster
+from mstar_dist.config.schema import (
+    ConfigError,
+    check_keys,
+    fail,
+    join,
+    read_choice,
+    read_int,
+    read_list,
+    read_mapping,
+    read_positive_float,
+    read_str,
+    read_unique_ints,
+    read_unique_strs,
+)
+
+TRANSPORTS = ("p2p", "mooncake")
+"""Transport names allowed in ``transport.intra_host`` / ``transport.inter_host``."""
+
+
+@dataclass(frozen=True)
+class NodeGroup:
+    """Graph nodes placed on a set of ranks for some walks."""
+
+    node_names: tuple[str, ...]
+    """Graph node names (components) placed here; each must be a node of every walk in graph_walks."""
+    ranks: tuple[int, ...]
+    """Global ranks hosting these nodes: len(ranks) = replicas x tp_size; each consecutive chunk of tp_size
+    ranks is one replica, and ranks[i] is TP shard i % tp_size."""
+    graph_walks: tuple[str, ...]
+    """Walks these nodes serve on these ranks; the same node name in several walks is one component."""
+    tp_size: int = 1
+    """Tensor-parallel degree of each replica. 1 means no TP."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "node_names", read_unique_strs(self.node_names, "node_names"))
+        object.__setattr__(self, "ranks", read_unique_ints(self.ranks, "ranks", minimum=0))
+        object.__setattr__(self, "graph_walks", read_unique_strs(self.graph_walks, "graph_walks"))
+        read_int(self.tp_size, "tp_size", minimum=1)
+        if len(self.ranks) % self.tp_size:
+            raise fail(
+                "tp_size", self.tp_size,
+                f"len(ranks)={len(self.ranks)} (ranks {list(self.ranks)}) is not a multiple of tp_size={self.tp_size}",
+            )
+
+    @property
+    def replica_count(self) -> int:
+        """Number of data-parallel replicas: len(ranks) / tp_size."""
+        return len(self.ranks) // self.tp_size
+
+    def to_dict(self) -> dict[str, Any]:
+        """The YAML form of this group."""
+        return {
+            "node_names": list(self.node_names),
+            "ranks": list(self.ranks),
+            "graph_walks": list(self.graph_walks),
+            "tp_size": self.tp_size,
+        }
+
+
+@dataclass(frozen=True)
+class TransportConfig:
+    """How tensors move between ranks (DESIGN §7)."""
+
+    intra_host: str = "p2p"
+    """Transport when every consumer is on the producer's host: p2p | mooncake."""
+    inter_host: str = "p2p"
+    """Transport when any consumer is on another host: p2p | mooncake."""
+    inline_max_bytes: int = 65536
+    """Tensors of at most this many bytes ride inside the control message. 0 turns inlining off (the one
+    zero this config accepts: it is a meaningful setting, not a mistake)."""
+
+    def __post_init__(self) -> None:
+        read_choice(self.intra_host, "intra_host", TRANSPORTS)
+        read_choice(self.inter_host, "inter_host", TRANSPORTS)
+        read_int(self.inline_max_bytes, "inline_max_bytes", minimum=0)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Admission and per-request limits enforced by the conductor."""
+
+    max_concurrent_requests: int = 64
+    """Requests in flight at once; more wait in the admission queue."""
+    request_timeout_s: float = 600.0
+    """Seconds a request may run before it is aborted everywhere."""
+    max_tokens: int = 2048
+    """The most tokens one request may ask for (a larger ask is a 4xx)."""
+
+    def __post_init__(self) -> None:
+        read_int(self.max_concurrent_requests, "max_concurrent_requests", minimum=1)
+        object.__setattr__(self, "request_timeout_s", read_positive_float(self.request_timeout_s, "request_timeout_s"))
+        read_int(self.max_tokens, "max_tokens", minimum=1)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Where rank 0 binds the HTTP front end."""
+
+    host: str = "127.0.0.1"
+    """Interface address for HTTP (0.0.0.0 for all)."""
+    port: int = 8000
+    """TCP port for HTTP, 1..65535."""
+
+    def __post_init__(self) -> None:
+        read_str(self.host, "host")
+        read_int(self.port, "port", minimum=1, maximum=65535)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeploymentConfig:
+    """A whole deployment file, checked: model, weights, placement, cluster, transport, limits, server."""
+
+    model: str
+    """Registry key of the model family in ``models/``."""
+    model_kwargs: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    """Keyword arguments for the model constructor."""
+    weights: str | None = None
+    """Weights directory (``~`` expanded); None lets the model decide (e.g. random init for tests)."""
+    node_groups: tuple[NodeGroup, ...]
+    """Component placement per walk; checked against the model's walks by `Placement.build`."""
+    cluster: ClusterSpec | None = None
+    """Hosts and devices; None = one host with WORLD_SIZE local devices (see `resolve_cluster`)."""
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    """Transport choice and inline threshold."""
+    limits: Limits = field(default_factory=Limits)
+    """Admission and per-request limits."""
+    server: ServerConfig = field(default_factory=ServerConfig)
+    """HTTP bind address of rank 0."""
+    source: str = field(default="<config>", compare=False)
+    """Where the config came from (file path), named in error messages; not part of equality."""
+
+    def __post_init__(self) -> None:
+        try:
+            self._check()
+        except ConfigError as e:
+            raise e.under("", self.source) from None
+
+    def _check(self) -> None:
+        read_str(self.model, "model")
+        object.__setattr__(self, "model_kwargs", dict(read_mapping(self.model_kwargs, "model_kwargs")))
+        if self.weights is not None:
+            object.__setattr__(self, "weights", os.path.expanduser(read_str(self.weights, "weights")))
+        groups = read_list(self.node_groups, "node_groups")
+        for i, g in enumerate(groups):
+            if not isinstance(g, NodeGroup):
+                raise fail(join("node_groups", i), g, f"must be a NodeGroup, got {type(g).__name__}")
+        object.__setattr__(self, "node_groups", groups)
+        for key, value, cls in (
+            ("cluster", self.cluster, ClusterSpec), ("transport", self.transport, TransportConfig),
+            ("limits", self.limits, Limits), ("server", self.server, ServerConfig),
+        ):
+            if not (isinstance(value, cls) or (key == "cluster" and value is None)):
+                raise fail(key, value, f"must be a {cls.__name__}, got {type(value).__name__}")
+        if self.cluster is not None:
+            ws = self.cluster.world_size
+            for i, g in enumerate(groups):
+                outside = [r for r in g.ranks if r >= ws]
+                if outside:
+                    raise fail(
+                        join(join("node_groups", i), "ranks"), list(g.ranks),
+                        f"rank {outside[0]} is outside the cluster: its {len(self.cluster.hosts)} hosts list "
+                        f"{ws} devices, global ranks 0..{ws - 1}",
+                    )
+
+    def resolve_cluster(self, world_size: int, local_world_size: int | None = None) -> ClusterSpec:
+        """The ``cluster:`` spec, or the one-host default for torchrun's WORLD_SIZE/LOCAL_WORLD_SIZE."""
+        return self.cluster if self.cluster is not None else default_cluster(world_size, local_world_size)
+
+    def with_overrides(
+        self,
+        host: str | None = None,
+        port: int | None = None,
+        max_concurrent_requests: int | None = None,
+        request_timeout_s: float | None = None,
+    ) -> DeploymentConfig:
+        """A copy with CLI flag values in place of the file's; None keeps the file's value."""
+        server = {k: v for k, v in (("host", host), ("port", port)) if v is not None}
+        limits = {
+            k: v
+            for k, v in (("max_concurrent_requests", max_concurrent_requests), ("request_timeout_s", request_timeout_s))
+            if v is not None
+        }
+        try:
+            new_server = dataclasses.replace(self.server, **server)
+        except ConfigError as e:
+            raise e.under("server", "command line") from None
+        try:
+            new_limits = dataclasses.replace(self.limits, **limits)
+        except ConfigError as e:
+            raise e.under("limits", "command line") from None
+        return dataclasses.replace(self, server=new_server, limits=new_limits)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The YAML form; ``parse_config(cfg.to_dict(), ...) == cfg``."""
+        out: dict[str, Any] = {
+            "model": self.model,
+            "model_kwargs": dict(self.model_kwargs),
+            "weights": self.weights,
+            "node_groups": [g.to_dict() for g in self.node_groups],
+        }
+        if self.cluster is not None:
+            out["cluster"] = self.cluster.to_dict()
+        out["transport"] = dataclasses.asdict(self.transport)
+        out["limits"] = dataclasses.asdict(self.limits)
+        out["server"] = dataclasses.asdict(self.server)
+        return out
+
+
+_SECTIONS: dict[str, type] = {"transport": TransportConfig, "limits": Limits, "server": ServerConfig}
+
+
+def parse_config(data: Any, source: str) -> DeploymentConfig:
+    """A `DeploymentConfig` from a loaded YAML mapping; `source` (the file name) is named in every error."""
+    try:
+        top = check_keys(
+            data, "", required=("model", "node_groups"),
+            optional=("model_kwargs", "weights", "cluster", *_SECTIONS),
+        )
+        raw_groups = read_list(top["node_groups"], "node_groups")
+        groups = tuple(_parse_node_group(g, join("node_groups", i)) for i, g in enumerate(raw_groups))
+        sections = {key: _parse_section(cls, _or_empty(top.get(key)), key) for key, cls in _SECTIONS.items()}
+    except ConfigError as e:
+        raise e.under("", source) from None
+    cluster = parse_cluster(top["cluster"], source) if top.get("cluster") is not None else None
+    return DeploymentConfig(
+        model=top["model"], model_kwargs=_or_empty(top.get("model_kwargs")), weights=top.get("weights"),
+        node_groups=groups, cluster=cluster, source=source, **sections,
+    )
+
+
+def _or_empty(value: Any) -> Any:
+    """An absent or empty (``key:`` with nothing under it) section reads as an empty mapping."""
+    return {} if value is None else value
+
+
+def _parse_node_group(data: Any, key: str) -> NodeGroup:
+    g = check_keys(data, key, required=("node_names", "ranks", "graph_walks"), optional=("tp_size",))
+    try:
+        return NodeGroup(g["node_names"], g["ranks"], g["graph_walks"], g.get("tp_size", 1))
+    except ConfigError as e:
+        raise e.under(key) from None
+
+
+def _parse_section(cls: type, data: Any, key: str) -> Any:
+    names = [f.name for f in dataclasses.fields(cls)]
+    section = check_keys(data, key, required=(), optional=names)
+    try:
+        return cls(**section)
+    except ConfigError as e:
+        raise e.under(key) from None
+
+
+def load_config(path: str | os.PathLike[str]) -> DeploymentConfig:
+    """Read and check a deployment YAML file; errors name the file, the key path and the value."""
+    source = os.fspath(path)
+    with open(source, encoding="utf-8") as f:
+        try:
+            data = yaml.safe_load(f)
+        except yaml.YAMLError as e:
+            raise ConfigError("", f"not valid YAML: {e}", source=source) from None
+    if data is None:
+        raise ConfigError("", "the file is empty", source=source)
+    return parse_config(data, source)
