@@ -1,0 +1,231 @@
+"""MStarClient: a small synchronous SDK for an mstar_dist server (native /generate and OpenAI chat).
+
+Streamed NDJSON is split on b"\\n" and each line decoded as UTF-8 whatever the response's Content-Type says
+(a missing charset must not turn "東京" into mojibake), and a partial line or multi-byte character split
+across network reads is held until the rest arrives.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+SAMPLING_KEYS = frozenset({"max_tokens", "temperature", "top_p", "top_k", "seed", "stop"})
+
+
+class MStarError(Exception):
+    """An HTTP error or a streamed error line. ``status`` is the HTTP status (0: no response at all)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"[{status}] {message}" if status else message)
+        self.status = status
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> Usage | None:
+        if not d:
+            return None
+        return cls(d["prompt_tokens"], d["completion_tokens"], d.get("total_tokens",
+                                                                      d["prompt_tokens"] + d["completion_tokens"]))
+
+
+@dataclass(frozen=True)
+class ChatResult:
+    text: str
+    finish_reason: str
+    usage: Usage | None
+    id: str = ""
+
+
+@dataclass(frozen=True)
+class Output:
+    modality: str
+    data: bytes
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    request_id: str
+    text: str
+    finish_reason: str
+    usage: Usage | None
+    outputs: list[Output]
+
+
+@dataclass(frozen=True)
+class StreamChunk:
+    """One streamed NDJSON line. ``text`` is ``data`` decoded as UTF-8 for modality "text", else None.
+    The last chunk of a stream has empty data and ``finish_reason`` / ``usage`` set."""
+
+    modality: str
+    data: bytes
+    text: str | None
+    metadata: dict[str, Any]
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.metadata.get("finish_reason")
+
+    @property
+    def usage(self) -> Usage | None:
+        return Usage.from_dict(self.metadata.get("usage"))
+
+
+@dataclass(frozen=True)
+class Health:
+    ok: bool
+    reason: str
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+class MStarClient:
+    """Talks to one server. Blocking; each call waits up to ``timeout`` seconds for each network step."""
+
+    def __init__(self, base_url: str = "http://127.0.0.1:8000", timeout: float = 600.0,
+                 headers: dict[str, str] | None = None) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._http = httpx.Client(base_url=self.base_url, timeout=timeout, headers=headers)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> MStarClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------------------------------- calls
+
+    def health(self) -> Health:
+        """``Health(ok, reason)``; a server that cannot be reached is not ok (never raises)."""
+        try:
+            resp = self._http.get("/health")
+        except httpx.HTTPError as exc:
+            return Health(False, f"cannot reach {self.base_url}: {exc}")
+        if resp.status_code == 200:
+            return Health(True, "ok")
+        return Health(False, _error_message(resp))
+
+    def models(self) -> list[str]:
+        return [m["id"] for m in self._request("GET", "/v1/models").json()["data"]]
+
+    def chat(self, messages: str | list[dict[str, Any]], *, model: str | None = None, **sampling: Any) -> ChatResult:
+        """OpenAI chat completion (non-streaming). ``messages`` may be a plain user text."""
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        body: dict[str, Any] = {"messages": messages, **_sampling(sampling)}
+        if model is not None:
+            body["model"] = model
+        data = self._request("POST", "/v1/chat/completions", json=body).json()
+        choice = data["choices"][0]
+        return ChatResult(text=choice["message"]["content"] or "", finish_reason=choice["finish_reason"],
+                          usage=Usage.from_dict(data.get("usage")), id=data.get("id", ""))
+
+    def generate(self, prompt: str | None = None, messages: list[dict[str, Any]] | None = None, *,
+                 request_id: str | None = None, **sampling: Any) -> GenerateResult:
+        """Native ``POST /generate`` (non-streaming); give exactly one of ``prompt`` / ``messages``."""
+        body = _generate_body(prompt, messages, request_id, sampling, stream=False)
+        data = self._request("POST", "/generate", json=body).json()
+        outputs = [Output(o["modality"], base64.b64decode(o["data"]), o.get("metadata", {})) for o in data["outputs"]]
+        return GenerateResult(request_id=data["request_id"], text=data["text"], finish_reason=data["finish_reason"],
+                              usage=Usage.from_dict(data.get("usage")), outputs=outputs)
+
+    def stream(self, text: str | None = None, messages: list[dict[str, Any]] | None = None, *,
+               request_id: str | None = None, **sampling: Any) -> Iterator[StreamChunk]:
+        """Native streaming ``/generate``: yields chunks as they arrive; raises MStarError on an HTTP error or
+        an error line. Breaking out of the loop (closing the iterator) closes the connection, which aborts the
+        request on the server."""
+        body = _generate_body(text, messages, request_id, sampling, stream=True)
+        try:
+            with self._http.stream("POST", "/generate", json=body) as resp:
+                if resp.status_code >= 400:
+                    resp.read()
+                    raise MStarError(resp.status_code, _error_message(resp))
+                for line in _ndjson_lines(resp.iter_bytes()):
+                    chunk = _chunk(line)
+                    if chunk.modality == "error":
+                        raise MStarError(int(chunk.metadata.get("status", 500)),
+                                         str(chunk.metadata.get("message", "error line without a message")))
+                    yield chunk
+        except httpx.HTTPError as exc:
+            raise MStarError(0, f"request to {self.base_url}/generate failed: {exc!r}") from exc
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            resp = self._http.request(method, path, **kwargs)
+        except httpx.HTTPError as exc:
+            raise MStarError(0, f"request to {self.base_url}{path} failed: {exc!r}") from exc
+        if resp.status_code >= 400:
+            raise MStarError(resp.status_code, _error_message(resp))
+        return resp
+
+
+def _sampling(kwargs: dict[str, Any]) -> dict[str, Any]:
+    unknown = sorted(set(kwargs) - SAMPLING_KEYS)
+    if unknown:
+        raise TypeError(f"unknown sampling argument(s) {unknown}; expected some of {sorted(SAMPLING_KEYS)}")
+    return {k: v for k, v in kwargs.items() if v is not None}
+
+
+def _generate_body(prompt: str | None, messages: list[dict[str, Any]] | None, request_id: str | None,
+                   sampling: dict[str, Any], *, stream: bool) -> dict[str, Any]:
+    if (prompt is None) == (messages is None):
+        raise ValueError("give exactly one of prompt/text or messages")
+    body: dict[str, Any] = {"stream": stream, "model_kwargs": _sampling(sampling)}
+    body["prompt" if prompt is not None else "messages"] = prompt if prompt is not None else messages
+    if request_id is not None:
+        body["request_id"] = request_id
+    return body
+
+
+def _ndjson_lines(chunks: Iterator[bytes]) -> Iterator[bytes]:
+    """Complete lines from a byte stream, split on b"\\n" only (never on other Unicode line breaks)."""
+    buf = b""
+    for piece in chunks:
+        buf += piece
+        *lines, buf = buf.split(b"\n")
+        for line in lines:
+            if line.strip():
+                yield line
+    if buf.strip():
+        yield buf
+
+
+def _chunk(line: bytes) -> StreamChunk:
+    try:
+        obj = json.loads(line.decode("utf-8"))
+        modality, data = obj["modality"], base64.b64decode(obj.get("data") or "")
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
+        raise MStarError(0, f"malformed stream line {line[:200]!r}: {exc}") from exc
+    text = data.decode("utf-8") if modality == "text" else None
+    return StreamChunk(modality=modality, data=data, text=text, metadata=obj.get("metadata") or {})
+
+
+def _error_message(resp: httpx.Response) -> str:
+    """The server's error message from either error format, else the raw body."""
+    raw = resp.content.decode("utf-8", errors="replace")
+    try:
+        err = json.loads(raw).get("error")
+    except (ValueError, AttributeError):
+        return raw.strip() or resp.reason_phrase
+    if isinstance(err, dict):
+        return str(err.get("message", err))
+    if err is not None:
+        return str(err)
+    return raw.strip() or resp.reason_phrase

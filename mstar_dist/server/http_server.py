@@ -1,0 +1,143 @@
+"""Running an ASGI app under uvicorn on a background thread with its own asyncio loop (rank 0 only).
+
+The conductor shares this loop: it schedules coroutines on ``HttpServer.loop`` with
+``asyncio.run_coroutine_threadsafe``. The worker loop keeps the main thread (DESIGN §2, threads).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import socket
+import threading
+import time
+
+import uvicorn
+
+logger = logging.getLogger(__name__)
+
+
+class HttpServer:
+    """uvicorn serving ``app`` on a daemon thread; ``start`` returns once it accepts connections."""
+
+    def __init__(self, app, *, log_level: str = "warning", access_log: bool = False) -> None:
+        self._app = app
+        self._log_level = log_level
+        self._access_log = access_log
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._error: BaseException | None = None
+        self.host: str | None = None
+        self.port: int | None = None
+        """The port actually bound (resolves ``port=0``)."""
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The server thread's running loop; valid between ``start()`` and ``stop()``."""
+        if self._loop is None or not self.running:
+            raise RuntimeError("HttpServer is not running: call start() first")
+        return self._loop
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if self.host and ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def start(self, host: str = "127.0.0.1", port: int = 8000, timeout_s: float = 30.0) -> None:
+        """Binds ``host:port`` (0 = any free port) and serves; blocks up to ``timeout_s`` until listening.
+
+        Raises OSError naming ``host:port`` when the address cannot be bound (port taken, bad address), and
+        RuntimeError when uvicorn fails or does not come up within ``timeout_s``.
+        """
+        if self._thread is not None:
+            raise RuntimeError(f"HttpServer already started on {self.host}:{self.port}")
+        sock = _bind(host, port)
+        self.host, self.port = host, sock.getsockname()[1]
+        config = uvicorn.Config(
+            self._app,
+            log_level=self._log_level,
+            access_log=self._access_log,
+            lifespan="auto",
+            timeout_graceful_shutdown=10,
+        )
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._run, args=(sock,), name="mstar-http", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive():
+                raise RuntimeError(f"HTTP server on {host}:{self.port} failed to start: {self._error!r}")
+            if time.monotonic() > deadline:
+                self.stop(timeout_s=2.0)
+                raise RuntimeError(f"HTTP server on {host}:{self.port} did not start within {timeout_s:.0f} s")
+            time.sleep(0.01)
+        logger.info("HTTP server listening on %s", self.url)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stops accepting, lets in-flight requests finish for up to ``timeout_s``, then cancels them (which
+        closes their backend generators) and joins the thread. Blocks at most about ``2 * timeout_s``."""
+        if self._thread is None or self._server is None:
+            return
+        self._server.config.timeout_graceful_shutdown = max(int(timeout_s), 1)
+        self._server.should_exit = True
+        self._thread.join(timeout_s + 2.0)
+        if self._thread.is_alive():
+            logger.warning("HTTP server did not stop within %.1f s; forcing", timeout_s)
+            self._server.force_exit = True
+            self._thread.join(timeout_s)
+        self._thread = None
+
+    def _run(self, sock: socket.socket) -> None:
+        loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        self._loop = loop
+        try:
+            loop.run_until_complete(self._server.serve(sockets=[sock]))
+        except BaseException as exc:  # noqa: BLE001 -- reported by start() / logged; the thread must end cleanly
+            self._error = exc
+            logger.exception("HTTP server thread failed")
+        finally:
+            try:
+                _cancel_remaining(loop)
+                loop.run_until_complete(loop.shutdown_asyncgens())
+            finally:
+                sock.close()
+                loop.close()
+
+    def __enter__(self) -> HttpServer:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot bind HTTP server to {host}:{port}: {exc.strerror or exc}") from exc
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        hint = " (port already in use)" if exc.errno == errno.EADDRINUSE else ""
+        raise OSError(exc.errno, f"cannot bind HTTP server to {host}:{port}{hint}: {exc.strerror}") from exc
+    sock.setblocking(False)
+    return sock
+
+
+def _cancel_remaining(loop: asyncio.AbstractEventLoop) -> None:
+    tasks = [t for t in asyncio.all_tasks(loop) if not t.done()]
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))

@@ -1,0 +1,251 @@
+"""HTTP protocol types: the OpenAI chat-completions subset we serve and the native ``/generate`` API.
+
+Requests are strict (``"5"`` is not an int, ``"yes"`` is not a bool) so a typo fails with a message instead of
+being coerced. OpenAI requests ignore unknown fields (clients send many optional ones); native requests reject
+them, so a misspelt ``model_kwargs`` key is reported rather than silently dropped.
+
+Native streaming format (NDJSON, ``Content-Type: application/x-ndjson; charset=utf-8``), one JSON object a line:
+    {"modality": "text", "data": <base64 of the UTF-8 text delta>, "metadata": {"request_id", "n_tokens"}}
+    ... then exactly one final line, either
+    {"modality": "text", "data": "", "metadata": {"request_id", "finish_reason", "usage": {...}}}
+    or {"modality": "error", "data": "", "metadata": {"request_id", "status", "message"}}
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# ----------------------------------------------------------------------------------------------- shared
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class _Lenient(BaseModel):
+    """OpenAI request types: strict types, unknown fields ignored."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class TextPart(_Lenient):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Lenient):
+    """One chat message; content is a string or a list of ``{"type": "text", "text": ...}`` parts."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart]
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _check_content(cls, value: Any) -> Any:
+        # Checked up front so a wrong part gets one clear message instead of one error per union branch.
+        if isinstance(value, str):
+            return value
+        if not isinstance(value, list):
+            raise ValueError(f"content must be a string or a list of text parts, got {type(value).__name__}")
+        for i, part in enumerate(value):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(
+                    f'content[{i}] must be {{"type": "text", "text": "..."}} (only text parts are supported), '
+                    f"got {part!r:.80}"
+                )
+        return value
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+def normalize_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """Messages as the backend takes them: ``{"role", "content": str}``."""
+    return [{"role": m.role, "content": m.text()} for m in messages]
+
+
+class _Sampling(BaseModel):
+    """Sampling fields shared by both APIs (validated the same way)."""
+
+    temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 = greedy; at most 2")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus mass in (0, 1]")
+    top_k: int = Field(0, ge=-1, description="0 or -1 disables")
+    seed: int | None = None
+    stop: str | list[str] | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _check_stop(cls, value: Any) -> Any:
+        stops = [value] if isinstance(value, str) else value
+        if value is not None and not (isinstance(stops, list) and all(isinstance(s, str) for s in stops)):
+            raise ValueError(f"stop must be a string or a list of strings, got {value!r:.80}")
+        if value is not None and any(s == "" for s in stops):
+            raise ValueError("stop strings must be non-empty")
+        return value
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def top_k_value(self) -> int:
+        return max(self.top_k, 0)
+
+
+# ------------------------------------------------------------------------------------------------ OpenAI
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(_Sampling, _Lenient):
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, gt=0)
+    max_completion_tokens: int | None = Field(None, gt=0)
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    def requested_max_tokens(self) -> int | None:
+        """``max_completion_tokens`` wins over the deprecated ``max_tokens`` (OpenAI's rule)."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: str
+    logprobs: None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChunkDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChunkDelta
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One SSE event. With ``stream_options.include_usage`` every chunk carries ``usage: null`` and one last
+    chunk with empty ``choices`` carries the usage."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "mstar_dist"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI error body: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    error: ErrorInfo
+
+
+# ------------------------------------------------------------------------------------------------ native
+
+
+class ModelKwargs(_Sampling, _Strict):
+    max_tokens: int | None = Field(None, gt=0)
+
+
+class GenerateRequest(_Strict):
+    """``POST /generate``: exactly one of ``prompt`` / ``messages``."""
+
+    prompt: str | None = Field(None, min_length=1)
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    model: str | None = None
+    stream: bool = False
+    request_id: str | None = Field(None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:\-]+$")
+    model_kwargs: ModelKwargs = Field(default_factory=ModelKwargs)
+
+    @model_validator(mode="after")
+    def _one_input(self) -> GenerateRequest:
+        if (self.prompt is None) == (self.messages is None):
+            given = "both" if self.prompt is not None else "neither"
+            raise ValueError(f"give exactly one of 'prompt' (a string) or 'messages' (a chat list); got {given}")
+        return self
+
+
+class GenerateOutput(BaseModel):
+    modality: str
+    data: str
+    """base64 of the output bytes (UTF-8 text for modality "text")."""
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class GenerateResponse(BaseModel):
+    request_id: str
+    text: str
+    finish_reason: str
+    usage: Usage
+    outputs: list[GenerateOutput]
+
+
+class StreamLine(BaseModel):
+    """One NDJSON line of a streamed ``/generate`` response (see the module docstring)."""
+
+    modality: str
+    data: str = ""
+    metadata: dict[str, Any] = Field(default_factory=dict)
