@@ -1,0 +1,194 @@
+"""ZMQ control channel: one ROUTER socket per process for receiving, one DEALER per peer for sending.
+
+Topology: every participant ("rank0", "rank3", "conductor", ...) binds one ROUTER on its host address with an
+ephemeral port and publishes the endpoint in the torchrun store; to talk to a peer it connects a DEALER whose
+ZMQ identity is its own name, so the receiver learns the sender's name from the ROUTER envelope. One TCP
+connection per sender->receiver direction keeps that direction FIFO (DESIGN §6).
+
+Bytes only: serialisation is the caller's (msgspec msgpack; never pickle on a socket).
+
+Bounds (no silent hang): each DEALER queues at most `sndhwm` messages not yet taken by the peer; each ROUTER
+queues at most `rcvhwm` messages per sender. `send` never blocks: when the peer is slow or gone and the bound is
+reached it raises `ChannelFullError` naming the peer. Messages queued before the peer's socket is up are
+delivered once it connects (ZMQ_IMMEDIATE stays off).
+
+This module is also the one place that touches torch.distributed's private default-store accessor.
+
+Not thread-safe (ZMQ sockets are not): use a channel from one thread.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import zmq
+
+__all__ = [
+    "ChannelFullError",
+    "ControlChannel",
+    "default_store",
+    "lookup_endpoint",
+    "publish_endpoint",
+]
+
+_ENDPOINT_KEY = "mstar_dist/endpoint/{name}"
+
+
+class ChannelFullError(RuntimeError):
+    """A peer's send queue is at its high-water mark: the peer is not reading (slow, hung, or dead)."""
+
+
+class ControlChannel:
+    """One process's control socket set. `name` is this participant's name, e.g. "rank0" or "conductor"."""
+
+    def __init__(
+        self,
+        name: str,
+        bind_addr: str,
+        ctx: zmq.Context | None = None,
+        *,
+        sndhwm: int = 100_000,
+        rcvhwm: int = 100_000,
+    ) -> None:
+        """Bind a ROUTER on `tcp://{bind_addr}:<ephemeral port>` (e.g. bind_addr "127.0.0.1" or "10.0.0.1").
+
+        `ctx`: a zmq Context to share; when None the channel owns one and terminates it on `close`.
+        """
+        if not name:
+            raise ValueError("channel name must be a non-empty string")
+        self.name = name
+        self._own_ctx = ctx is None
+        self._ctx = zmq.Context() if ctx is None else ctx
+        self._sndhwm = sndhwm
+        self._router = self._ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        self._router.setsockopt(zmq.RCVHWM, rcvhwm)
+        host = bind_addr
+        if ":" in bind_addr:  # IPv6 literal
+            self._router.setsockopt(zmq.IPV6, 1)
+            host = f"[{bind_addr.strip('[]')}]"
+        port = self._router.bind_to_random_port(f"tcp://{host}")
+        self.endpoint = f"tcp://{host}:{port}"
+        """Address peers connect to: `tcp://host:port`."""
+        self._dealers: dict[str, zmq.Socket] = {}
+        self._peer_eps: dict[str, str] = {}
+        self._poller = zmq.Poller()
+        self._poller.register(self._router, zmq.POLLIN)
+        self._closed = False
+
+    def connect(self, peer_name: str, endpoint: str) -> None:
+        """Open the sending direction to `peer_name` at `endpoint`. Returns at once (ZMQ connects in the
+        background). ValueError if a different endpoint is already connected under that name."""
+        self._check_open()
+        if peer_name in self._dealers:
+            known = self._peer_eps[peer_name]
+            if known != endpoint:
+                raise ValueError(f"{self.name}: peer {peer_name!r} already connected at {known}, not {endpoint}")
+            return
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, self._sndhwm)
+        sock.setsockopt(zmq.IDENTITY, self.name.encode())
+        if "[" in endpoint:
+            sock.setsockopt(zmq.IPV6, 1)
+        sock.connect(endpoint)
+        self._dealers[peer_name] = sock
+        self._peer_eps[peer_name] = endpoint
+
+    @property
+    def peers(self) -> list[str]:
+        """Names this channel can send to."""
+        return sorted(self._dealers)
+
+    def send(self, peer_name: str, payload: bytes) -> None:
+        """Queue `payload` for `peer_name`; never blocks.
+
+        KeyError if `peer_name` was never connected; ChannelFullError if `sndhwm` messages are already queued
+        for it (the peer is not reading).
+        """
+        self._check_open()
+        try:
+            sock = self._dealers[peer_name]
+        except KeyError:
+            raise KeyError(
+                f"{self.name}: no connection to peer {peer_name!r}; connected peers: {self.peers}"
+            ) from None
+        try:
+            sock.send(payload, zmq.NOBLOCK, copy=len(payload) < 65536)
+        except zmq.Again:
+            raise ChannelFullError(
+                f"{self.name} -> {peer_name}: {self._sndhwm} messages queued and not taken by the peer "
+                f"at {self._peer_eps[peer_name]}; it is slow, hung or dead"
+            ) from None
+
+    def recv(self, timeout_ms: int = 0, max_messages: int = 10_000) -> list[tuple[str, bytes]]:
+        """Return the messages ready now as (sender name, payload), waiting up to `timeout_ms` for the first.
+
+        Blocks at most `timeout_ms` (0: poll only; -1: until something arrives). Per-sender order is the
+        send order. At most `max_messages` are returned so one busy sender cannot starve the caller's loop.
+        """
+        self._check_open()
+        out: list[tuple[str, bytes]] = []
+        if not self._poller.poll(timeout_ms):
+            return out
+        while len(out) < max_messages:
+            try:
+                ident, payload = self._router.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                break
+            out.append((ident.decode(), payload))
+        return out
+
+    def close(self) -> None:
+        """Close every socket at once (linger 0: unsent messages are dropped). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for sock in self._dealers.values():
+            sock.close(linger=0)
+        self._dealers.clear()
+        self._router.close(linger=0)
+        if self._own_ctx:
+            self._ctx.term()
+
+    def __enter__(self) -> ControlChannel:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"control channel {self.name!r} is closed")
+
+
+# -- endpoint discovery through the torchrun store ------------------------------------------------------------
+def default_store():
+    """The key-value store of the default process group (torchrun's TCPStore behind a prefix).
+
+    Wraps torch.distributed's private `_get_default_store`; this is the only module that may call it.
+    ValueError if the default process group is not initialised.
+    """
+    import torch.distributed as dist
+
+    return dist.distributed_c10d._get_default_store()
+
+
+def publish_endpoint(store, name: str, endpoint: str) -> None:
+    """Write `name`'s control endpoint into `store` (a torch.distributed Store). Does not block."""
+    store.set(_ENDPOINT_KEY.format(name=name), endpoint)
+
+
+def lookup_endpoint(store, name: str, timeout_s: float) -> str:
+    """Read `name`'s control endpoint from `store`, blocking until it is published or `timeout_s` passes.
+
+    TimeoutError naming the participant when it never publishes (it failed to start or is on a dead host).
+    """
+    key = _ENDPOINT_KEY.format(name=name)
+    try:
+        store.wait([key], datetime.timedelta(seconds=timeout_s))
+    except Exception as exc:  # the store raises DistStoreError / RuntimeError subclasses on timeout
+        raise TimeoutError(
+            f"control endpoint of {name!r} was not published within {timeout_s:g} s ({exc})"
+        ) from exc
+    return store.get(key).decode()

@@ -1,0 +1,98 @@
+"""Inline transport: a tensor encoded as bytes inside a control message.
+
+Small tensors (token ids, short chunks, scalars) ride inside the INPUTS message instead of going over a pair
+group: one eager NCCL/gloo op costs ~50 µs, a few hundred bytes of msgpack cost far less (DESIGN §7).
+
+`InlineTensor` is the wire type the control messages embed. The bytes are the tensor's raw memory in row-major
+order and the host's byte order (little-endian on every machine we run on), so encode/decode is one copy each
+way and works for every dtype, including the ones numpy lacks (bfloat16) or stores differently (bool).
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+import torch
+
+__all__ = ["InlineTensor", "encode_tensor", "decode_tensor", "dtype_to_str", "str_to_dtype"]
+
+
+class InlineTensor(msgspec.Struct, frozen=True):
+    """A tensor carried by value inside a control message."""
+
+    dtype: str
+    """torch dtype name without the `torch.` prefix, e.g. "bfloat16" (see `dtype_to_str`)."""
+    shape: list[int]
+    """Tensor shape; `[]` for a 0-d tensor."""
+    data: bytes
+    """Raw row-major element bytes, `prod(shape) * itemsize` long."""
+
+
+_DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name)
+    for name in (
+        "float64", "float32", "float16", "bfloat16",
+        "int64", "int32", "int16", "int8", "uint8", "bool",
+        "uint16", "uint32", "uint64",
+        "complex64", "complex128",
+        "float8_e4m3fn", "float8_e5m2",
+    )
+    if isinstance(getattr(torch, name, None), torch.dtype)
+}
+_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in _DTYPES.items()}
+
+
+def dtype_to_str(dtype: torch.dtype) -> str:
+    """Wire name of a torch dtype ("float32", "bfloat16", "bool", ...). ValueError for unsupported dtypes."""
+    try:
+        return _NAMES[dtype]
+    except KeyError:
+        raise ValueError(f"dtype {dtype} cannot be put on the wire; supported: {sorted(_DTYPES)}") from None
+
+
+def str_to_dtype(name: str) -> torch.dtype:
+    """Inverse of `dtype_to_str`. ValueError naming the unknown name."""
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown wire dtype {name!r}; supported: {sorted(_DTYPES)}") from None
+
+
+def encode_tensor(t: torch.Tensor) -> InlineTensor:
+    """Copy `t` (any device, any strides, any supported dtype) into an `InlineTensor`.
+
+    A CUDA tensor is copied to the host here (this blocks until the producing kernels are done); that is the
+    inline path's price and the reason it is only used below `inline_max_bytes`.
+    """
+    dtype = dtype_to_str(t.dtype)
+    shape = list(t.shape)
+    # reshape(-1) makes 0-d tensors 1-d and non-contiguous ones contiguous; the uint8 view then works for
+    # every element size (bool and bfloat16 included) without going through numpy's dtype table.
+    flat = t.detach().reshape(-1)
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    data = flat.contiguous().view(torch.uint8).numpy().tobytes()
+    return InlineTensor(dtype=dtype, shape=shape, data=data)
+
+
+def decode_tensor(it: InlineTensor, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Rebuild the tensor described by `it` on `device` (a fresh, writable, contiguous tensor).
+
+    ValueError if the byte count does not match dtype and shape (a truncated or foreign message).
+    """
+    dtype = str_to_dtype(it.dtype)
+    numel = math.prod(it.shape)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if len(it.data) != numel * itemsize:
+        raise ValueError(
+            f"inline tensor carries {len(it.data)} bytes but dtype {it.dtype} shape {it.shape} "
+            f"needs {numel * itemsize}"
+        )
+    if numel == 0:
+        out = torch.empty(it.shape, dtype=dtype)
+    else:
+        # bytearray: torch.frombuffer needs a writable buffer; this is the one host copy.
+        raw = torch.frombuffer(bytearray(it.data), dtype=torch.uint8)
+        out = raw.view(dtype).reshape(it.shape)
+    return out.to(device) if torch.device(device).type != "cpu" else out

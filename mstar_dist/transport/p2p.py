@@ -1,0 +1,349 @@
+"""Point-to-point transport: tensors over the directed pair groups (DESIGN §7, "p2p").
+
+Protocol (the caller's side of it):
+1. The producer sends the descriptor (shape, dtype, ...) on the control plane, THEN calls `send`.
+2. The consumer, on each descriptor from a producer, calls `recv` in descriptor order.
+3. Both poll `Transfer.done()` from their loop (or block in `Transfer.wait`).
+Each directed pair is FIFO: the k-th `recv` on (src, dst) receives the k-th `send` on it. A pair group carries
+CUDA tensors on NCCL and host tensors on gloo (see distributed/groups.py); each backend is FIFO on its own and
+both sides issue ops in descriptor order, so mixing the two kinds on a pair stays correct.
+
+Wire format: the tensor's elements, contiguous, nothing else. Empty tensors never touch the wire (done at
+once); 0-d tensors travel as 1 element; non-contiguous ones are made contiguous (a device copy, counted in
+`contiguous_copies`); dtypes outside the set both gloo and NCCL carry natively travel as their raw bytes
+(uint8 view). gloo (torch 2.13) accepts float32/16, bfloat16, bool, int8/64 natively: tested in
+tests/dist/test_p2p.py.
+
+CUDA: `send` records an event on the caller's current stream, makes a side stream wait on it, and issues the
+NCCL op with the side stream current, so the transfer starts only after the producing kernels and never
+blocks the compute stream. ProcessGroupNCCL runs the op on its own stream ordered after the side stream.
+The source tensor is referenced by the `Transfer` (and by the transport until the transfer is seen complete),
+so the caching allocator cannot reuse its memory mid-send. A received tensor is allocated on the caller's
+current stream; it is ready once `done()` is true or `wait()` returned, or for GPU-side consumption without
+a host sync, after `ready_on(stream)`. No host staging: CUDA tensors go device to device
+(`stats()["host_staging_copies"]` stays 0; any host copy this module made would be counted there).
+
+Failure (DESIGN §7): a pair that timed out or broke is dead for good. `Transfer.wait` timing out aborts the pair;
+`abort_pair` does it explicitly. Later sends/recvs on a dead pair raise `PairDeadError` naming the pair.
+
+Threads: every op is issued from the calling thread (the rank's worker thread). No hidden threads; nothing
+here is thread-safe.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from mstar_dist.distributed.groups import PairGroup
+
+__all__ = ["P2PTransport", "PairDeadError", "Transfer"]
+
+log = logging.getLogger(__name__)
+
+# dtypes that both gloo and NCCL carry as themselves; others go as raw bytes.
+_NATIVE_DTYPES = frozenset(
+    {torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int8,
+     torch.uint8, torch.bool}
+)
+
+
+class PairDeadError(RuntimeError):
+    """An op was attempted (or pending) on a directed pair that was aborted or timed out."""
+
+
+@dataclass
+class _PairStats:
+    sends: int = 0
+    send_bytes: int = 0
+    recvs: int = 0
+    recv_bytes: int = 0
+
+
+class Transfer:
+    """One posted send or receive on a directed pair. Poll `done()` or block in `wait()`."""
+
+    def __init__(
+        self,
+        transport: P2PTransport,
+        kind: str,
+        pair: tuple[int, int],
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        wire: torch.Tensor | None,
+        work: dist.Work | None,
+        result: torch.Tensor,
+    ) -> None:
+        self._transport = transport
+        self.kind = kind
+        """"send" or "recv"."""
+        self.pair = pair
+        """(src, dst) in global ranks."""
+        self.shape = shape
+        self.dtype = dtype
+        self.nbytes = math.prod(shape) * result.element_size()
+        self._wire = wire
+        self._work = work
+        self._result = result
+        self._complete = work is None
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """send: the source tensor. recv: the destination tensor, valid after done()/wait()/ready_on()."""
+        return self._result
+
+    @property
+    def on_cuda(self) -> bool:
+        return self._result.device.type == "cuda"
+
+    def done(self) -> bool:
+        """True once the transfer has completed; never blocks. PairDeadError if its pair was aborted first;
+        the backend's error (peer process gone, ...) if it failed; either way the pair is then dead."""
+        if self._complete:
+            return True
+        self._check_alive()
+        if not self._work.is_completed():
+            return False
+        self._finish()
+        return True
+
+    def wait(self, timeout_s: float) -> torch.Tensor:
+        """Block the host until the transfer completes; return `tensor`.
+
+        TimeoutError (naming pair, shape, dtype and bytes) after `timeout_s`: the pair is then aborted for
+        good (DESIGN §7). After a CUDA recv returns, the tensor is ready on every stream.
+        """
+        if self._complete:
+            return self._result
+        self._check_alive()
+        if self.on_cuda:
+            self._wait_cuda(timeout_s)
+        else:
+            try:
+                self._work.wait(datetime.timedelta(seconds=timeout_s))
+            except RuntimeError as exc:
+                self._fail(exc, timed_out="timed out" in str(exc).lower())
+        self._finish()
+        return self._result
+
+    def ready_on(self, stream: torch.cuda.Stream) -> torch.Tensor:
+        """CUDA recv: make `stream` wait for the data without blocking the host; return `tensor`.
+
+        Also records the tensor on `stream` for the caching allocator. No-op for host tensors (use wait).
+        """
+        if self.on_cuda and not self._complete:
+            self._check_alive()
+            with torch.cuda.stream(stream):
+                self._work.wait()  # NCCL: the current stream waits on the op's end event; host not blocked
+            self._result.record_stream(stream)
+        return self._result
+
+    def __repr__(self) -> str:
+        state = "done" if self._complete else "pending"
+        return (f"Transfer({self.kind} {self.pair[0]}->{self.pair[1]} {list(self.shape)} "
+                f"{self.dtype} {self.nbytes} B {state})")
+
+    # -- internals ------------------------------------------------------------------------------------------
+    def _describe(self) -> str:
+        return (f"{self.kind} on pair {self.pair[0]}->{self.pair[1]} "
+                f"(shape {list(self.shape)}, {self.dtype}, {self.nbytes} bytes)")
+
+    def _check_alive(self) -> None:
+        reason = self._transport._dead.get(self.pair)
+        if reason is not None:
+            raise PairDeadError(f"{self._describe()} cannot complete: pair is dead ({reason})")
+
+    def _wait_cuda(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        spin_until = time.monotonic() + 2e-3  # spin briefly: small transfers finish in tens of µs
+        while not self._work.is_completed():
+            now = time.monotonic()
+            if now > deadline:
+                self._fail(None, timed_out=True, timeout_s=timeout_s)
+            if now > spin_until:
+                time.sleep(5e-5)
+
+    def _fail(self, exc: BaseException | None, *, timed_out: bool, timeout_s: float | None = None) -> None:
+        what = f"timed out after {timeout_s:g} s" if timeout_s is not None else ("timed out" if timed_out else "failed")
+        reason = f"{self._describe()} {what}" + (f": {exc}" if exc is not None else "")
+        self._transport.abort_pair(*self.pair, reason=reason)
+        if timed_out:
+            raise TimeoutError(reason) from exc
+        raise PairDeadError(reason) from exc
+
+    def _finish(self) -> None:
+        try:
+            self._work.wait()  # gloo: surfaces a failure; NCCL: current stream waits on the (done) end event
+        except RuntimeError as exc:
+            self._fail(exc, timed_out=False)
+        self._complete = True
+        self._wire = None  # drop our hold on the wire buffer; `_result` still references the data
+        self._transport._completed(self)
+
+
+class P2PTransport:
+    """Sends and receives tensors on this rank's directed pair groups. One per rank, used from one thread."""
+
+    def __init__(self, global_rank: int, pair_groups: dict[tuple[int, int], PairGroup], device: str) -> None:
+        """`pair_groups`: this rank's pairs from `create_pair_groups`; `device`: the rank's compute device,
+        the default for received tensors ("cpu" or "cuda:N")."""
+        self.global_rank = global_rank
+        self.device = torch.device(device)
+        self._groups = dict(pair_groups)
+        for (src, dst) in self._groups:
+            assert global_rank in (src, dst), f"pair {src}->{dst} does not include rank {global_rank}"
+        self._dead: dict[tuple[int, int], str] = {}
+        self._stats: dict[tuple[int, int], _PairStats] = {pair: _PairStats() for pair in self._groups}
+        self._inflight: dict[int, Transfer] = {}
+        self._side_streams: dict[int, torch.cuda.Stream] = {}
+        self._host_staging_copies = 0  # must stay 0: nothing in this module copies device tensors to host
+        self._contiguous_copies = 0
+
+    # -- public ops -----------------------------------------------------------------------------------------
+    def send(self, tensor: torch.Tensor, dst: int) -> Transfer:
+        """Post an isend of `tensor` to global rank `dst` on pair (self, dst); return at once.
+
+        The descriptor must already be on the control plane. Never blocks. PairDeadError if the pair is dead,
+        KeyError if there is no pair (self, dst).
+        """
+        pair = (self.global_rank, dst)
+        pg = self._pair(pair)
+        stats = self._stats[pair]
+        stats.sends += 1
+        stats.send_bytes += tensor.numel() * tensor.element_size()
+        if tensor.numel() == 0:
+            return Transfer(self, "send", pair, tuple(tensor.shape), tensor.dtype, None, None, tensor)
+        wire = self._to_wire(tensor)
+        work = self._post(dist.isend, wire, pg)
+        return self._track(Transfer(self, "send", pair, tuple(tensor.shape), tensor.dtype, wire, work, tensor))
+
+    def recv(
+        self, shape: Sequence[int], dtype: torch.dtype, src: int, device: str | torch.device | None = None
+    ) -> Transfer:
+        """Allocate a tensor and post an irecv from global rank `src` on pair (src, self); return at once.
+
+        Call in the order the descriptors from `src` arrived. `device` defaults to this rank's device; pass
+        "cpu" for a host tensor (travels on the pair's gloo half). PairDeadError / KeyError as for `send`.
+        """
+        pair = (src, self.global_rank)
+        pg = self._pair(pair)
+        dev = self.device if device is None else torch.device(device)
+        shape = tuple(int(s) for s in shape)
+        result = torch.empty(shape, dtype=dtype, device=dev)
+        stats = self._stats[pair]
+        stats.recvs += 1
+        stats.recv_bytes += result.numel() * result.element_size()
+        if result.numel() == 0:
+            return Transfer(self, "recv", pair, shape, dtype, None, None, result)
+        wire = _wire_view(result)
+        work = self._post(dist.irecv, wire, pg)
+        return self._track(Transfer(self, "recv", pair, shape, dtype, wire, work, result))
+
+    def abort_pair(self, src: int, dst: int, *, reason: str = "aborted") -> None:
+        """Mark pair (src, dst) dead for good and abort its process group on this rank. Idempotent.
+
+        Pending and later transfers on it raise PairDeadError naming the pair and `reason`. The peer is not
+        told here: the caller reports the failure on the control plane. Other pairs are unaffected.
+        """
+        pair = (src, dst)
+        if pair not in self._groups:
+            raise KeyError(f"rank {self.global_rank} has no pair {src}->{dst}")
+        if pair in self._dead:
+            return
+        self._dead[pair] = reason
+        log.warning("rank %d: pair %d->%d is dead: %s", self.global_rank, src, dst, reason)
+        try:
+            self._groups[pair].group.abort()
+        except Exception:  # noqa: BLE001 - best effort; the pair stays marked dead either way
+            log.debug("abort of pair %d->%d's group raised", src, dst, exc_info=True)
+        for key, tr in list(self._inflight.items()):
+            if tr.pair == pair:
+                del self._inflight[key]
+
+    def is_dead(self, src: int, dst: int) -> bool:
+        return (src, dst) in self._dead
+
+    def progress(self) -> list[Transfer]:
+        """Poll every in-flight transfer once; return those that completed now. Never blocks.
+        Raises like `Transfer.done` if one failed (its pair is then dead)."""
+        finished = []
+        for tr in list(self._inflight.values()):
+            if tr.done():
+                finished.append(tr)
+        return finished
+
+    @property
+    def inflight(self) -> int:
+        """Transfers posted and not yet seen complete."""
+        return len(self._inflight)
+
+    def stats(self) -> dict:
+        """Counters for /metrics and benchmarks: per pair "src->dst" sends/recvs and bytes, copies, dead pairs."""
+        return {
+            "pairs": {f"{s}->{d}": vars(st).copy() for (s, d), st in sorted(self._stats.items())},
+            "host_staging_copies": self._host_staging_copies,
+            "contiguous_copies": self._contiguous_copies,
+            "inflight": len(self._inflight),
+            "dead_pairs": [f"{s}->{d}" for (s, d) in sorted(self._dead)],
+        }
+
+    # -- internals ------------------------------------------------------------------------------------------
+    def _pair(self, pair: tuple[int, int]) -> PairGroup:
+        reason = self._dead.get(pair)
+        if reason is not None:
+            raise PairDeadError(f"pair {pair[0]}->{pair[1]} is dead: {reason}")
+        try:
+            return self._groups[pair]
+        except KeyError:
+            raise KeyError(
+                f"rank {self.global_rank} has no pair group {pair[0]}->{pair[1]}; "
+                f"its pairs: {[f'{s}->{d}' for s, d in sorted(self._groups)]}"
+            ) from None
+
+    def _to_wire(self, tensor: torch.Tensor) -> torch.Tensor:
+        if not tensor.is_contiguous():
+            self._contiguous_copies += 1
+            tensor = tensor.contiguous()
+        return _wire_view(tensor)
+
+    def _post(self, op, wire: torch.Tensor, pg: PairGroup) -> dist.Work:
+        kw = {"group_dst": pg.peer_rank_in_group} if op is dist.isend else {"group_src": pg.peer_rank_in_group}
+        if wire.device.type != "cuda":
+            return op(wire, group=pg.group, **kw)
+        # Order the op after everything queued so far on the caller's stream (the producing kernels, or the
+        # allocation of the receive buffer), without making that stream wait for the transfer.
+        current = torch.cuda.current_stream(wire.device)
+        side = self._side_stream(wire.device)
+        ready = torch.cuda.Event()
+        ready.record(current)
+        side.wait_event(ready)
+        with torch.cuda.stream(side):
+            return op(wire, group=pg.group, **kw)
+
+    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        stream = self._side_streams.get(index)
+        if stream is None:
+            stream = torch.cuda.Stream(device=index)
+            self._side_streams[index] = stream
+        return stream
+
+    def _track(self, tr: Transfer) -> Transfer:
+        self._inflight[id(tr)] = tr
+        return tr
+
+    def _completed(self, tr: Transfer) -> None:
+        self._inflight.pop(id(tr), None)
+
+
+def _wire_view(t: torch.Tensor) -> torch.Tensor:
+    """The contiguous 1-D (0-d -> 1 element) view that goes on the wire; raw bytes for non-native dtypes."""
+    flat = t.view(-1) if t.dim() != 1 else t
+    return flat if t.dtype in _NATIVE_DTYPES else flat.view(torch.uint8)

@@ -1,0 +1,96 @@
+"""ZMQ control channel in one process. A failure means control messages are lost, reordered per sender,
+attributed to the wrong sender, or that a send to a slow/unknown peer hangs instead of raising."""
+
+import time
+
+import pytest
+import zmq
+
+from mstar_dist.control.channel import ChannelFullError, ControlChannel, lookup_endpoint, publish_endpoint
+
+
+def _drain(ch: ControlChannel, n: int, timeout_s: float = 5.0) -> list[tuple[str, bytes]]:
+    got: list[tuple[str, bytes]] = []
+    deadline = time.monotonic() + timeout_s
+    while len(got) < n and time.monotonic() < deadline:
+        got += ch.recv(timeout_ms=50)
+    return got
+
+
+@pytest.fixture
+def ctx():
+    c = zmq.Context()
+    yield c
+    c.term()
+
+
+def test_fifo_per_sender_and_sender_names(ctx):
+    with ControlChannel("rank0", "127.0.0.1", ctx) as a, ControlChannel("rank1", "127.0.0.1", ctx) as b, \
+            ControlChannel("conductor", "127.0.0.1", ctx) as c:
+        assert a.endpoint.startswith("tcp://127.0.0.1:")
+        b.connect("rank0", a.endpoint)
+        c.connect("rank0", a.endpoint)
+        for i in range(500):
+            b.send("rank0", b"b%d" % i)
+            c.send("rank0", b"c%d" % i)
+        got = _drain(a, 1000)
+        assert len(got) == 1000
+        assert [p for s, p in got if s == "rank1"] == [b"b%d" % i for i in range(500)]
+        assert [p for s, p in got if s == "conductor"] == [b"c%d" % i for i in range(500)]
+
+
+def test_send_right_after_connect_is_delivered(ctx):
+    with ControlChannel("rank0", "127.0.0.1", ctx) as a:
+        endpoint = a.endpoint
+        with ControlChannel("rank1", "127.0.0.1", ctx) as b:
+            b.connect("rank0", endpoint)
+            b.send("rank0", b"early")
+            assert _drain(a, 1) == [("rank1", b"early")]
+
+
+def test_self_send_and_large_payload(ctx):
+    with ControlChannel("rank0", "127.0.0.1", ctx) as a:
+        a.connect("rank0", a.endpoint)
+        big = bytes(range(256)) * 4096  # 1 MiB: the zero-copy path
+        a.send("rank0", big)
+        assert _drain(a, 1) == [("rank0", big)]
+
+
+def test_unknown_peer_names_known_peers(ctx):
+    with ControlChannel("rank0", "127.0.0.1", ctx) as a:
+        a.connect("rank1", "tcp://127.0.0.1:1")
+        with pytest.raises(KeyError, match=r"'rank7'.*\['rank1'\]"):
+            a.send("rank7", b"x")
+        with pytest.raises(ValueError, match="already connected"):
+            a.connect("rank1", "tcp://127.0.0.1:2")
+
+
+def test_full_queue_raises_instead_of_hanging(ctx):
+    with ControlChannel("rank0", "127.0.0.1", ctx, sndhwm=10) as a:
+        a.connect("ghost", "tcp://127.0.0.1:1")  # nobody listens there
+        t0 = time.monotonic()
+        with pytest.raises(ChannelFullError, match="ghost"):
+            for _ in range(1000):
+                a.send("ghost", b"x")
+        assert time.monotonic() - t0 < 1.0
+
+
+def test_recv_timeout_and_closed_channel(ctx):
+    a = ControlChannel("rank0", "127.0.0.1", ctx)
+    t0 = time.monotonic()
+    assert a.recv(timeout_ms=100) == []
+    assert 0.08 < time.monotonic() - t0 < 1.0
+    a.close()
+    a.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        a.recv()
+
+
+def test_endpoint_discovery_through_a_store():
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    publish_endpoint(store, "rank3", "tcp://10.0.0.2:5555")
+    assert lookup_endpoint(store, "rank3", timeout_s=1) == "tcp://10.0.0.2:5555"
+    with pytest.raises(TimeoutError, match="rank9"):
+        lookup_endpoint(store, "rank9", timeout_s=0.2)
