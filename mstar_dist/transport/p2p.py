@@ -26,15 +26,20 @@ a host sync, after `ready_on(stream)`. No host staging: CUDA tensors go device t
 Failure (DESIGN §7): a pair that timed out or broke is dead for good. `Transfer.wait` timing out aborts the pair;
 `abort_pair` does it explicitly. Later sends/recvs on a dead pair raise `PairDeadError` naming the pair.
 
-Threads: every op is issued from the calling thread (the rank's worker thread). No hidden threads; nothing
-here is thread-safe.
+Threads: every op is issued from the calling thread (the rank's worker thread); nothing here is thread-safe.
+One kind of helper thread exists, and it issues nothing: gloo's send/recv `Work` cannot be polled
+(`is_completed()` only turns true inside `wait()`, and a `wait` with a short timeout breaks the whole group), so
+for each pair that carries host tensors one daemon thread blocks in `Work.wait()` on that pair's works, in
+posting order (a pair is FIFO, so they complete in that order), and flips a flag that `done()` reads. NCCL
+works are polled from the calling thread (`is_completed()` queries the op's CUDA event).
 """
 
 from __future__ import annotations
 
-import datetime
 import logging
 import math
+import queue
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -93,6 +98,9 @@ class Transfer:
         self._work = work
         self._result = result
         self._complete = work is None
+        self._gloo = work is not None and wire.device.type != "cuda"
+        self._signal = threading.Event() if self._gloo else None  # set by the pair's gloo waiter thread
+        self._error: BaseException | None = None
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -109,7 +117,7 @@ class Transfer:
         if self._complete:
             return True
         self._check_alive()
-        if not self._work.is_completed():
+        if not (self._signal.is_set() if self._gloo else self._work.is_completed()):
             return False
         self._finish()
         return True
@@ -123,13 +131,11 @@ class Transfer:
         if self._complete:
             return self._result
         self._check_alive()
-        if self.on_cuda:
-            self._wait_cuda(timeout_s)
+        if self._gloo:
+            if not self._signal.wait(timeout_s):
+                self._fail(None, timed_out=True, timeout_s=timeout_s)
         else:
-            try:
-                self._work.wait(datetime.timedelta(seconds=timeout_s))
-            except RuntimeError as exc:
-                self._fail(exc, timed_out="timed out" in str(exc).lower())
+            self._wait_cuda(timeout_s)
         self._finish()
         return self._result
 
@@ -179,10 +185,11 @@ class Transfer:
         raise PairDeadError(reason) from exc
 
     def _finish(self) -> None:
-        try:
-            self._work.wait()  # gloo: surfaces a failure; NCCL: current stream waits on the (done) end event
-        except RuntimeError as exc:
-            self._fail(exc, timed_out=False)
+        if self._gloo:
+            if self._error is not None:  # the waiter thread's wait() raised: peer gone, or the group timeout
+                self._fail(self._error, timed_out="timed out" in str(self._error).lower())
+        else:
+            self._work.wait()  # NCCL: the caller's current stream waits on the (completed) end event; no host block
         self._complete = True
         self._wire = None  # drop our hold on the wire buffer; `_result` still references the data
         self._transport._completed(self)
@@ -203,6 +210,7 @@ class P2PTransport:
         self._stats: dict[tuple[int, int], _PairStats] = {pair: _PairStats() for pair in self._groups}
         self._inflight: dict[int, Transfer] = {}
         self._side_streams: dict[int, torch.cuda.Stream] = {}
+        self._waiters: dict[tuple[int, int], _GlooWaiter] = {}
         self._host_staging_copies = 0  # must stay 0: nothing in this module copies device tensors to host
         self._contiguous_copies = 0
 
@@ -266,6 +274,13 @@ class P2PTransport:
         for key, tr in list(self._inflight.items()):
             if tr.pair == pair:
                 del self._inflight[key]
+
+    def close(self) -> None:
+        """Stop the gloo waiter threads once their current wait ends (they are daemons: a wait stuck on a dead
+        pair does not hold up exit). Call before `shutdown_distributed`."""
+        for waiter in self._waiters.values():
+            waiter.stop()
+        self._waiters.clear()
 
     def is_dead(self, src: int, dst: int) -> bool:
         return (src, dst) in self._dead
@@ -337,10 +352,40 @@ class P2PTransport:
 
     def _track(self, tr: Transfer) -> Transfer:
         self._inflight[id(tr)] = tr
+        if tr._gloo:
+            waiter = self._waiters.get(tr.pair)
+            if waiter is None:
+                waiter = self._waiters[tr.pair] = _GlooWaiter(tr.pair, self.global_rank)
+            waiter.submit(tr)
         return tr
 
     def _completed(self, tr: Transfer) -> None:
         self._inflight.pop(id(tr), None)
+
+
+class _GlooWaiter:
+    """Blocks in `Work.wait()` for one pair's gloo transfers, in posting order; issues no ops (module doc)."""
+
+    def __init__(self, pair: tuple[int, int], global_rank: int) -> None:
+        self._queue: queue.SimpleQueue[Transfer | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(
+            target=self._run, name=f"rank{global_rank}-gloo-wait-{pair[0]}->{pair[1]}", daemon=True
+        )
+        self._thread.start()
+
+    def submit(self, tr: Transfer) -> None:
+        self._queue.put(tr)
+
+    def stop(self) -> None:
+        self._queue.put(None)
+
+    def _run(self) -> None:
+        while (tr := self._queue.get()) is not None:
+            try:
+                tr._work.wait()  # releases the GIL; bounded by the pair group's timeout
+            except BaseException as exc:  # noqa: BLE001 - handed to the worker thread via done()/wait()
+                tr._error = exc
+            tr._signal.set()
 
 
 def _wire_view(t: torch.Tensor) -> torch.Tensor:
