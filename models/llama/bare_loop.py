@@ -1,0 +1,53 @@
+"""A plain batched greedy generate loop: the performance ceiling a serving benchmark compares against."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import torch
+
+from mstar_dist.engine.kv_cache import StaticKVCache
+from models.llama.model import Llama
+
+
+@torch.inference_mode()
+def bare_generate(model: Llama, cache: StaticKVCache, prompts_ids: list[list[int]], max_new_tokens: int
+                  ) -> tuple[list[list[int]], float]:
+    """Greedy-generate exactly `max_new_tokens` per prompt (no EOS stop); return (new tokens, seconds).
+
+    Prompts of equal length are prefilled together, then every row decodes in one batch per step (rows
+    at different lengths share a step). Needs len(prompts_ids) free cache slots; frees them on return.
+    The time covers prefill and decode and ends after the tokens reach the host.
+    """
+    if max_new_tokens < 1 or not prompts_ids or any(len(p) == 0 for p in prompts_ids):
+        raise ValueError(f"bare_generate: need max_new_tokens >= 1 and non-empty prompts, got "
+                         f"{max_new_tokens} and lengths {[len(p) for p in prompts_ids]}")
+    device = model.embed.weight.device
+    slots = [cache.alloc() for _ in prompts_ids]
+    try:
+        start = time.perf_counter()
+        by_length: dict[int, list[int]] = defaultdict(list)  # prompt length -> rows
+        for row, ids in enumerate(prompts_ids):
+            by_length[len(ids)].append(row)
+        first = torch.empty(len(prompts_ids), dtype=torch.long, device=device)
+        for length, rows in by_length.items():
+            cache.bind([slots[r] for r in rows], [0] * len(rows), length)
+            ids = torch.tensor([prompts_ids[r] for r in rows], device=device)  # (b, length)
+            positions = torch.arange(length, device=device).expand(len(rows), length)
+            logits = model(ids, positions, cache, last_only=True)  # (b, 1, V)
+            first[torch.tensor(rows, device=device)] = logits[:, -1].argmax(-1)
+        lengths = [len(p) for p in prompts_ids]
+        positions = torch.tensor(lengths, device=device)[:, None]  # (B, 1)
+        tokens, out = first, [first]
+        for _ in range(max_new_tokens - 1):
+            cache.bind(slots, lengths, 1)
+            tokens = model(tokens[:, None], positions, cache, last_only=True)[:, -1].argmax(-1)  # (B,)
+            out.append(tokens)
+            lengths = [n + 1 for n in lengths]
+            positions = positions + 1
+        result = torch.stack(out, dim=1).tolist()  # the only host sync
+        return result, time.perf_counter() - start
+    finally:
+        for slot in slots:
+            cache.free(slot)

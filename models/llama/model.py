@@ -1,0 +1,144 @@
+"""Llama-family decoder (Llama 2/3 shapes, SmolLM2): RoPE (HF rotate-half layout), GQA, RMSNorm, SwiGLU.
+
+The model knows nothing about batching or cache layout: every attention layer hands its q/k/v to
+`cache.attend(layer_idx, q, k, v)` (see mstar_dist.engine.kv_cache.AttentionCache).
+
+Parameters are fused where it saves kernel launches on the decode path (gpt-fast style): `wqkv` is
+[q_proj; k_proj; v_proj] and `w_gate_up` is [gate_proj; up_proj]. weights.py maps HF names onto them.
+Shape legend: B batch, T new tokens, d hidden, nh/nkv query/KV heads, hd head dim, I MLP width, V vocab.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.llama.config import LlamaConfig
+
+if TYPE_CHECKING:
+    from mstar_dist.engine.kv_cache import AttentionCache
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+def rope_tables(config: LlamaConfig, dtype: torch.dtype, device: torch.device | str | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and signed sin, each (max_pos, hd), for `apply_rope`.
+
+    HF rotate-half: out = x * cos + rotate_half(x) * sin with rotate_half(x) = [-x2, x1]. We fold the
+    minus sign into the table (sin_signed = [-sin, sin]) so the rotation is a roll: [x2, x1] * sin_signed.
+    Frequencies are computed in fp32 exactly as HF does, then cast.
+    """
+    hd = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64, device=device)
+                                           .float() / hd))  # (hd/2,)
+    pos = torch.arange(config.max_position_embeddings, dtype=torch.float32, device=device)
+    freqs = torch.outer(pos, inv_freq)  # (max_pos, hd/2)
+    cos = torch.cat((freqs.cos(), freqs.cos()), dim=-1)
+    sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
+    return cos.to(dtype), sin.to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x (B, T, heads, hd); cos/sin_signed (B, T, 1, hd) -> rotated x, contiguous."""
+    rotated = torch.roll(x, shifts=x.shape[-1] // 2, dims=-1)  # [x2, x1]
+    return torch.addcmul(x * cos, rotated, sin_signed)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: LlamaConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+        qkv_out = (config.n_heads + 2 * config.n_kv_heads) * config.head_dim
+        self.wqkv = nn.Linear(config.hidden_size, qkv_out, bias=False)
+        self.wo = nn.Linear(config.n_heads * config.head_dim, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: AttentionCache
+                ) -> torch.Tensor:
+        B, T, _ = x.shape
+        nh, nkv, hd = self.n_heads, self.n_kv_heads, self.head_dim
+        qkv = self.wqkv(x).view(B, T, nh + 2 * nkv, hd)
+        qk = apply_rope(qkv[:, :, :nh + nkv], cos, sin)  # q and k rotated in one pass: (B, T, nh+nkv, hd)
+        q = qk[:, :, :nh].transpose(1, 2)  # (B, nh, T, hd)
+        k = qk[:, :, nh:].transpose(1, 2)  # (B, nkv, T, hd)
+        v = qkv[:, :, nh + nkv:].transpose(1, 2)  # (B, nkv, T, hd)
+        out = cache.attend(self.layer_idx, q, k, v)  # (B, nh, T, hd)
+        return self.wo(out.transpose(1, 2).reshape(B, T, nh * hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.w_gate_up = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.w_down = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w_gate_up(x).chunk(2, dim=-1)  # (B, T, I) each
+        return self.w_down(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, config: LlamaConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn = Attention(config, layer_idx)
+        self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: AttentionCache
+                ) -> torch.Tensor:
+        h = h + self.attn(self.attn_norm(h), cos, sin, cache)
+        return h + self.mlp(self.mlp_norm(h))
+
+
+class Llama(nn.Module):
+    """Decoder-only Llama. Build under `torch.device("meta")` and load with weights.load_llama."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+        cos, sin = rope_tables(config, dtype=self.embed.weight.dtype, device=self.embed.weight.device)
+        self.register_buffer("rope_cos", cos, persistent=False)  # (max_pos, hd)
+        self.register_buffer("rope_sin", sin, persistent=False)  # (max_pos, hd), signed
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the LM head when the config says so (call again after assign-loading)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    def init_rope_tables(self) -> None:
+        """(Re)build the RoPE tables on the weights' device and dtype (they are not in the checkpoint)."""
+        w = self.embed.weight
+        self.rope_cos, self.rope_sin = rope_tables(self.config, dtype=w.dtype, device=w.device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: AttentionCache,
+                last_only: bool = False) -> torch.Tensor:
+        """input_ids, positions (B, T) -> fp32 logits (B, T, V), or (B, 1, V) for the last token only.
+
+        The caller has bound the cache for this pass (e.g. StaticKVCache.bind); positions index RoPE.
+        """
+        h = self.embed(input_ids)  # (B, T, d)
+        cos = self.rope_cos[positions].unsqueeze(2)  # (B, T, 1, hd)
+        sin = self.rope_sin[positions].unsqueeze(2)
+        for layer in self.layers:
+            h = layer(h, cos, sin, cache)
+        if last_only:
+            h = h[:, -1:]  # (B, 1, d)
+        return self.lm_head(self.norm(h)).float()

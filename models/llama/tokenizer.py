@@ -1,0 +1,152 @@
+"""Tokenizer + chat template for an HF-layout weights directory, and a streaming detokenizer."""
+
+from __future__ import annotations
+
+import codecs
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from jinja2.exceptions import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+
+def _token_content(value: Any) -> str | None:
+    """tokenizer_config.json writes special tokens as a string or as {"content": ...}."""
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def _gpt2_byte_decoder() -> dict[str, int]:
+    """The inverse of GPT-2's bytes->unicode table: byte-level BPE spells byte b as one printable char."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {chr(b): b for b in printable}
+    shifted = (b for b in range(256) if b not in table.values())
+    table.update({chr(256 + n): b for n, b in enumerate(shifted)})
+    return table
+
+
+class ChatTokenizer:
+    """`tokenizer.json` (HF tokenizers) + the `chat_template` of `tokenizer_config.json` (jinja2)."""
+
+    def __init__(self, weights_dir: str | Path) -> None:
+        d = Path(weights_dir).expanduser()
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            if not (d / name).is_file():
+                raise FileNotFoundError(f"{d / name} is missing (prepare the directory with "
+                                        f"scripts/prepare_weights.py)")
+        self._tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+        cfg = json.loads((d / "tokenizer_config.json").read_text())
+        self.bos_token = _token_content(cfg.get("bos_token"))
+        self.eos_token = _token_content(cfg.get("eos_token"))
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        self._template = None
+        if template is not None:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise_template_error
+            self._template = env.from_string(template)
+        self.eos_token_ids = self._eos_ids(d)
+        """Ids that end generation: generation_config.json's eos_token_id plus the tokenizer's eos_token."""
+        self._special_ids = frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
+        self._byte_level = json.loads(self._tok.to_str()).get("decoder", {}).get("type") == "ByteLevel"
+        self._id_bytes: list[bytes] | None = None
+
+    def _eos_ids(self, d: Path) -> tuple[int, ...]:
+        ids: set[int] = set()
+        gen = d / "generation_config.json"
+        if gen.is_file():
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+            ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        if self.eos_token is not None and self._tok.token_to_id(self.eos_token) is not None:
+            ids.add(self._tok.token_to_id(self.eos_token))
+        return tuple(sorted(ids))
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """Render `messages` ([{"role": ..., "content": ...}]) with the model's chat template."""
+        if self._template is None:
+            raise ValueError("this tokenizer has no chat_template in tokenizer_config.json")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) \
+                    or not isinstance(m.get("content"), str):
+                raise ValueError(f"messages[{i}] must be {{'role': str, 'content': str}}, got {m!r}")
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`. Special tokens written in the text (e.g. <|im_start|>) map to their ids;
+        add_special_tokens adds what the post-processor adds (a BOS for some models)."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def incremental_decoder(self, skip_special_tokens: bool = True) -> IncrementalDecoder:
+        return IncrementalDecoder(self, skip_special_tokens=skip_special_tokens)
+
+    def _token_bytes(self) -> list[bytes]:
+        """Byte-level BPE: the exact bytes of every id (added tokens: their text in UTF-8), built once."""
+        if self._id_bytes is None:
+            table = _gpt2_byte_decoder()
+            added = {i: t.content for i, t in self._tok.get_added_tokens_decoder().items()}
+            out = []
+            for i in range(self.vocab_size):
+                piece = added.get(i)
+                if piece is not None:
+                    out.append(piece.encode())
+                else:
+                    token = self._tok.id_to_token(i) or ""
+                    out.append(bytes(table[c] for c in token) if all(c in table for c in token)
+                               else token.encode())
+            self._id_bytes = out
+        return self._id_bytes
+
+
+def _raise_template_error(message: str) -> None:
+    raise TemplateError(message)
+
+
+class IncrementalDecoder:
+    """Turns a stream of token ids into text deltas that never split a UTF-8 character.
+
+    `push(ids)` returns the text completed by these ids ('' while a multi-byte character is still
+    incomplete); `flush()` returns what is left at the end (an incomplete tail as U+FFFD). The
+    concatenated deltas equal `tokenizer.decode(all_ids)` for valid UTF-8 output.
+    Byte-level BPE: ids map to exact bytes fed to an incremental UTF-8 decoder, O(1) per token.
+    Other tokenizers: re-decode a short window of ids and hold back text ending in U+FFFD.
+    """
+
+    def __init__(self, tokenizer: ChatTokenizer, skip_special_tokens: bool = True) -> None:
+        self._tok = tokenizer
+        self._skip = tokenizer._special_ids if skip_special_tokens else frozenset()
+        self._bytes = tokenizer._token_bytes() if tokenizer._byte_level else None
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._ids: list[int] = []  # window for the generic path
+        self._prefix = self._read = 0
+
+    def push(self, ids: int | Iterable[int]) -> str:
+        ids = [ids] if isinstance(ids, int) else [i for i in ids]
+        ids = [i for i in ids if i not in self._skip]
+        if self._bytes is not None:
+            return self._utf8.decode(b"".join(self._bytes[i] for i in ids))
+        self._ids += ids
+        return self._generic_delta(final=False)
+
+    def flush(self) -> str:
+        if self._bytes is not None:
+            return self._utf8.decode(b"", final=True)
+        return self._generic_delta(final=True)
+
+    def _generic_delta(self, final: bool) -> str:
+        prefix_text = self._tok.decode(self._ids[self._prefix:self._read], skip_special_tokens=False)
+        text = self._tok.decode(self._ids[self._prefix:], skip_special_tokens=False)
+        if len(text) <= len(prefix_text) or (text.endswith("\ufffd") and not final):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return text[len(prefix_text):]
