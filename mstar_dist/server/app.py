@@ -18,7 +18,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -27,8 +27,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from mstar_dist.server.backend import BackendError, Finished, GenerationBackend, GenerationParams, TextDelta
+from mstar_dist.server.http_metrics import HttpStats, StatsMiddleware
 from mstar_dist.server.http_server import HttpServer
 from mstar_dist.server.protocol import (
     AssistantMessage,
@@ -84,8 +86,8 @@ class _Outcome:
 def build_app(backend: GenerationBackend) -> FastAPI:
     """The FastAPI app serving ``backend``. Runs on the loop of the server that hosts it (``HttpServer``)."""
     app = FastAPI(title="mstar_dist", version="0.1.0")
-    stats = _HttpStats()
-    app.add_middleware(_StatsMiddleware, stats=stats)
+    stats = HttpStats()
+    app.add_middleware(StatsMiddleware, stats=stats)
     created = int(time.time())
     _add_error_handlers(app)
 
@@ -137,7 +139,7 @@ def build_app(backend: GenerationBackend) -> FastAPI:
             events, first = await _start_stream(request, backend, params, stats)
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             body = reply.sse(events, first, include_usage=include_usage)
-            return _ClosingStreamingResponse(body, media_type=SSE_MEDIA_TYPE, headers=headers)
+            return _ClosingStreamingResponse(body, stats=stats, media_type=SSE_MEDIA_TYPE, headers=headers)
         outcome = await _until_disconnect(request, _collect(_events(backend, params)), stats)
         return JSONResponse(reply.response(outcome).model_dump(), headers=headers)
 
@@ -163,7 +165,7 @@ def build_app(backend: GenerationBackend) -> FastAPI:
         if req.stream:
             events, first = await _start_stream(request, backend, params, stats)
             body = _ndjson_body(events, first, request_id)
-            return _ClosingStreamingResponse(body, media_type=NDJSON_MEDIA_TYPE, headers=headers)
+            return _ClosingStreamingResponse(body, stats=stats, media_type=NDJSON_MEDIA_TYPE, headers=headers)
         outcome = await _until_disconnect(request, _collect(_events(backend, params)), stats)
         return JSONResponse(_generate_response(request_id, outcome).model_dump(), headers=headers)
 
@@ -302,7 +304,7 @@ async def _collect(events: AsyncIterator[TextDelta | Finished]) -> _Outcome:
         await events.aclose()
 
 
-async def _until_disconnect(request: Request, work: Awaitable[T], stats: _HttpStats) -> T:
+async def _until_disconnect(request: Request, work: Awaitable[T], stats: HttpStats) -> T:
     """Awaits ``work`` in a task and cancels it if the client disconnects first (raises ClientGone).
 
     Requires the request body to be consumed already: the next ASGI ``receive()`` then returns only when the
@@ -330,7 +332,7 @@ async def _wait_disconnect(request: Request) -> None:
 
 
 async def _start_stream(
-    request: Request, backend: GenerationBackend, params: GenerationParams, stats: _HttpStats
+    request: Request, backend: GenerationBackend, params: GenerationParams, stats: HttpStats
 ) -> tuple[AsyncIterator[TextDelta | Finished], TextDelta | Finished]:
     """Waits for the first event before the 200 goes out, so a rejected request (prompt too long, not
     serving) still gets its HTTP status rather than an error inside a stream."""
@@ -354,12 +356,26 @@ class _ClosingStreamingResponse(StreamingResponse):
     closing it here (shielded from the cancellation that ended the response) aborts the backend request.
     """
 
+    def __init__(self, body: AsyncGenerator[bytes, None], *, stats: HttpStats, **kwargs: Any) -> None:
+        super().__init__(self._until_exhausted(body), **kwargs)
+        self._body, self._stats, self._complete = body, stats, False
+
+    async def _until_exhausted(self, body: AsyncGenerator[bytes, None]) -> AsyncGenerator[bytes, None]:
+        async for chunk in body:
+            yield chunk
+        self._complete = True
+
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
+        except ClientDisconnect:
+            pass  # ASGI spec >= 2.4 servers report a gone client by failing send(); nobody is left to tell
         finally:
+            if not self._complete:
+                self._stats.disconnects += 1
             with anyio.CancelScope(shield=True):
                 await self.body_iterator.aclose()
+                await self._body.aclose()
 
 
 @dataclass
@@ -461,7 +477,7 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def on_api_error(request: Request, exc: ApiError) -> JSONResponse:
         return _error_response(request, exc)
 
-    async def on_client_gone(request: Request, exc: ClientGone) -> Response:
+    async def on_client_gone(request: Request, exc: Exception) -> Response:
         return Response(status_code=499)  # never seen by anyone: the client has left
 
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -475,61 +491,6 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     app.add_exception_handler(ApiError, on_api_error)
     app.add_exception_handler(ClientGone, on_client_gone)
+    app.add_exception_handler(ClientDisconnect, on_client_gone)  # left while we were reading the body
     app.add_exception_handler(StarletteHTTPException, on_http_error)
     app.add_exception_handler(Exception, on_unexpected)
-
-
-class _HttpStats:
-    """Counters the app itself exports on /metrics, after the backend's."""
-
-    ROUTES = ("/generate", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
-
-    def __init__(self) -> None:
-        self.requests: dict[tuple[str, int], int] = {}
-        self.in_flight = 0
-        self.disconnects = 0
-
-    def render(self) -> str:
-        lines = [
-            "# HELP mstar_http_requests_total HTTP requests answered, by route and status code.",
-            "# TYPE mstar_http_requests_total counter",
-        ]
-        for (route, code), n in sorted(self.requests.items()):
-            lines.append(f'mstar_http_requests_total{{route="{route}",code="{code}"}} {n}')
-        lines += [
-            "# HELP mstar_http_requests_in_flight HTTP requests being handled now.",
-            "# TYPE mstar_http_requests_in_flight gauge",
-            f"mstar_http_requests_in_flight {self.in_flight}",
-            "# HELP mstar_http_client_disconnects_total Generations aborted because the client went away.",
-            "# TYPE mstar_http_client_disconnects_total counter",
-            f"mstar_http_client_disconnects_total {self.disconnects}",
-        ]
-        return "\n".join(lines) + "\n"
-
-
-class _StatsMiddleware:
-    """Pure ASGI middleware (does not buffer streams) counting requests by route and status."""
-
-    def __init__(self, app, stats: _HttpStats) -> None:
-        self.app, self.stats = app, stats
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        route = scope["path"] if scope["path"] in _HttpStats.ROUTES else "other"
-        status = 500
-
-        async def send_status(message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        self.stats.in_flight += 1
-        try:
-            await self.app(scope, receive, send_status)
-        finally:
-            self.stats.in_flight -= 1
-            key = (route, status)
-            self.stats.requests[key] = self.stats.requests.get(key, 0) + 1

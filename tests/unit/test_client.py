@@ -1,0 +1,266 @@
+"""MStarClient and the official openai client against a real HttpServer (127.0.0.1, free port) over the fake
+backend, plus HttpServer's own contract.
+
+A failure here means SDK users get mojibake or split characters from streams, errors that do not raise,
+requests that keep running after the client gave up, an OpenAI-compatible route that the openai package cannot
+parse, or a server thread that cannot be started, reached, or stopped cleanly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from mstar_dist.client import MStarClient, MStarError
+from mstar_dist.server.app import build_app
+from mstar_dist.server.http_server import HttpServer
+from tests.fakes import UNICODE_DELTAS, UNICODE_TEXT, FakeBackend
+
+
+@pytest.fixture(scope="module")
+def served():
+    fake = FakeBackend()
+    server = HttpServer(build_app(fake))
+    server.start("127.0.0.1", 0, timeout_s=10)
+    try:
+        yield fake, server
+    finally:
+        server.stop(timeout_s=2)
+        assert not server.running
+
+
+@pytest.fixture
+def fake(served) -> FakeBackend:
+    fake, _ = served
+    fake.__init__()  # fresh script and flags for every test
+    return fake
+
+
+@pytest.fixture
+def client(served, fake):
+    with MStarClient(served[1].url, timeout=10) as c:
+        yield c
+
+
+# ------------------------------------------------------------------------------------------ HttpServer
+
+
+def test_server_exposes_its_running_loop(served):
+    _, server = served
+
+    async def where() -> int:
+        return threading.get_ident()
+
+    ident = asyncio.run_coroutine_threadsafe(where(), server.loop).result(timeout=5)
+    assert ident != threading.get_ident()
+
+
+def test_start_on_a_taken_port_names_host_and_port(served):
+    _, server = served
+    with pytest.raises(OSError, match=f"127.0.0.1:{server.port}.*in use"):
+        HttpServer(build_app(FakeBackend())).start("127.0.0.1", server.port, timeout_s=5)
+
+
+def test_stop_is_bounded_with_a_request_in_flight():
+    fake = FakeBackend(hang_at=1)
+    server = HttpServer(build_app(fake))
+    server.start("127.0.0.1", 0, timeout_s=10)
+    with MStarClient(server.url, timeout=10) as c:
+        chunks = c.stream("hi")
+        next(chunks)
+        assert fake.hanging.wait(5)
+        t0 = time.monotonic()
+        server.stop(timeout_s=1)
+        assert time.monotonic() - t0 < 5 and not server.running
+        assert fake.aborted.wait(1)
+        with pytest.raises(MStarError):
+            list(chunks)
+
+
+# ------------------------------------------------------------------------------------------ MStarClient
+
+
+def test_health(client, fake, served):
+    assert client.health().ok
+    fake.serving = False
+    health = client.health()
+    assert not health and "rank 1 is not ready" in health.reason
+    assert not MStarClient(f"http://127.0.0.1:{_free_port()}", timeout=2).health()
+
+
+def test_chat_and_models(client):
+    result = client.chat("hello there", temperature=0.0, max_tokens=10)
+    assert (result.text, result.finish_reason) == (UNICODE_TEXT, "stop")
+    assert (result.usage.prompt_tokens, result.usage.completion_tokens, result.usage.total_tokens) == (2, 5, 7)
+    assert client.models() == ["fake-model"]
+    with pytest.raises(TypeError, match="max_tokenz"):
+        client.chat("hi", max_tokenz=3)
+
+
+def test_generate(client, fake):
+    result = client.generate(prompt="one two three", request_id="pinned-1", max_tokens=3, seed=5)
+    assert result.request_id == "pinned-1" and result.text == "".join(UNICODE_DELTAS[:3])
+    assert result.finish_reason == "length" and result.usage.prompt_tokens == 3
+    assert result.outputs[0].data.decode("utf-8") == result.text
+    assert fake.calls[0].seed == 5
+    assert client.generate(messages=[{"role": "user", "content": "hi"}]).text == UNICODE_TEXT
+
+
+def test_stream_yields_typed_chunks(client):
+    chunks = list(client.stream("hi", request_id="st-1"))
+    *deltas, final = chunks
+    assert [c.text for c in deltas] == UNICODE_DELTAS
+    assert all(c.modality == "text" and c.data == c.text.encode() for c in deltas)
+    assert final.finish_reason == "stop" and final.usage.completion_tokens == 5 and final.data == b""
+    assert final.metadata["request_id"] == "st-1"
+
+
+def test_http_errors_raise_with_the_server_message(client):
+    with pytest.raises(MStarError) as err:
+        client.chat("hi", max_tokens=1000)
+    assert err.value.status == 400 and "limit of 32" in err.value.message
+    with pytest.raises(MStarError) as err:
+        client.generate(prompt="a", max_tokens=0)
+    assert err.value.status == 422 and "max_tokens" in err.value.message
+    with pytest.raises(MStarError) as err:
+        list(client.stream(" ".join(["w"] * 100)))
+    assert err.value.status == 400 and err.value.message == "prompt is 100 tokens, context is 64"
+
+
+def test_error_line_in_a_stream_raises(client, fake):
+    fake.fail_at = 2
+    seen = []
+    with pytest.raises(MStarError) as err:
+        for chunk in client.stream("hi"):
+            seen.append(chunk.text)
+    assert seen == UNICODE_DELTAS[:2]
+    assert err.value.status == 500 and "boom in the fake model" in err.value.message
+    assert client.health().ok
+
+
+def test_closing_a_stream_aborts_the_request(client, fake):
+    fake.hang_at = 2
+    chunks = client.stream("hi")
+    assert [next(chunks).text, next(chunks).text] == UNICODE_DELTAS[:2]
+    assert fake.hanging.wait(5)
+    chunks.close()
+    assert fake.aborted.wait(5)
+
+
+def test_giving_up_on_a_whole_response_aborts_the_request(served, fake):
+    fake.hang_at = 1
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{served[1].url}/generate", json={"prompt": "hi"}, timeout=0.5)
+    assert fake.aborted.wait(5)
+
+
+# ------------------------------------------------------------------------------------------ openai package
+
+
+def test_openai_client_non_streaming(served, fake):
+    oai = OpenAI(base_url=f"{served[1].url}/v1", api_key="x", max_retries=0, timeout=10)
+    resp = oai.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=8, temperature=0)
+    assert resp.choices[0].message.content == UNICODE_TEXT
+    assert resp.choices[0].finish_reason == "stop"
+    assert resp.usage.completion_tokens == 5
+    assert [m.id for m in oai.models.list()] == ["fake-model"]
+
+
+def test_openai_client_streaming_with_usage(served, fake):
+    oai = OpenAI(base_url=f"{served[1].url}/v1", api_key="x", max_retries=0, timeout=10)
+    stream = oai.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "hi"}],
+                                         stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == UNICODE_TEXT
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
+    assert chunks[-1].usage.total_tokens == 6
+
+
+def test_openai_client_sees_bad_requests_as_400(served, fake):
+    import openai
+
+    oai = OpenAI(base_url=f"{served[1].url}/v1", api_key="x", max_retries=0, timeout=10)
+    with pytest.raises(openai.BadRequestError, match="only n=1"):
+        oai.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "hi"}], n=2)
+
+
+# ---------------------------------------------------------------- NDJSON decoding regression (no charset)
+
+NOTE = "東京\u2028ligne é"  # U+2028 is a line break to str.splitlines(), but not to NDJSON
+
+
+def _ndjson_body(lines: list[dict]) -> bytes:
+    return b"".join(json.dumps(line, ensure_ascii=False).encode("utf-8") + b"\n" for line in lines)
+
+
+class _TinyNdjsonServer:
+    """Serves one fixed NDJSON body with a given Content-Type, written in 3-byte pieces so that multi-byte
+    characters and lines are split across network reads."""
+
+    def __init__(self, body: bytes, content_type: str) -> None:
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 -- http.server API
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                self.send_response(200)
+                self.send_header("Content-Type", outer.content_type)
+                self.send_header("Connection", "close")
+                self.end_headers()
+                for i in range(0, len(outer.body), 3):
+                    self.wfile.write(outer.body[i:i + 3])
+                    self.wfile.flush()
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.body, self.content_type = body, content_type
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        return f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def __exit__(self, *exc) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join(5)
+
+
+@pytest.mark.parametrize("content_type", ["application/x-ndjson", "application/x-ndjson; charset=iso-8859-1"])
+def test_stream_decodes_utf8_whatever_the_content_type_says(content_type):
+    lines = [{"modality": "text", "data": base64.b64encode(d.encode()).decode(), "metadata": {"note": NOTE}}
+             for d in UNICODE_DELTAS]
+    lines.append({"modality": "text", "data": "", "metadata": {"finish_reason": "stop", "note": NOTE}})
+    with _TinyNdjsonServer(_ndjson_body(lines), content_type) as url, MStarClient(url, timeout=5) as c:
+        chunks = list(c.stream("hi"))
+    assert "".join(ch.text for ch in chunks) == UNICODE_TEXT
+    assert all(ch.metadata["note"] == NOTE for ch in chunks)
+    assert chunks[-1].finish_reason == "stop"
+
+
+def test_stream_error_line_with_non_ascii_message():
+    lines = [{"modality": "text", "data": base64.b64encode("é".encode()).decode(), "metadata": {}},
+             {"modality": "error", "data": "", "metadata": {"status": 502, "message": "rang 2 perdu: 東京"}}]
+    with _TinyNdjsonServer(_ndjson_body(lines), "application/x-ndjson") as url, MStarClient(url, timeout=5) as c:
+        with pytest.raises(MStarError) as err:
+            list(c.stream("hi"))
+    assert (err.value.status, err.value.message) == (502, "rang 2 perdu: 東京")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

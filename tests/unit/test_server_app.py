@@ -1,0 +1,419 @@
+"""The HTTP app over a fake backend (DESIGN §9, §10), no processes, no sockets.
+
+A failure here means clients see the wrong wire format (NDJSON/SSE framing, base64 text, usage), a bad
+request turns into a 500 or poisons /health, a model failure leaks beyond its request, or a client that goes
+away leaves its generation running in the backend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+
+import pytest
+from starlette.testclient import TestClient
+
+from mstar_dist.server.app import build_app
+from mstar_dist.server.backend import BackendError
+from mstar_dist.server.stop_strings import StopTrimmer
+from tests.fakes import UNICODE_DELTAS, UNICODE_TEXT, FakeBackend
+
+CHAT = "/v1/chat/completions"
+MSGS = [{"role": "user", "content": "say hi"}]
+
+
+@pytest.fixture
+def fake() -> FakeBackend:
+    return FakeBackend()
+
+
+@pytest.fixture
+def client(fake: FakeBackend):
+    with TestClient(build_app(fake), raise_server_exceptions=False) as c:
+        yield c
+
+
+def sse_events(body: str) -> list[str]:
+    assert body.endswith("\n\n"), body[-50:]
+    events = [e for e in body.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events), events
+    return [e[len("data: "):] for e in events]
+
+
+def ndjson(body: bytes) -> list[dict]:
+    assert body.endswith(b"\n")
+    return [json.loads(line) for line in body.split(b"\n") if line]
+
+
+# ------------------------------------------------------------------------------------------ plain routes
+
+
+def test_health_is_200_only_while_serving(client, fake):
+    assert client.get("/health").json() == {"status": "ok"}
+    fake.serving = False
+    resp = client.get("/health")
+    assert resp.status_code == 503
+    assert resp.json()["reason"] == "rank 1 is not ready"
+
+
+def test_metrics_has_backend_and_http_counters(client):
+    client.post("/generate", json={"prompt": "hi"})
+    client.post("/generate", json={"prompt": "hi", "stream": True})
+    client.post("/generate", json={})
+    resp = client.get("/metrics")
+    assert resp.status_code == 200
+    assert resp.headers["content-type"].startswith("text/plain")
+    assert "fake_requests_total 2" in resp.text
+    assert 'mstar_http_requests_total{route="/generate",code="200"} 2' in resp.text
+    assert 'mstar_http_requests_total{route="/generate",code="422"} 1' in resp.text
+    assert "mstar_http_client_disconnects_total 0" in resp.text
+
+
+def test_models_lists_the_served_model(client):
+    data = client.get("/v1/models").json()
+    assert data["object"] == "list"
+    assert [(m["id"], m["object"], m["max_model_len"]) for m in data["data"]] == [("fake-model", "model", 64)]
+
+
+# ---------------------------------------------------------------------------------------------- OpenAI
+
+
+def test_chat_completion_returns_text_usage_and_passes_params(client, fake):
+    body = {
+        "model": "fake-model",
+        "messages": [{"role": "system", "content": "be brief"},
+                     {"role": "user", "content": [{"type": "text", "text": "say "}, {"type": "text", "text": "hi"}]}],
+        "max_completion_tokens": 20, "temperature": 0.5, "top_p": 0.9, "top_k": 4, "seed": 7,
+    }
+    resp = client.post(CHAT, json=body)
+    assert resp.status_code == 200, resp.text
+    data = resp.json()
+    assert data["object"] == "chat.completion" and data["id"].startswith("chatcmpl-")
+    assert data["choices"][0]["message"] == {"role": "assistant", "content": UNICODE_TEXT}
+    assert data["choices"][0]["finish_reason"] == "stop"
+    assert data["usage"] == {"prompt_tokens": 4, "completion_tokens": 5, "total_tokens": 9}
+    (params,) = fake.calls
+    assert params.messages == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "say hi"}]
+    assert (params.prompt, params.max_tokens, params.temperature, params.top_p, params.top_k, params.seed) == (
+        None, 20, 0.5, 0.9, 4, 7)
+    assert resp.headers["x-request-id"] == params.request_id
+    assert fake.closed.is_set() and not fake.aborted.is_set()
+
+
+def test_chat_defaults_max_tokens_to_the_limit(client, fake):
+    assert client.post(CHAT, json={"messages": MSGS}).status_code == 200
+    assert fake.calls[0].max_tokens == FakeBackend.max_tokens_limit
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_chat_stream_is_sse_ending_with_done(client, fake, include_usage):
+    body = {"messages": MSGS, "stream": True, "stream_options": {"include_usage": include_usage}}
+    resp = client.post(CHAT, json=body)
+    assert resp.status_code == 200
+    assert resp.headers["content-type"] == "text/event-stream; charset=utf-8"
+    events = sse_events(resp.text)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    content = [c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]]
+    assert "".join(content) == UNICODE_TEXT
+    assert len([x for x in content if x]) == len(UNICODE_DELTAS)  # streamed, not one blob
+    finals = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert [f["choices"][0]["finish_reason"] for f in finals] == ["stop"]
+    if include_usage:
+        assert chunks[-1]["choices"] == []
+        assert chunks[-1]["usage"] == {"prompt_tokens": 2, "completion_tokens": 5, "total_tokens": 7}
+        assert all(c["usage"] is None for c in chunks[:-1])
+    else:
+        assert all("usage" not in c for c in chunks)
+
+
+def test_chat_stop_string_is_cut_even_across_deltas(fake, client):
+    fake.deltas = ["Hello ", "wor", "ld ST", "OP and more", " never"]
+    data = client.post(CHAT, json={"messages": MSGS, "stop": "STOP"}).json()
+    assert data["choices"][0]["message"]["content"] == "Hello world "
+    assert data["choices"][0]["finish_reason"] == "stop"
+    assert fake.calls[0].stop == ["STOP"]
+    events = sse_events(client.post(CHAT, json={"messages": MSGS, "stop": ["STOP"], "stream": True}).text)
+    content = [json.loads(e)["choices"][0]["delta"].get("content") or "" for e in events[:-1]]
+    assert "".join(content) == "Hello world "
+    assert not any("ST" in c for c in content)
+
+
+@pytest.mark.parametrize("stops,deltas,shown,stopped", [
+    (["STOP"], ["aST", "OPb"], ["a", ""], True),          # split across deltas: "ST" is held, never shown
+    (["STOP"], ["aST", "x"], ["a", "STx"], False),        # held text released once it cannot be a stop
+    (["ab", "b"], ["xab"], ["x"], True),                  # earliest match wins
+    (["</s>"], ["<", "/", "s", ">", "z"], ["", "", "", "", ""], True),
+])
+def test_stop_trimmer(stops, deltas, shown, stopped):
+    trimmer = StopTrimmer(stops)
+    assert [trimmer.feed(d) for d in deltas] == shown
+    assert (trimmer.stopped, trimmer.flush()) == (stopped, "")
+
+
+def test_stop_trimmer_flushes_held_text_at_the_end():
+    trimmer = StopTrimmer(["STOP"])
+    assert (trimmer.feed("abcST"), trimmer.flush(), trimmer.stopped) == ("abc", "ST", False)
+
+
+# ---------------------------------------------------------------------------------------------- native
+
+
+def test_generate_returns_text_outputs_and_pinned_request_id(client, fake):
+    body = {"prompt": "the capital of", "request_id": "req-42", "model_kwargs": {"max_tokens": 8, "seed": 3}}
+    resp = client.post("/generate", json=body)
+    assert resp.status_code == 200, resp.text
+    data = resp.json()
+    assert data["request_id"] == "req-42" == fake.calls[0].request_id
+    assert data["text"] == UNICODE_TEXT and data["finish_reason"] == "stop"
+    assert data["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
+    (out,) = data["outputs"]
+    assert out["modality"] == "text" and base64.b64decode(out["data"]).decode("utf-8") == UNICODE_TEXT
+    assert (fake.calls[0].prompt, fake.calls[0].max_tokens, fake.calls[0].seed) == ("the capital of", 8, 3)
+
+
+def test_generate_with_messages_and_length_finish(client, fake):
+    data = client.post("/generate", json={"messages": MSGS, "model_kwargs": {"max_tokens": 2}}).json()
+    assert data["text"] == "".join(UNICODE_DELTAS[:2]) and data["finish_reason"] == "length"
+    assert fake.calls[0].messages == MSGS and fake.calls[0].prompt is None
+
+
+def test_generate_stream_is_ndjson_with_base64_utf8_and_final_usage(client):
+    resp = client.post("/generate", json={"prompt": "hi", "stream": True, "request_id": "s1"})
+    assert resp.status_code == 200
+    assert resp.headers["content-type"] == "application/x-ndjson; charset=utf-8"
+    lines = ndjson(resp.content)
+    *deltas, final = lines
+    assert [base64.b64decode(d["data"]).decode("utf-8") for d in deltas] == UNICODE_DELTAS
+    assert all(d["modality"] == "text" and d["metadata"]["request_id"] == "s1" for d in deltas)
+    assert final["modality"] == "text" and final["data"] == ""
+    assert final["metadata"]["finish_reason"] == "stop"
+    assert final["metadata"]["usage"] == {"prompt_tokens": 1, "completion_tokens": 5, "total_tokens": 6}
+
+
+def test_generate_stream_honours_stop(client, fake):
+    fake.deltas = ["a", "b<", "/s", "> c", "d"]
+    resp = client.post("/generate", json={"prompt": "x", "stream": True, "model_kwargs": {"stop": ["</s>"]}})
+    *deltas, final = ndjson(resp.content)
+    assert "".join(base64.b64decode(d["data"]).decode() for d in deltas) == "ab"
+    assert final["metadata"]["finish_reason"] == "stop"
+
+
+# ------------------------------------------------------------------------------------------ bad input
+
+LONG = " ".join(["w"] * 65)  # 65 "tokens" > max_context_tokens 64
+
+CHAT_BAD = [
+    (b"{not json", "not valid JSON"),
+    (b"", "body is empty"),
+    (b"[1, 2]", "must be a JSON object"),
+    ({}, "messages: field required"),
+    ({"messages": []}, "messages"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user"}]}, "messages[0].content: field required"),
+    ({"messages": [{"role": "user", "content": 5}]}, "content must be a string or a list of text parts"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "only text parts"),
+    ({"messages": MSGS, "model": "gpt-9"}, "model 'gpt-9' is not served here"),
+    ({"messages": MSGS, "max_tokens": 0}, "max_tokens: Input should be greater than 0"),
+    ({"messages": MSGS, "max_tokens": -3}, "max_tokens"),
+    ({"messages": MSGS, "max_tokens": 33}, "limit of 32"),
+    ({"messages": MSGS, "max_completion_tokens": 1000}, "max_completion_tokens is 1000"),
+    ({"messages": MSGS, "max_tokens": "5"}, "max_tokens: Input should be a valid integer"),
+    ({"messages": MSGS, "temperature": 2.5}, "temperature"),
+    ({"messages": MSGS, "top_p": 0}, "top_p"),
+    ({"messages": MSGS, "n": 2}, "only n=1"),
+    ({"messages": MSGS, "stream": "yes"}, "stream"),
+    ({"messages": MSGS, "stop": [""]}, "stop strings must be non-empty"),
+    ({"messages": MSGS, "stop": 3}, "stop must be a string or a list of strings"),
+]
+
+NATIVE_BAD = [
+    (b"{\"prompt\": ", 400, "not valid JSON"),
+    (b"\"hi\"", 400, "must be a JSON object"),
+    ({"prompt": "a", "messages": MSGS}, 422, "exactly one of 'prompt'"),
+    ({"stream": True}, 422, "exactly one of 'prompt'"),
+    ({"prompt": ""}, 422, "prompt"),
+    ({"prompt": 5}, 422, "prompt: Input should be a valid string"),
+    ({"messages": []}, 422, "messages"),
+    ({"prompt": "a", "model_kwargs": {"max_token": 3}}, 422, "model_kwargs.max_token: Extra inputs are not permitted"),
+    ({"prompt": "a", "model_kwargs": {"max_tokens": 0}}, 422, "model_kwargs.max_tokens"),
+    ({"prompt": "a", "model_kwargs": {"max_tokens": 99}}, 400, "model_kwargs.max_tokens is 99"),
+    ({"prompt": "a", "model_kwargs": {"temperature": -1}}, 422, "model_kwargs.temperature"),
+    ({"prompt": "a", "request_id": "has space"}, 422, "request_id"),
+    ({"prompt": "a", "model": "other"}, 400, "not served here"),
+]
+
+
+def _post(client, path, body):
+    if isinstance(body, bytes):
+        return client.post(path, content=body, headers={"content-type": "application/json"})
+    return client.post(path, json=body)
+
+
+@pytest.mark.parametrize("body,needle", CHAT_BAD)
+def test_bad_chat_request_is_400_openai_error_and_server_stays_healthy(client, fake, body, needle):
+    resp = _post(client, CHAT, body)
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert needle in err["message"], err
+    assert err["type"] == "invalid_request_error"
+    assert fake.calls == []
+    assert client.get("/health").status_code == 200
+    assert client.post(CHAT, json={"messages": MSGS}).status_code == 200
+
+
+@pytest.mark.parametrize("body,status,needle", NATIVE_BAD)
+def test_bad_generate_request_is_4xx_with_message(client, fake, body, status, needle):
+    resp = _post(client, "/generate", body)
+    assert resp.status_code == status, resp.text
+    assert needle in resp.json()["error"], resp.json()
+    assert fake.calls == []
+    assert client.get("/health").status_code == 200
+
+
+def test_bad_request_id_header_is_400(client):
+    resp = client.post("/generate", json={"prompt": "a"}, headers={"X-Request-Id": "a b"})
+    assert resp.status_code == 400 and "X-Request-Id" in resp.json()["error"]
+
+
+def test_request_id_header_is_used_when_body_has_none(client, fake):
+    resp = client.post("/generate", json={"prompt": "a"}, headers={"X-Request-Id": "from-header"})
+    assert resp.json()["request_id"] == "from-header" == fake.calls[0].request_id
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_prompt_too_long_is_400_even_when_streaming(client, stream):
+    resp = client.post("/generate", json={"prompt": LONG, "stream": stream})
+    assert resp.status_code == 400
+    assert resp.json() == {"error": "prompt is 65 tokens, context is 64"}
+    resp = client.post(CHAT, json={"messages": [{"role": "user", "content": LONG}], "stream": stream})
+    assert resp.status_code == 400 and "prompt is 65 tokens" in resp.json()["error"]["message"]
+
+
+def test_not_serving_is_503(client, fake):
+    fake.serving = False
+    resp = client.post(CHAT, json={"messages": MSGS, "stream": True})
+    assert resp.status_code == 503
+    assert resp.json()["error"]["type"] == "server_error"
+
+
+def test_unknown_route_uses_the_route_family_error_format(client):
+    assert "error" in client.get("/v1/nothing").json()
+    assert client.get("/v1/nothing").status_code == 404
+    assert client.get("/generate").status_code == 405
+
+
+# ------------------------------------------------------------------------------------- backend failures
+
+
+def test_backend_exception_is_500_for_that_request_only(client, fake):
+    fake.fail_at = 2
+    resp = client.post("/generate", json={"prompt": "a"})
+    assert resp.status_code == 500
+    assert "boom in the fake model" in resp.json()["error"]
+    resp = client.post(CHAT, json={"messages": MSGS})
+    assert resp.status_code == 500 and resp.json()["error"]["type"] == "server_error"
+    assert fake.n_closed == 2
+    fake.fail_at = None
+    assert client.get("/health").status_code == 200
+    assert client.post("/generate", json={"prompt": "a"}).json()["text"] == UNICODE_TEXT
+
+
+def test_backend_error_status_is_kept(client, fake):
+    fake.fail_at, fake.error = 0, BackendError(504, "rank 3 timed out")
+    resp = client.post("/generate", json={"prompt": "a"})
+    assert (resp.status_code, resp.json()) == (504, {"error": "rank 3 timed out"})
+
+
+def test_failure_mid_stream_ends_with_an_error_line(client, fake):
+    fake.fail_at = 2
+    resp = client.post("/generate", json={"prompt": "a", "stream": True})
+    assert resp.status_code == 200
+    *deltas, last = ndjson(resp.content)
+    assert len(deltas) == 2
+    assert last["modality"] == "error" and last["metadata"]["status"] == 500
+    assert "boom" in last["metadata"]["message"]
+    events = sse_events(client.post(CHAT, json={"messages": MSGS, "stream": True}).text)
+    assert events[-1] == "[DONE]" and "boom" in json.loads(events[-2])["error"]["message"]
+    assert fake.n_closed == 2 and client.get("/health").status_code == 200
+
+
+# -------------------------------------------------------------------------------------- disconnects
+
+
+async def _drive(app, path: str, body: dict, *, disconnect_after, spec_version: str = "2.3", send_fails=False):
+    """Runs one request through the ASGI app; the client disconnects once ``disconnect_after(sent)`` is true
+    (spec 2.3: ``receive`` returns http.disconnect; ``send_fails``: spec 2.4, ``send`` raises OSError)."""
+    sent: list[dict] = []
+    gone = asyncio.Event()
+    body_sent = False
+
+    async def receive():
+        nonlocal body_sent
+        if not body_sent:
+            body_sent = True
+            return {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        if gone.is_set() and send_fails:
+            raise OSError("connection reset")
+        sent.append(message)
+        if disconnect_after(sent):
+            gone.set()
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": spec_version}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+             "root_path": "", "headers": [(b"content-type", b"application/json")],
+             "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8000)}
+    task = asyncio.create_task(app(scope, receive, send))
+    for _ in range(500):
+        if gone.is_set() or disconnect_after(sent):
+            break
+        await asyncio.sleep(0.005)
+    else:
+        raise AssertionError(f"disconnect condition never met; sent={sent}")
+    gone.set()
+    try:
+        await asyncio.wait_for(task, 5)
+    except OSError:
+        pass  # spec 2.4: the app may re-raise the failed send as ClientDisconnect
+    return sent
+
+
+def _bodies(sent):
+    return [m for m in sent if m["type"] == "http.response.body" and m.get("body")]
+
+
+@pytest.mark.parametrize("path,body", [("/generate", {"prompt": "a", "stream": True}),
+                                       (CHAT, {"messages": MSGS, "stream": True})])
+def test_disconnect_during_stream_aborts_the_backend(path, body):
+    fake = FakeBackend(hang_at=2)
+    app = build_app(fake)
+    sent = asyncio.run(_drive(app, path, body,
+                              disconnect_after=lambda s: fake.hanging.is_set() and len(_bodies(s)) >= 2))
+    assert fake.aborted.is_set() and fake.n_closed == 1
+    assert not any(b"finish_reason\":\"stop" in m["body"] for m in _bodies(sent))
+    assert "mstar_http_client_disconnects_total 1" in TestClient(app).get("/metrics").text
+
+
+def test_failed_send_closes_the_backend_generator():
+    fake = FakeBackend(deltas=[f"t{i}" for i in range(20)])
+    asyncio.run(_drive(build_app(fake), "/generate", {"prompt": "a", "stream": True}, spec_version="2.4",
+                       send_fails=True, disconnect_after=lambda s: len(_bodies(s)) >= 1))
+    assert fake.closed.is_set() and fake.aborted.is_set()
+
+
+@pytest.mark.parametrize("path,body", [("/generate", {"prompt": "a"}), (CHAT, {"messages": MSGS})])
+def test_disconnect_while_waiting_for_a_whole_response_aborts_the_backend(path, body):
+    fake = FakeBackend(hang_at=1)
+    app = build_app(fake)
+    sent = asyncio.run(_drive(app, path, body, disconnect_after=lambda s: fake.hanging.is_set()))
+    assert fake.aborted.is_set() and fake.n_closed == 1
+    assert not _bodies(sent)
+    assert "mstar_http_client_disconnects_total 1" in TestClient(app).get("/metrics").text
