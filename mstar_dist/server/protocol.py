@@ -78,6 +78,14 @@ class _Sampling(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        # Many OpenAI clients send `"temperature": null` etc. for "not set"; treat it as absent.
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
     @field_validator("stop", mode="before")
     @classmethod
     def _check_stop(cls, value: Any) -> Any:

@@ -106,6 +106,12 @@ def test_chat_defaults_max_tokens_to_the_limit(client, fake):
     assert fake.calls[0].max_tokens == FakeBackend.max_tokens_limit
 
 
+def test_chat_null_fields_mean_not_set(client, fake):
+    nulls = dict.fromkeys(["model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream_options"])
+    assert client.post(CHAT, json={"messages": MSGS, **nulls}).status_code == 200
+    assert (fake.calls[0].temperature, fake.calls[0].top_p, fake.calls[0].stop) == (1.0, 1.0, [])
+
+
 @pytest.mark.parametrize("include_usage", [False, True])
 def test_chat_stream_is_sse_ending_with_done(client, fake, include_usage):
     body = {"messages": MSGS, "stream": True, "stream_options": {"include_usage": include_usage}}
