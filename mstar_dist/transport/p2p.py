@@ -300,8 +300,14 @@ class P2PTransport:
         return len(self._inflight)
 
     def stats(self) -> dict:
-        """Counters for /metrics and benchmarks: per pair "src->dst" sends/recvs and bytes, copies, dead pairs."""
+        """Counters for /metrics and benchmarks: totals, per pair "src->dst" sends/recvs and bytes, copies made
+        (host staging must stay 0), in-flight count, dead pairs."""
+        per = self._stats.values()
         return {
+            "sends": sum(st.sends for st in per),
+            "recvs": sum(st.recvs for st in per),
+            "bytes_sent": sum(st.send_bytes for st in per),
+            "bytes_received": sum(st.recv_bytes for st in per),
             "pairs": {f"{s}->{d}": vars(st).copy() for (s, d), st in sorted(self._stats.items())},
             "host_staging_copies": self._host_staging_copies,
             "contiguous_copies": self._contiguous_copies,

@@ -79,6 +79,7 @@ def test_dtypes_shapes_and_a_16mb_tensor():
     nbytes = sum(t.numel() * t.element_size() for t in _cases())
     assert s0["pairs"]["0->1"]["sends"] == n and s0["pairs"]["0->1"]["send_bytes"] == nbytes
     assert s1["pairs"]["0->1"]["recvs"] == n and s1["pairs"]["0->1"]["recv_bytes"] == nbytes
+    assert (s0["bytes_sent"], s1["bytes_received"], s0["bytes_received"]) == (nbytes, nbytes, 0)
     assert s0["host_staging_copies"] == s1["host_staging_copies"] == 0
     assert s0["contiguous_copies"] == 1  # the transposed case
 
