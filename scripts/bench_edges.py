@@ -165,8 +165,19 @@ def _summary(one_way_s: list[float], nbytes: int) -> dict:
     }
 
 
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} cpus)"
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def _host_info(rank: int, device: str) -> Host:
-    name = torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else platform.processor() or platform.machine()
+    name = torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else _cpu_name()
     return Host(rank, socket.gethostname(), device, name)
 
 

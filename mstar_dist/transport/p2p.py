@@ -30,12 +30,15 @@ Threads: every op is issued from the calling thread (the rank's worker thread); 
 One kind of helper thread exists, and it issues nothing: gloo's send/recv `Work` cannot be polled
 (`is_completed()` only turns true inside `wait()`, and a `wait` with a short timeout breaks the whole group), so
 for each pair that carries host tensors one daemon thread blocks in `Work.wait()` on that pair's works, in
-posting order (a pair is FIFO, so they complete in that order), and flips a flag that `done()` reads. NCCL
-works are polled from the calling thread (`is_completed()` queries the op's CUDA event).
+the order they were first polled, and flips a flag that `done()` reads. A gloo transfer nobody polled before
+its `wait()` is waited on by the calling thread itself (no hand-off). A Work is waited on exactly once: a
+second gloo `wait()` would wait for a completion that never comes. NCCL works are polled from the calling
+thread (`is_completed()` queries the op's CUDA event).
 """
 
 from __future__ import annotations
 
+import datetime
 import logging
 import math
 import queue
@@ -101,6 +104,7 @@ class Transfer:
         self._gloo = work is not None and wire.device.type != "cuda"
         self._signal = threading.Event() if self._gloo else None  # set by the pair's gloo waiter thread
         self._error: BaseException | None = None
+        self._handed_off = False  # gloo: the waiter thread owns the (single) Work.wait() call
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -117,6 +121,9 @@ class Transfer:
         if self._complete:
             return True
         self._check_alive()
+        if self._gloo and not self._handed_off:
+            self._transport._hand_off(self)
+            return False
         if not (self._signal.is_set() if self._gloo else self._work.is_completed()):
             return False
         self._finish()
@@ -131,7 +138,17 @@ class Transfer:
         if self._complete:
             return self._result
         self._check_alive()
-        if self._gloo:
+        if self._gloo and not self._handed_off:
+            # Nobody has polled it yet: wait here, saving two thread wake-ups. A timed-out gloo wait breaks
+            # the pair's group, which is what a timeout means for us anyway (the pair is aborted below).
+            self._handed_off = True
+            try:
+                self._work.wait(datetime.timedelta(seconds=timeout_s))
+            except RuntimeError as exc:
+                self._error = exc
+            if self._error is not None and "timed out" in str(self._error).lower():
+                self._fail(self._error, timed_out=True, timeout_s=timeout_s)
+        elif self._gloo:
             if not self._signal.wait(timeout_s):
                 self._fail(None, timed_out=True, timeout_s=timeout_s)
         else:
@@ -358,12 +375,15 @@ class P2PTransport:
 
     def _track(self, tr: Transfer) -> Transfer:
         self._inflight[id(tr)] = tr
-        if tr._gloo:
-            waiter = self._waiters.get(tr.pair)
-            if waiter is None:
-                waiter = self._waiters[tr.pair] = _GlooWaiter(tr.pair, self.global_rank)
-            waiter.submit(tr)
         return tr
+
+    def _hand_off(self, tr: Transfer) -> None:
+        """Give a gloo transfer's Work.wait() to its pair's waiter thread (on the first poll)."""
+        tr._handed_off = True
+        waiter = self._waiters.get(tr.pair)
+        if waiter is None:
+            waiter = self._waiters[tr.pair] = _GlooWaiter(tr.pair, self.global_rank)
+        waiter.submit(tr)
 
     def _completed(self, tr: Transfer) -> None:
         self._inflight.pop(id(tr), None)
