@@ -66,7 +66,8 @@ _desc_dec = msgspec.msgpack.Decoder(Desc)
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", choices=["cpu", "cuda"], required=True)
-    p.add_argument("--iters", type=int, default=20, help="timed ping-pongs per size and path")
+    p.add_argument("--iters", type=int, default=20,
+                   help="timed ping-pongs per size and path (5x that for sizes up to 1 MiB, which are cheap and noisy)")
     p.add_argument("--warmup", type=int, default=3, help="untimed ping-pongs per size and path")
     p.add_argument("--max-bytes", type=int, default=256 << 20, help="skip sizes above this")
     p.add_argument("--bind-addr", default=None, help="control-socket address (default: the address that "
@@ -203,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         for label, nbytes in SIZES:
             if nbytes > args.max_bytes:
                 continue
-            r = bench.measure(nbytes, args.iters, args.warmup)
+            r = bench.measure(nbytes, args.iters * (5 if nbytes <= 1 << 20 else 1), args.warmup)
             r.update(size=label, bytes=nbytes,
                      ratio_ours_over_raw=r["ours"]["median_us"] / r["raw"]["median_us"],
                      ratio_ours_over_raw_fresh=r["ours"]["median_us"] / r["raw_fresh"]["median_us"])
@@ -243,6 +244,7 @@ def _report(args, rank: int, device: str, channel: ControlChannel, transport: P2
         "python": platform.python_version(),
         "ranks": [msgspec.to_builtins(me), msgspec.to_builtins(peer)],
         "iters": args.iters,
+        "iters_up_to_1MiB": args.iters * 5,
         "warmup": args.warmup,
         "method": "one-way = median of half a ping-pong on rank 0; raw, raw_fresh and ours alternate per iteration",
         "load_average": os.getloadavg(),

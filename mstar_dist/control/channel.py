@@ -56,6 +56,11 @@ class ControlChannel:
         """
         if not name:
             raise ValueError("channel name must be a non-empty string")
+        if bind_addr.strip("[]") in ("0.0.0.0", "*", "::", ""):
+            raise ValueError(
+                f"bind_addr {bind_addr!r} is a wildcard; bind on the host's own address so the published "
+                f"endpoint is one peers can connect to"
+            )
         self.name = name
         self._own_ctx = ctx is None
         self._ctx = zmq.Context() if ctx is None else ctx
@@ -63,6 +68,8 @@ class ControlChannel:
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.RCVHWM, rcvhwm)
+        # A restarted peer reconnects under the same name; take the name over instead of silently dropping it.
+        self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
         host = bind_addr
         if ":" in bind_addr:  # IPv6 literal
             self._router.setsockopt(zmq.IPV6, 1)

@@ -94,3 +94,20 @@ def test_endpoint_discovery_through_a_store():
     assert lookup_endpoint(store, "rank3", timeout_s=1) == "tcp://10.0.0.2:5555"
     with pytest.raises(TimeoutError, match="rank9"):
         lookup_endpoint(store, "rank9", timeout_s=0.2)
+
+
+def test_wildcard_bind_is_rejected(ctx):
+    with pytest.raises(ValueError, match="wildcard"):
+        ControlChannel("rank0", "0.0.0.0", ctx)
+
+
+def test_restarted_peer_takes_its_name_over(ctx):
+    with ControlChannel("rank0", "127.0.0.1", ctx) as a:
+        with ControlChannel("rank1", "127.0.0.1", ctx) as old:
+            old.connect("rank0", a.endpoint)
+            old.send("rank0", b"before")
+            assert _drain(a, 1) == [("rank1", b"before")]
+        with ControlChannel("rank1", "127.0.0.1", ctx) as new:
+            new.connect("rank0", a.endpoint)
+            new.send("rank0", b"after")
+            assert _drain(a, 1) == [("rank1", b"after")]
