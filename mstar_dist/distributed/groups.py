@@ -74,7 +74,7 @@ def create_pair_groups(
     ValueError for a self-pair, a negative or out-of-world rank, or pair sets that differ between ranks.
     """
     world_size = dist.get_world_size()
-    ordered = sorted(set(pairs))
+    ordered = sorted({(int(src), int(dst)) for src, dst in pairs})
     for src, dst in ordered:
         if src == dst or not (0 <= src < world_size and 0 <= dst < world_size):
             raise ValueError(f"invalid pair ({src}, {dst}) for world_size {world_size}: need src != dst in range")
@@ -106,7 +106,8 @@ def create_tp_groups(
     timeout = datetime.timedelta(seconds=timeout_s)
     out: dict[tuple[int, ...], TPGroup] = {}
     for ranks in ordered:
-        group = dist.new_group(list(ranks), timeout=timeout, backend=backend, group_desc=f"tp_{'_'.join(map(str, ranks))}")
+        desc = "tp_" + "_".join(map(str, ranks))
+        group = dist.new_group(list(ranks), timeout=timeout, backend=backend, group_desc=desc)
         if global_rank in ranks:
             out[ranks] = TPGroup(ranks, group, ranks.index(global_rank))
     return out

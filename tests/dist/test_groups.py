@@ -103,7 +103,8 @@ def _timeout_rank(rank: int) -> str:
         if (s, d) == (0, 1):
             continue
         if rank == s:
-            works.append(dist.isend(torch.full((8,), float(10 * s + d)), group=pg.group, group_dst=pg.peer_rank_in_group))
+            payload = torch.full((8,), float(10 * s + d))
+            works.append(dist.isend(payload, group=pg.group, group_dst=pg.peer_rank_in_group))
         else:
             bufs[(s, d)] = torch.zeros(8)
             works.append(dist.irecv(bufs[(s, d)], group=pg.group, group_src=pg.peer_rank_in_group))
