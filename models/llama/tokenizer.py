@@ -10,7 +10,7 @@ from typing import Any
 
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, decoders
 
 
 def _token_content(value: Any) -> str | None:
@@ -51,7 +51,7 @@ class ChatTokenizer:
         self.eos_token_ids = self._eos_ids(d)
         """Ids that end generation: generation_config.json's eos_token_id plus the tokenizer's eos_token."""
         self._special_ids = frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
-        self._byte_level = json.loads(self._tok.to_str()).get("decoder", {}).get("type") == "ByteLevel"
+        self._byte_level = isinstance(self._tok.decoder, decoders.ByteLevel)
         self._id_bytes: list[bytes] | None = None
 
     def _eos_ids(self, d: Path) -> tuple[int, ...]:

@@ -77,23 +77,11 @@ def _to_our_names(hf: dict[str, torch.Tensor], config: LlamaConfig, source: Path
     return ours
 
 
-def _column_major(t: torch.Tensor) -> torch.Tensor:
-    """Same values, (in, out)-contiguous storage for a 2-D (out, in) weight; other tensors unchanged.
-
-    F.linear computes x @ W.t(); with this layout W.t() is a contiguous (in, out) matrix, and MKL's
-    skinny GEMMs (decode: a few rows of x) read it about 1.2-1.7x faster on our CPU machine than the
-    row-major (out, in) layout (SmolLM2-135M fp32: 37 -> 31 ms per batch-1 decode step, 60 -> 55 ms at
-    batch 8, prefill unchanged or faster). Embedding lookups read the same tensor, strided.
-    """
-    return t.t().contiguous().t() if t.dim() == 2 else t
-
-
 def load_llama(weights_dir: str | Path, device: torch.device | str = "cpu",
                dtype: torch.dtype = torch.float32) -> tuple[Llama, LlamaConfig]:
     """Build `Llama` on meta and assign the checkpoint's tensors (cast to `dtype`, placed on `device`).
 
-    Returns the model in eval mode with grads off. On CPU the 2-D weights are stored column-major
-    (see `_column_major`), so they are not `is_contiguous()`. FileNotFoundError for a missing directory, config.json
+    Returns the model in eval mode with grads off. FileNotFoundError for a missing directory, config.json
     or safetensors file; ValueError for a checkpoint that does not match its config.
     """
     weights_dir = Path(weights_dir).expanduser()
@@ -105,8 +93,6 @@ def load_llama(weights_dir: str | Path, device: torch.device | str = "cpu",
         if state[name].shape != param.shape:
             raise ValueError(f"{weights_dir}: tensor for {name} has shape {tuple(state[name].shape)}, "
                              f"config.json implies {tuple(param.shape)}")
-    if torch.device(device).type == "cpu":
-        state = {name: _column_major(t) for name, t in state.items()}
     model.load_state_dict(state, strict=True, assign=True)
     model.tie_weights()  # assign=True replaced the shared Parameter with two
     model.init_rope_tables()
