@@ -16,7 +16,7 @@ import msgspec
 from mstar_dist.transport.inline import InlineTensor
 
 
-class TensorRef(msgspec.Struct, frozen=True):
+class TensorRef(msgspec.Struct, frozen=True, tag=True):
     """A tensor kept in a rank's tensor store; moved over the data plane, never inside a message."""
 
     uuid: str

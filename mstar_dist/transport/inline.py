@@ -18,7 +18,7 @@ import torch
 __all__ = ["InlineTensor", "encode_tensor", "decode_tensor", "dtype_to_str", "str_to_dtype"]
 
 
-class InlineTensor(msgspec.Struct, frozen=True):
+class InlineTensor(msgspec.Struct, frozen=True, tag=True):
     """A tensor carried by value inside a control message."""
 
     dtype: str
