@@ -212,12 +212,12 @@ def _start_front(dep: Deployment, channel: ControlChannel, timeout_s: float, sto
     from mstar_dist.server.http_server import HttpServer
 
     cfg = dep.config
+    dep.model.load_frontend()
     conductor = Conductor(
         model=dep.model, placement=dep.placement, channel=channel, token=dep.token,
         world_size=dep.cluster.world_size, max_concurrent=cfg.limits.max_concurrent_requests,
         request_timeout_s=cfg.limits.request_timeout_s, rank_hosts=dep.cluster.rank_hosts(),
     )
-    dep.model.load_frontend()
     conductor.wait_ready(timeout_s)
     print(dep.placement.describe(dep.cluster), flush=True)
     thread = threading.Thread(target=conductor.run, name="conductor", daemon=True)
