@@ -223,6 +223,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _command_line() -> str:
+    argv = " ".join(sys.argv[1:])
+    script = os.path.relpath(sys.argv[0], REPO)
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun
+        nnodes = int(os.environ["WORLD_SIZE"]) // int(os.environ["LOCAL_WORLD_SIZE"])
+        return f"torchrun --nnodes {nnodes} --nproc-per-node {os.environ['LOCAL_WORLD_SIZE']} {script} {argv}"
+    return f"python {script} {argv}"
+
+
 def _report(args, rank: int, device: str, channel: ControlChannel, transport: P2PTransport, results) -> None:
     me = _host_info(rank, device)
     if rank == 1:
@@ -238,7 +247,7 @@ def _report(args, rank: int, device: str, channel: ControlChannel, transport: P2
         "device": args.device,
         "backend": backend_for_device(device),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "command": _command_line(),
         "torch": torch.__version__,
         "nccl": nccl,
         "python": platform.python_version(),
