@@ -11,8 +11,8 @@ both sides issue ops in descriptor order, so mixing the two kinds on a pair stay
 Wire format: the tensor's elements, contiguous, nothing else. Empty tensors never touch the wire (done at
 once); 0-d tensors travel as 1 element; non-contiguous ones are made contiguous (a device copy, counted in
 `contiguous_copies`); dtypes outside the set both gloo and NCCL carry natively travel as their raw bytes
-(uint8 view). gloo (torch 2.13) accepts float32/16, bfloat16, bool, int8/64 natively: tested in
-tests/dist/test_p2p.py.
+(uint8 view). gloo accepts float32/16, bfloat16, bool, int8/64 natively (torch 2.11 and 2.13; tested in
+tests/dist/test_p2p.py).
 
 CUDA: `send` records an event on the caller's current stream, makes a side stream wait on it, and issues the
 NCCL op with the side stream current, so the transfer starts only after the producing kernels and never
