@@ -50,6 +50,9 @@ class _Request:
     ranks: dict[str, int]
     """Walk -> the global rank that runs it for this request (replica chosen at admission)."""
     arrived: float
+    wire_id: str
+    """The id on the wire: the client's id plus an incarnation number, so a pinned id can be reused at once
+    without a rank mistaking the new request for the removed one."""
     walk_index: int = 0
     held: str = ""
     first_token_at: float | None = None
@@ -89,7 +92,9 @@ class Conductor:
         self.failed: str | None = None
         self.serving = False
         self.stopped = threading.Event()
-        self._active: dict[str, _Request] = {}
+        self._active: dict[str, _Request] = {}  # by the client's request id
+        self._by_wire: dict[str, _Request] = {}
+        self._incarnation = 0
         self._queue: collections.deque[tuple[GenerationParams, Sink, bool]] = collections.deque()
         self._rng = random.Random(0)
 
@@ -201,8 +206,11 @@ class Conductor:
         if ranks is None:
             sink(BackendError(503, "no live replica can serve this request"))
             return
-        req = _Request(state=state, params=params, sink=sink, ranks=ranks, arrived=time.monotonic())
+        self._incarnation += 1
+        req = _Request(state=state, params=params, sink=sink, ranks=ranks, arrived=time.monotonic(),
+                       wire_id=f"{params.request_id}#{self._incarnation}")
         self._active[params.request_id] = req
+        self._by_wire[req.wire_id] = req
         try:
             self._dispatch(req, self.model.start(state))
         except Exception as exc:
@@ -235,13 +243,13 @@ class Conductor:
         for name, value in step.inputs.items():
             if isinstance(value, m.TensorRef):
                 if value.rank != rank:
-                    self._send(value.rank, m.Push(request_id=req.state.request_id, uuid=value.uuid, dst=rank))
+                    self._send(value.rank, m.Push(request_id=req.wire_id, uuid=value.uuid, dst=rank))
                 inputs[name] = value
             else:
                 inputs[name] = encode_tensor(value)
         spans_ranks = len(set(req.ranks.values())) > 1
         msg = m.RunWalk(
-            request_id=req.state.request_id,
+            request_id=req.wire_id,
             walk=step.walk,
             walk_index=req.walk_index,
             seed=(req.state.seed + req.walk_index) & 0x7FFF_FFFF_FFFF_FFFF,
@@ -257,7 +265,7 @@ class Conductor:
         self._send(rank, msg)
 
     def _on_walk_done(self, done: m.WalkDone) -> None:
-        req = self._active.get(done.request_id)
+        req = self._by_wire.get(done.request_id)
         if req is None:
             return  # finished or aborted meanwhile; the ranks got RemoveRequest
         if done.error is not None:
@@ -280,7 +288,7 @@ class Conductor:
             self._dispatch(req, step)
 
     def _on_emit(self, emit: m.Emit) -> None:
-        req = self._active.get(emit.request_id)
+        req = self._by_wire.get(emit.request_id)
         if req is None:
             return
         before = req.state.completion_tokens
@@ -322,8 +330,9 @@ class Conductor:
     # ---- ends ----
     def _release(self, req: _Request) -> None:
         self._active.pop(req.state.request_id, None)
+        self._by_wire.pop(req.wire_id, None)
         for rank in sorted(req.touched | set(req.ranks.values())):
-            self._send(rank, m.RemoveRequest(request_id=req.state.request_id))
+            self._send(rank, m.RemoveRequest(request_id=req.wire_id))
         self._admit_queued()
 
     def _finish(self, req: _Request, reason: str, flush: bool = True) -> None:

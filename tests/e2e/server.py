@@ -90,3 +90,12 @@ class Server:
         self.proc.wait(10)
         self._log.close()
         return self.proc.returncode
+
+    def stop_clean(self, nranks: int) -> bool:
+        """Stop with SIGTERM; True when every rank reported a clean exit (status 0).
+
+        torchrun's agent itself exits non-zero when it is signalled, so the ranks' own lines are what count.
+        """
+        self.stop()
+        text = self.log_path.read_text(errors="replace")
+        return text.count("exits with status 0") == nranks

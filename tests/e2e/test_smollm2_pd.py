@@ -25,7 +25,7 @@ FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 def pd():
     server = Server(PD, nproc=2)
     yield server
-    assert server.stop() == 0, f"SIGTERM should exit 0:\n{server.log()}"
+    assert server.stop_clean(2), f"SIGTERM should end both ranks with status 0:\n{server.log()}"
 
 
 def live_tensors(base_url: str) -> dict[str, int]:
@@ -152,4 +152,4 @@ def test_colocated_equals_split_for_pinned_requests(pd):
     try:
         assert pinned_texts(single.base_url) == split
     finally:
-        assert single.stop() == 0
+        assert single.stop_clean(1)
