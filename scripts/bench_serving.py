@@ -81,22 +81,28 @@ def chat_ids(tokenizer, prompt: str) -> list[int]:
     return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": prompt}]))
 
 
-def hf_generate(hf_model, ids_list: list[list[int]], max_tokens: int) -> dict:
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def hf_generate(hf_model, ids_list: list[list[int]], max_tokens: int, device: str) -> dict:
     tokens, t0 = 0, time.perf_counter()
     for ids in ids_list:
-        out = hf_model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False,
+        out = hf_model.generate(torch.tensor([ids], device=device), max_new_tokens=max_tokens, do_sample=False,
                                 pad_token_id=0)
         tokens += out.shape[1] - len(ids)
+    _sync(device)
     wall = time.perf_counter() - t0
     return {"tok_s": tokens / wall, "tokens": tokens, "seconds": wall}
 
 
-def bare(model, cfg, ids_list: list[list[int]], batch: int, max_tokens: int) -> dict:
+def bare(model, cfg, ids_list: list[list[int]], batch: int, max_tokens: int, device: str, dtype) -> dict:
     from models.llama.bare_loop import bare_generate
     from mstar_dist.engine.kv_cache import StaticKVCache
 
     cache = StaticKVCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, max_slots=batch, max_seq_len=512,
-                          dtype=torch.float32, device="cpu")
+                          dtype=dtype, device=device)
     tokens, wall = 0, 0.0
     for i in range(0, len(ids_list), batch):
         group = ids_list[i : i + batch]
@@ -113,7 +119,10 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--out", default=None)
+    p.add_argument("--device", default="cpu", help="cpu | cuda (the server picks CUDA by itself when present)")
+    p.add_argument("--model", default=None, help="registry key override for the served config (e.g. llama)")
     args = p.parse_args()
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count()))
 
     from transformers import AutoModelForCausalLM
@@ -123,10 +132,10 @@ def main() -> None:
 
     tok = ChatTokenizer(WEIGHTS)
     ids8 = [chat_ids(tok, p) for p in PROMPTS]
-    hf_model = AutoModelForCausalLM.from_pretrained(WEIGHTS, torch_dtype=torch.float32).eval()
-    our_model, cfg = load_llama(WEIGHTS, device="cpu", dtype=torch.float32)
+    hf_model = AutoModelForCausalLM.from_pretrained(WEIGHTS, torch_dtype=dtype).to(args.device).eval()
+    our_model, cfg = load_llama(WEIGHTS, device=args.device, dtype=dtype)
 
-    server = Server(args.config, nproc=args.nproc)
+    server = Server(args.config, nproc=args.nproc, overrides={"model": args.model} if args.model else None)
     cold_start = server.ready_seconds
     rows: dict[str, list[dict]] = {k: [] for k in ("ours_1", "ours_8", "hf_1", "bare_1", "bare_8")}
     try:
@@ -135,9 +144,9 @@ def main() -> None:
             rows["ours_1"].append(ours(server.base_url, 1, args.max_tokens, 4))
             rows["ours_8"].append(ours(server.base_url, 8, args.max_tokens, 16))
             with torch.inference_mode():
-                rows["hf_1"].append(hf_generate(hf_model, ids8[:4], args.max_tokens))
-                rows["bare_1"].append(bare(our_model, cfg, ids8[:4], 1, args.max_tokens))
-                rows["bare_8"].append(bare(our_model, cfg, ids8 + ids8, 8, args.max_tokens))
+                rows["hf_1"].append(hf_generate(hf_model, ids8[:4], args.max_tokens, args.device))
+                rows["bare_1"].append(bare(our_model, cfg, ids8[:4], 1, args.max_tokens, args.device, dtype))
+                rows["bare_8"].append(bare(our_model, cfg, ids8 + ids8, 8, args.max_tokens, args.device, dtype))
             print(f"round {r}: " + ", ".join(f"{k}={v[-1]['tok_s']:.1f}" for k, v in rows.items()), flush=True)
     finally:
         server.stop()
@@ -159,7 +168,9 @@ def main() -> None:
         "command": " ".join([sys.executable, *sys.argv]),
         "config": args.config,
         "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
-                    "loadavg_1m": os.getloadavg()[0]},
+                    "loadavg_1m": os.getloadavg()[0], "device": args.device,
+                    "gpu": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else None},
+        "weights": WEIGHTS,
         "max_tokens": args.max_tokens,
         "cold_start_to_health_s": cold_start,
         "median_tok_s": med,
@@ -168,7 +179,7 @@ def main() -> None:
         "targets_met": targets,
         "rounds": rows,
     }
-    out = Path(args.out or REPO / "bench/results/serving_cpu.json")
+    out = Path(args.out or REPO / f"bench/results/serving_{args.device.split(':')[0]}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(json.dumps({k: result[k] for k in ("cold_start_to_health_s", "median_tok_s", "ttft_median_s", "ratios",

@@ -79,4 +79,10 @@ class Metrics:
                 st = self.rank_stats.get(rank)
                 value = getattr(st, attr) if st is not None else 0
                 lines.append(f'mstar_dist_{name}{{rank="{rank}"}} {value}')
+        names = sorted({k for st in self.rank_stats.values() for k in st.engine})
+        for key in names:
+            kind = "counter" if key.endswith("_total") else "gauge"
+            lines.append(f"# TYPE mstar_dist_engine_{key} {kind}")
+            for rank in sorted(self.rank_stats):
+                lines.append(f'mstar_dist_engine_{key}{{rank="{rank}"}} {self.rank_stats[rank].engine.get(key, 0)}')
         return "\n".join(lines) + "\n"

@@ -48,12 +48,18 @@ class NodeGroup:
     """Walks these nodes serve on these ranks; the same node name in several walks is one component."""
     tp_size: int = 1
     """Tensor-parallel degree of each replica. 1 means no TP."""
+    cpu_threads: int | None = None
+    """Intra-op CPU threads of each of these ranks (torch.set_num_threads). None: the host's cores split evenly
+    over its ranks. Ranks that idle most of the time (a prefill rank under light load) need fewer than a decode
+    rank; over-subscribing the cores stalls every rank's thread pool."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "node_names", read_unique_strs(self.node_names, "node_names"))
         object.__setattr__(self, "ranks", read_unique_ints(self.ranks, "ranks", minimum=0))
         object.__setattr__(self, "graph_walks", read_unique_strs(self.graph_walks, "graph_walks"))
         read_int(self.tp_size, "tp_size", minimum=1)
+        if self.cpu_threads is not None:
+            read_int(self.cpu_threads, "cpu_threads", minimum=1)
         if len(self.ranks) % self.tp_size:
             raise fail(
                 "tp_size", self.tp_size,
@@ -72,6 +78,7 @@ class NodeGroup:
             "ranks": list(self.ranks),
             "graph_walks": list(self.graph_walks),
             "tp_size": self.tp_size,
+            **({"cpu_threads": self.cpu_threads} if self.cpu_threads is not None else {}),
         }
 
 
@@ -252,9 +259,9 @@ def _or_empty(value: Any) -> Any:
 
 
 def _parse_node_group(data: Any, key: str) -> NodeGroup:
-    g = check_keys(data, key, required=("node_names", "ranks", "graph_walks"), optional=("tp_size",))
+    g = check_keys(data, key, required=("node_names", "ranks", "graph_walks"), optional=("tp_size", "cpu_threads"))
     try:
-        return NodeGroup(g["node_names"], g["ranks"], g["graph_walks"], g.get("tp_size", 1))
+        return NodeGroup(g["node_names"], g["ranks"], g["graph_walks"], g.get("tp_size", 1), g.get("cpu_threads"))
     except ConfigError as e:
         raise e.under(key) from None
 

@@ -147,6 +147,8 @@ class Stats(msgspec.Struct, tag=True):
     edge_bytes_sent: int
     edge_bytes_received: int
     host_staging_copies: int
+    engine: dict[str, int] = {}
+    """Component counters and gauges (KV slots, decode steps and rows...), summed over this rank's components."""
 
 
 Message = Union[

@@ -14,6 +14,7 @@ A call that finds no free slot is answered ``None`` and retried by the worker on
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +41,8 @@ class KVCacheEngine(Component):
         self._seqs: dict[str, _Seq] = {}
         self.steps = 0
         self.decode_rows = 0
+        self.prefills = 0
+        self.decode_seconds = 0.0
 
     @torch.inference_mode()
     def run_batch(self, calls: list[NodeCall]) -> list[NodeResult | BaseException | None]:
@@ -68,7 +71,9 @@ class KVCacheEngine(Component):
             self.cache.free(seq.slot)
 
     def stats(self) -> dict[str, int]:
-        return {"kv_slots_used": len(self._seqs), "kv_slots_free": self.cache.num_free}
+        return {"kv_slots_used": len(self._seqs), "kv_slots_free": self.cache.num_free,
+                "prefills_total": self.prefills, "decode_steps_total": self.steps,
+                "decode_rows_total": self.decode_rows, "decode_ms_total": int(self.decode_seconds * 1000)}
 
     def warmup(self) -> None:
         with torch.inference_mode():
@@ -95,6 +100,7 @@ class KVCacheEngine(Component):
         if n >= self.cache.max_seq_len:
             raise ValueError(f"prompt is {n} tokens; this engine's context is {self.cache.max_seq_len}")
         slot = self.cache.alloc()
+        self.prefills += 1
         seq = _Seq(slot=slot, length=n)
         self._seqs[call.request_id] = seq
         self.cache.bind([slot], [0], n)
@@ -125,6 +131,13 @@ class KVCacheEngine(Component):
         return True
 
     def _decode(self, calls: list[NodeCall]) -> list[NodeResult | BaseException]:
+        t0 = time.perf_counter()
+        try:
+            return self._decode_step(calls)
+        finally:
+            self.decode_seconds += time.perf_counter() - t0
+
+    def _decode_step(self, calls: list[NodeCall]) -> list[NodeResult | BaseException]:
         seqs = [self._seqs[c.request_id] for c in calls]
         for c, s in zip(calls, seqs):
             if s.length + 1 > self.cache.max_seq_len:

@@ -107,6 +107,12 @@ def _load_components(dep: Deployment, info: RankInfo, device: str, store: Any, t
     return components
 
 
+def cpu_threads_for(config: DeploymentConfig, global_rank: int, ranks_on_host: int, cores: int) -> int:
+    """Intra-op threads of a CPU rank: the largest ``cpu_threads`` of its node groups, else an even share."""
+    asked = [g.cpu_threads for g in config.node_groups if global_rank in g.ranks and g.cpu_threads is not None]
+    return max(asked) if asked else max(1, cores // max(1, ranks_on_host))
+
+
 def serve(args: argparse.Namespace) -> int:
     from mstar_dist.distributed.groups import create_pair_groups, warm_pairs
     from mstar_dist.distributed.init import backend_for_device, init_distributed, shutdown_distributed
@@ -130,6 +136,10 @@ def serve(args: argparse.Namespace) -> int:
     device = device_for(info, torch.cuda.is_available())
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
+    else:
+        threads = cpu_threads_for(config, rank, len(dep.cluster.ranks_on_host(info.node_rank)), os.cpu_count() or 1)
+        torch.set_num_threads(threads)
+        log.info("rank %d uses %d CPU threads", rank, threads)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())

@@ -95,8 +95,14 @@ class Worker:
     def run(self, should_stop=lambda: False) -> None:
         """Serve until a ``Shutdown`` message arrives or ``should_stop()`` is true. Never returns on its own."""
         while not self.stopping and not should_stop():
-            busy = bool(self._runs) or bool(self._incoming) or bool(self._outgoing)
-            for sender, payload in self.channel.recv(0 if busy else 20):
+            # Never spin: poll at once only when a node call can run; wait briefly while transfers are in flight.
+            if any(run.pending is not None for run in self._runs.values()):
+                timeout_ms = 0
+            elif self._incoming or self._outgoing or self._waiting:
+                timeout_ms = 1
+            else:
+                timeout_ms = 20
+            for sender, payload in self.channel.recv(timeout_ms):
                 self._handle(sender, payload)
             self._poll_transfers()
             self._step()
@@ -345,6 +351,9 @@ class Worker:
             return
         self._last_stats = now
         st = self.transport.stats() if self.transport is not None else {}
+        engine: dict[str, int] = collections.Counter()
+        for component in self.components.values():
+            engine.update(component.stats())
         self._send(CONDUCTOR, m.Stats(
             rank=self.global_rank,
             live_tensors=self.store.live_tensors,
@@ -352,6 +361,7 @@ class Worker:
             edge_bytes_sent=int(st.get("bytes_sent", 0)),
             edge_bytes_received=int(st.get("bytes_received", 0)),
             host_staging_copies=int(st.get("host_staging_copies", 0)),
+            engine=dict(engine),
         ))
 
 
