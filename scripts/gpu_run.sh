@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# GPU runs on the device machine (torch + NCCL preinstalled, no network). Usage, from the repo root there:
+#   bash scripts/gpu_run.sh STEP...      STEP: tests | serving | pd | edges
+# Needs, carried from the dev machine: .whl/ (wheels the GPU image lacks: fastapi, starlette, pydantic(-core),
+# annotated-types, typing-inspection, uvicorn, pyzmq, msgspec) and .ckpt/smol-shape (config + tokenizer of
+# SmolLM2-135M; a random same-shaped checkpoint is generated there). Results go to $OUT (or bench/results).
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+out="${OUT:-bench/results}"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  || exit 1
+export PYTHONPATH="/tmp/site:$PWD" MSTAR_TEST_WEIGHTS=/tmp/smol-rand
+[ -f /tmp/smol-rand/model.safetensors ] || python3 scripts/make_random_checkpoint.py --like .ckpt/smol-shape \
+  --out /tmp/smol-rand --dtype bfloat16 >/dev/null 2>&1 || exit 1
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+python3 -c "import torch; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version(), 'gpus', torch.cuda.device_count())"
+for step in "$@"; do
+  echo "== $step"
+  case "$step" in
+    tests)   python3 -m pytest -q -p no:cacheprovider tests/gpu tests/unit tests/dist --ignore=tests/unit/test_client.py \
+               --ignore=tests/unit/test_llama_parity.py 2>&1 | tail -15 ;;
+    serving) python3 scripts/bench_serving.py --device cuda --model llama --nproc 1 --rounds 3 \
+               --config launch/configs/smollm2_single.yaml --out "$out/serving_h200_single.json" 2>&1 | tail -30 ;;
+    pd)      python3 scripts/bench_serving.py --device cuda --model llama --nproc 2 --rounds 3 \
+               --config launch/configs/smollm2_pd.yaml --out "$out/serving_h200x2_pd.json" 2>&1 | tail -30 ;;
+    edges)   torchrun --standalone --nproc-per-node 2 scripts/bench_edges.py --device cuda \
+               --out "$out/edges_h200x2.json" 2>&1 | tail -20 ;;
+    *) echo "unknown step $step"; exit 2 ;;
+  esac
+done
