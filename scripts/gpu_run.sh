@@ -2,7 +2,7 @@
 # GPU runs on the device machine (torch + NCCL preinstalled, no network). Usage, from the repo root there:
 #   bash scripts/gpu_run.sh STEP...      STEP: tests | serving | pd | edges
 # Needs, carried from the dev machine: .whl/ (wheels the GPU image lacks: fastapi, starlette, pydantic(-core),
-# annotated-types, typing-inspection, uvicorn, pyzmq, msgspec) and .ckpt/smol-shape (config + tokenizer of
+# annotated-types, typing-inspection, opentelemetry-api, uvicorn, pyzmq, msgspec) and .ckpt/smol-shape (config + tokenizer of
 # SmolLM2-135M; a random same-shaped checkpoint is generated there). Results go to $OUT (or bench/results).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
