@@ -87,6 +87,7 @@ class Worker:
         self._outgoing: list[_Outgoing] = []
         self._emits: dict[str, list[tuple[str, torch.Tensor]]] = collections.defaultdict(list)
         self._removed: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._early_stops: dict[str, list[str]] = collections.defaultdict(list)
         self._last_stats = 0.0
         self.stopping = False
         self.failed_reason: str | None = None
@@ -131,6 +132,8 @@ class Worker:
             run = self._runs.get(body.request_id)
             if run is not None:
                 run.stop_loop(body.loop)
+            elif body.request_id not in self._removed:
+                self._early_stops[body.request_id].append(body.loop)  # overtook its RunWalk: replay then
         elif isinstance(body, m.RemoveRequest):
             self._remove(body.request_id)
         elif isinstance(body, m.Shutdown):
@@ -187,6 +190,7 @@ class Worker:
         self._runs.pop(request_id, None)
         self._waiting.pop(request_id, None)
         self._emits.pop(request_id, None)
+        self._early_stops.pop(request_id, None)
         for component in self.components.values():
             component.release(request_id)
         self.store.drop_tag(request_id)
@@ -258,6 +262,8 @@ class Worker:
             self._fail(msg, f"{type(exc).__name__}: {exc}")
             return
         self._runs[msg.request_id] = run
+        for loop in self._early_stops.pop(msg.request_id, ()):
+            run.stop_loop(loop)
         if run.done:
             self._finish(run)
 
@@ -277,7 +283,12 @@ class Worker:
             if component is None:
                 results: list = [GraphError(f"node {node!r} is not placed on rank {self.global_rank}")] * len(calls)
             else:
-                results = component.run_batch(calls)
+                try:
+                    results = component.run_batch(calls)
+                    if len(results) != len(calls):
+                        raise RuntimeError(f"{node}.run_batch returned {len(results)} results for {len(calls)} calls")
+                except Exception as exc:  # a broken batch fails exactly the requests in it
+                    results = [exc] * len(calls)
             for call, result in zip(calls, results):
                 if result is None:
                     continue

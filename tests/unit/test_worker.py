@@ -1,0 +1,209 @@
+"""The rank's worker loop driven through its control messages, with fake channel/transport (no processes).
+
+A failure here means one bad request takes its batch-mates (or the rank) down, a stray or early message is
+lost or wrongly applied, an aborted request still runs, or a kept tensor is never freed after its push.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mstar_dist.control import messages as m
+from mstar_dist.engine.component import Component
+from mstar_dist.graph.nodes import EMIT_TO_CLIENT, Edge, GraphNode, Loop
+from mstar_dist.graph.walk import NodeResult
+from mstar_dist.transport.inline import decode_tensor, encode_tensor
+from mstar_dist.transport.store import TensorStore
+from mstar_dist.worker.worker import Worker
+
+TOKEN = "t0k3n"
+GRAPHS = {
+    "count": Loop(GraphNode("C", inputs=("x",), optional_inputs=("big",),
+                            outputs=(Edge("x", "C"), Edge("x", EMIT_TO_CLIENT))),
+                  max_iters=100, outputs=("x",), name="count"),
+    "keep": GraphNode("C", inputs=("x",), outputs=(Edge("kept", persist=True),)),
+}
+
+
+class Counter(Component):
+    """x -> x + 1; a call whose x is negative raises; a batch containing x == 13 breaks as a whole."""
+
+    name = "C"
+
+    def __init__(self):
+        self.batches: list[list[str]] = []
+
+    def run_batch(self, calls):
+        self.batches.append([c.request_id for c in calls])
+        if any(int(c.inputs["x"]) == 13 for c in calls):
+            raise RuntimeError("batch broke")
+        out = []
+        for c in calls:
+            x = int(c.inputs["x"])
+            if x < 0:
+                out.append(ValueError(f"negative x {x}"))
+            else:
+                out.append(NodeResult({"x": torch.tensor([x + 1]), "kept": torch.full((4,), float(x))}))
+        return out
+
+
+class FakeChannel:
+    def __init__(self):
+        self.inbox: list[tuple[str, bytes]] = []
+        self.sent: list[tuple[str, m.Message]] = []
+
+    def recv(self, timeout_ms=0):
+        out, self.inbox = self.inbox, []
+        return out
+
+    def send(self, peer, payload):
+        self.sent.append((peer, m.decode(payload).body))
+
+
+class FakeTransfer:
+    def __init__(self, tensor):
+        self.tensor = tensor
+        self.finished = False
+
+    def done(self):
+        return self.finished
+
+
+class FakeTransport:
+    def __init__(self):
+        self.sends, self.recvs = [], []
+
+    def send(self, tensor, dst):
+        self.sends.append(FakeTransfer(tensor))
+        return self.sends[-1]
+
+    def recv(self, shape, dtype, src):
+        self.recvs.append(FakeTransfer(torch.full(shape, 7.0, dtype=dtype)))
+        return self.recvs[-1]
+
+    def stats(self):
+        return {}
+
+
+def make_worker():
+    channel, transport, store = FakeChannel(), FakeTransport(), TensorStore()
+    comp = Counter()
+    worker = Worker(global_rank=1, graphs=GRAPHS, components={"C": comp}, channel=channel, transport=transport,
+                    store=store, token=TOKEN, device=torch.device("cpu"), inline_max_bytes=1024)
+    return worker, channel, transport, store, comp
+
+
+def deliver(worker, channel, body, token=TOKEN, sender="conductor"):
+    channel.inbox.append((sender, m.encode(token, sender, body)))
+    for s, payload in channel.recv():
+        worker._handle(s, payload)
+
+
+def run_walk(rid, x, walk="count", iters=3, **inputs):
+    return m.RunWalk(request_id=rid, walk=walk, walk_index=0, seed=0,
+                     inputs={"x": encode_tensor(torch.tensor([x])), **inputs}, sampling=m.Sampling(),
+                     loop_limits={"count": iters})
+
+
+def turn(worker, n=10):
+    for _ in range(n):
+        worker._poll_transfers()
+        worker._step()
+
+
+def dones(channel):
+    return {b.request_id: b for _, b in channel.sent if isinstance(b, m.WalkDone)}
+
+
+def test_failing_call_fails_only_its_request_and_batch_mates_complete():
+    worker, channel, *_ = make_worker()
+    for rid, x in (("a", 0), ("bad", -5), ("b", 10)):
+        deliver(worker, channel, run_walk(rid, x))
+    turn(worker)
+    done = dones(channel)
+    assert "negative x -5" in done["bad"].error
+    assert done["a"].error is None and int(decode_tensor(done["a"].outputs["x"])) == 3
+    assert done["b"].error is None and int(decode_tensor(done["b"].outputs["x"])) == 13
+    emitted = [int(decode_tensor(v)) for _, b in channel.sent if isinstance(b, m.Emit) and b.request_id == "a"
+               for v in b.values]
+    assert emitted == [1, 2, 3]
+
+
+def test_broken_batch_fails_exactly_its_requests_and_the_rank_lives():
+    worker, channel, _, _, comp = make_worker()
+    deliver(worker, channel, run_walk("x12", 12, iters=3))
+    deliver(worker, channel, run_walk("y", 100, iters=3))
+    turn(worker, 1)  # both in one batch: 12 -> 13, 100 -> 101
+    turn(worker, 1)  # the batch holding x == 13 breaks: both of its requests fail
+    done = dones(channel)
+    assert set(done) == {"x12", "y"} and all("batch broke" in d.error for d in done.values())
+    deliver(worker, channel, run_walk("later", 0, iters=2))
+    turn(worker)
+    assert dones(channel)["later"].error is None
+
+
+def test_foreign_token_is_rejected():
+    worker, channel, *_ = make_worker()
+    deliver(worker, channel, run_walk("a", 0), token="someone-else")
+    turn(worker)
+    assert dones(channel) == {}
+
+
+def test_remove_that_overtakes_its_run_walk_is_honoured():
+    worker, channel, *_ = make_worker()
+    deliver(worker, channel, m.RemoveRequest(request_id="gone"))
+    deliver(worker, channel, run_walk("gone", 0))
+    turn(worker)
+    assert dones(channel) == {}
+
+
+def test_stop_that_overtakes_its_run_walk_is_replayed():
+    worker, channel, *_ = make_worker()
+    deliver(worker, channel, m.StopLoops(request_id="s", loop="count"))
+    deliver(worker, channel, run_walk("s", 0, iters=50))
+    turn(worker)
+    done = dones(channel)["s"]
+    # the iteration already under way when the walk starts completes, then the loop stops (not 50 iterations)
+    assert done.finish_reason == "stop" and int(decode_tensor(done.outputs["x"])) == 1
+
+
+def test_remote_input_waits_for_its_descriptor_then_runs_on_the_received_tensor():
+    worker, channel, transport, *_ = make_worker()
+    ref = m.TensorRef(uuid="u1", rank=0, shape=[2], dtype="float32", nbytes=8)
+    deliver(worker, channel, run_walk("p", 0, iters=1, big=ref))
+    turn(worker)
+    assert dones(channel) == {}  # nothing runs before the tensor arrives
+    deliver(worker, channel, m.TensorDesc(request_id="p", uuid="u1", src=0, shape=[2], dtype="float32"),
+            sender="rank0")
+    assert len(transport.recvs) == 1
+    turn(worker)
+    assert dones(channel) == {}
+    transport.recvs[0].finished = True
+    turn(worker)
+    assert dones(channel)["p"].error is None
+
+
+def test_persisted_output_is_pushed_then_freed():
+    worker, channel, transport, store, _ = make_worker()
+    deliver(worker, channel, run_walk("k", 5, walk="keep"))
+    turn(worker)
+    ref = dones(channel)["k"].outputs["kept"]
+    assert isinstance(ref, m.TensorRef) and store.live_tensors == 1
+    deliver(worker, channel, m.Push(request_id="k", uuid=ref.uuid, dst=2))
+    desc = [b for peer, b in channel.sent if isinstance(b, m.TensorDesc)]
+    assert desc and desc[0].uuid == ref.uuid and [p for p, b in channel.sent if b is desc[0]] == ["rank2"]
+    assert torch.equal(transport.sends[0].tensor, torch.full((4,), 5.0))
+    turn(worker)
+    assert store.live_tensors == 1  # still sending
+    transport.sends[0].finished = True
+    turn(worker)
+    assert store.live_tensors == 0 and store.live_bytes == 0
+
+
+def test_remove_frees_kept_tensors():
+    worker, channel, _, store, _ = make_worker()
+    deliver(worker, channel, run_walk("k", 5, walk="keep"))
+    turn(worker)
+    assert store.live_tensors == 1
+    deliver(worker, channel, m.RemoveRequest(request_id="k"))
+    assert store.live_tensors == 0
