@@ -1,13 +1,27 @@
-"""Model zoo: registry key (the deployment's ``model:``) -> model family class."""
+"""Model zoo: registry key (the deployment's ``model:``) -> model family class.
+
+A key of the form ``package.module:ClassName`` imports a model family from outside the zoo (a user's own
+package, or the test model family under ``tests/``).
+"""
 
 from __future__ import annotations
 
+import importlib
+
 
 def get_model_class(name: str):
+    if ":" in name:
+        module_name, _, attr = name.partition(":")
+        try:
+            return getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as exc:
+            raise ValueError(f"model: cannot load {name!r} ({type(exc).__name__}: {exc})") from None
     from models.llama.chat import LlamaChat, SmolLM2Chat
 
     registry = {"llama": LlamaChat, "smollm2": SmolLM2Chat}
     try:
         return registry[name]
     except KeyError:
-        raise ValueError(f"model: unknown model {name!r} (known: {sorted(registry)})") from None
+        raise ValueError(
+            f"model: unknown model {name!r} (known: {sorted(registry)}, or 'package.module:ClassName')"
+        ) from None
