@@ -1,0 +1,157 @@
+"""Conductor rules on one thread with a fake control channel (no processes): seeds, walk transitions, stop strings,
+admission FIFO, timeouts, duplicates, aborts. A failure means pinned requests stop being reproducible, stop strings
+leak into the text, queued requests are lost or reordered, or an aborted/timed-out request keeps its ranks busy.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mstar_dist.conductor.conductor import Conductor, request_seed
+from mstar_dist.config.deployment import parse_config
+from mstar_dist.control import messages as m
+from mstar_dist.server.backend import BackendError, Finished, GenerationParams, TextDelta
+from mstar_dist.topology.placement import Placement
+from mstar_dist.transport.inline import encode_tensor
+from tests.toy_model import ToyModel
+
+TOKEN = "tok"
+
+
+class FakeChannel:
+    endpoint = "inproc://x"
+
+    def __init__(self):
+        self.sent: list[tuple[str, m.Message]] = []
+
+    def send(self, peer, payload):
+        self.sent.append((peer, m.decode(payload).body))
+
+    def recv(self, timeout_ms=0):
+        return []
+
+
+def make(max_concurrent=2, timeout=60.0):
+    cfg = parse_config({"model": "tests.toy_model:ToyModel", "node_groups": [
+        {"node_names": ["ADD"], "ranks": [0], "graph_walks": ["start"]},
+        {"node_names": ["COUNT"], "ranks": [1, 2], "graph_walks": ["count"]}]}, "test")
+    model = ToyModel(None)
+    placement = Placement.build(cfg, {"start": frozenset({"ADD"}), "count": frozenset({"COUNT"})}, 3)
+    ch = FakeChannel()
+    c = Conductor(model=model, placement=placement, channel=ch, token=TOKEN, world_size=3,
+                  max_concurrent=max_concurrent, request_timeout_s=timeout,
+                  rank_hosts={0: "h", 1: "h", 2: "h"})
+    return c, ch
+
+
+def params(rid, prompt="start=0", max_tokens=5, stop=(), seed=None):
+    return GenerationParams(request_id=rid, prompt=prompt, messages=None, max_tokens=max_tokens,
+                            stop=list(stop), seed=seed)
+
+
+def submit(c, p):
+    events = []
+    c._submit(p, events.append, True)
+    return events
+
+
+def from_rank(c, body):
+    c._handle("rank1", m.encode(TOKEN, "rank1", body))
+
+
+def walks_sent(ch, walk=None):
+    return [(peer, b) for peer, b in ch.sent if isinstance(b, m.RunWalk) and (walk is None or b.walk == walk)]
+
+
+def emit(c, wire_id, *values):
+    from_rank(c, m.Emit(request_id=wire_id, walk="", signal="x",
+                        values=[encode_tensor(torch.tensor([v])) for v in values]))
+
+
+def test_seed_rules():
+    assert request_seed(params("a", seed=5), True) == 5
+    assert request_seed(params("a"), True) == request_seed(params("a"), True)
+    assert request_seed(params("a"), True) != request_seed(params("b"), True)
+
+
+def test_walk_transitions_and_seed_advance_per_walk():
+    c, ch = make()
+    events = submit(c, params("r1", max_tokens=3, seed=100))
+    (peer, first), = walks_sent(ch, "start")
+    assert peer == "rank0" and first.seed == 100 and first.walk_index == 0
+    emit(c, first.request_id, 1)
+    from_rank(c, m.WalkDone(request_id=first.request_id, walk="start", rank=0,
+                            outputs={"x": encode_tensor(torch.tensor([1]))}))
+    (peer, second), = walks_sent(ch, "count")
+    assert peer in ("rank1", "rank2") and second.seed == 101 and second.walk_index == 1
+    assert second.loop_limits == {"count": 2}
+    emit(c, first.request_id, 2, 3)
+    from_rank(c, m.WalkDone(request_id=first.request_id, walk="count", rank=1, outputs={},
+                            finish_reason="length"))
+    assert "".join(e.text for e in events if isinstance(e, TextDelta)) == "1 2 3 "
+    assert events[-1] == Finished("length", 1, 3)
+    removed = sorted(peer for peer, b in ch.sent if isinstance(b, m.RemoveRequest))
+    assert removed == sorted({"rank0", peer})  # every rank the request touched forgets it
+
+
+def test_stop_string_split_across_deltas_is_cut_and_held_back_text_is_not_lost():
+    c, ch = make()
+    events = submit(c, params("s", stop=["3 4"]))
+    wire = walks_sent(ch)[0][1].request_id
+    emit(c, wire, 1, 2, 3)  # "1 2 3 " ends with "3 ", a prefix of the stop string: held back
+    assert "".join(e.text for e in events if isinstance(e, TextDelta)) == "1 2 "
+    emit(c, wire, 4)
+    assert "".join(e.text for e in events if isinstance(e, TextDelta)) == "1 2 "
+    assert isinstance(events[-1], Finished) and events[-1].finish_reason == "stop"
+    assert any(isinstance(b, m.RemoveRequest) for _, b in ch.sent)
+
+
+def test_admission_is_fifo_and_frees_on_completion_abort_and_failure():
+    c, ch = make(max_concurrent=2)
+    evs = {rid: submit(c, params(rid)) for rid in ("a", "b", "c", "d", "e")}
+    started = lambda: [b.request_id.split("#")[0] for _, b in walks_sent(ch, "start")]  # noqa: E731
+    assert started() == ["a", "b"] and c.queue_depth == 3
+    c._abort("a")
+    assert started() == ["a", "b", "c"]
+    wire_b = walks_sent(ch, "start")[1][1].request_id
+    from_rank(c, m.WalkDone(request_id=wire_b, walk="start", rank=0, outputs={}, error="boom"))
+    assert started() == ["a", "b", "c", "d"]
+    assert isinstance(evs["b"][-1], BackendError) and evs["b"][-1].status == 500 and "rank 0" in str(evs["b"][-1])
+    c._abort("e")  # aborting a queued request removes it from the queue
+    assert c.queue_depth == 0 and started() == ["a", "b", "c", "d"]
+
+
+def test_duplicate_in_flight_id_is_409_and_a_finished_id_can_be_reused():
+    c, ch = make()
+    submit(c, params("dup"))
+    again = submit(c, params("dup"))
+    assert isinstance(again[0], BackendError) and again[0].status == 409
+    c._abort("dup")
+    submit(c, params("dup"))
+    ids = [b.request_id for _, b in walks_sent(ch, "start")]
+    assert len(ids) == 2 and ids[0] != ids[1]  # a new incarnation on the wire
+
+
+def test_timeout_fails_the_request_and_releases_its_ranks():
+    c, ch = make(timeout=5.0)
+    events = submit(c, params("slow"))
+    c._check_timeouts(now=c._active["slow"].arrived + 6)
+    assert isinstance(events[-1], BackendError) and events[-1].status == 504
+    assert "request_timeout_s" in str(events[-1])
+    assert any(isinstance(b, m.RemoveRequest) for _, b in ch.sent) and c.active_count == 0
+
+
+def test_bad_prompt_is_400_and_preprocess_crash_is_500():
+    c, _ = make()
+    assert submit(c, params("x", prompt="start=abc"))[0].status == 400
+    assert submit(c, params("y", prompt="fail-pre"))[0].status == 500
+
+
+def test_late_messages_for_finished_requests_are_dropped():
+    c, ch = make()
+    events = submit(c, params("late"))
+    wire = walks_sent(ch)[0][1].request_id
+    c._abort("late")
+    emit(c, wire, 1)
+    from_rank(c, m.WalkDone(request_id=wire, walk="start", rank=0, outputs={}))
+    assert events == []  # an aborted request's client hears nothing more
