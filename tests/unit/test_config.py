@@ -119,6 +119,7 @@ def test_load_config_reads_file_and_names_it(tmp_path):
         (with_("node_groups.1.tp_size", 3), ["node_groups[1].tp_size = 3", "len(ranks)=4", "tp_size=3"]),
         (with_("node_groups.1.tp_size", "2"), ["node_groups[1].tp_size = '2'", "must be an integer, got str"]),
         (with_("node_groups.1.tp_size", True), ["node_groups[1].tp_size = True", "integer, got bool"]),
+        (with_("node_groups.0.cpu_threads", 0), ["node_groups[0].cpu_threads = 0", ">= 1"]),
         (with_("node_groups.1.ranks", [1, 2, 1, 4]), ["node_groups[1].ranks = [1, 2, 1, 4]", "1 is listed twice"]),
         (with_("node_groups.1.ranks", [1, -2]), ["node_groups[1].ranks[1] = -2", "must be >= 0"]),
         (with_("node_groups.1.ranks", []), ["node_groups[1].ranks = []", "must not be empty"]),
@@ -237,3 +238,15 @@ def test_every_key_of_the_annotated_example_is_commented():
     for i, line in enumerate(lines):
         if ":" in line and not line.lstrip().startswith("#") and "#" not in line:
             assert lines[i - 1].lstrip().startswith("#"), f"uncommented key in smollm2_pd.yaml: {line!r}"
+
+
+def test_cpu_threads_default_to_an_even_share_and_groups_can_ask_for_more():
+    from mstar_dist.worker.boot import cpu_threads_for
+
+    cfg = parse_config(BASE, "deploy.yaml")
+    assert cpu_threads_for(cfg, 1, ranks_on_host=5, cores=16) == 3
+    assert cpu_threads_for(cfg, 1, ranks_on_host=5, cores=2) == 1  # never 0
+    asked = parse_config(with_("node_groups.1.cpu_threads", 4), "deploy.yaml")
+    assert cpu_threads_for(asked, 2, ranks_on_host=5, cores=2) == 4
+    assert cpu_threads_for(asked, 0, ranks_on_host=5, cores=10) == 2
+    assert parse_config(asked.to_dict(), "deploy.yaml") == asked
