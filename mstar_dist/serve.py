@@ -38,7 +38,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     from mstar_dist.worker.boot import serve
 
-    return serve(args)
+    try:
+        return serve(args)
+    except (ValueError, FileNotFoundError) as exc:  # config / cluster / placement mistakes: no traceback needed
+        print(f"mstar-dist: error (rank {rank}): {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

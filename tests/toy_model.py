@@ -62,6 +62,8 @@ class ToyModel(CompositeModel):
         }
 
     def build_component(self, node: str, *, device: str, walks: set[str]) -> Component:
+        if self.model_kwargs.get("fail_load") == node:
+            raise RuntimeError(f"injected load failure of {node}")
         return Counter(node, float(self.model_kwargs.get("batch_sleep_s", 0.01)))
 
     def preprocess(self, state: RequestState, prompt: str | None, messages: list[dict] | None) -> None:

@@ -28,7 +28,7 @@ class Server:
     """``torchrun --standalone --nproc-per-node N -m mstar_dist.serve CONFIG`` in its own process group."""
 
     def __init__(self, config: str | Path, nproc: int, *, overrides: dict | None = None, args: tuple = (),
-                 startup_timeout: float = 240.0):
+                 startup_timeout: float = 240.0, nodes: list[int] | None = None):
         data = yaml.safe_load(Path(config).read_text())
         data["weights"] = WEIGHTS
         for key, value in (overrides or {}).items():
@@ -39,15 +39,27 @@ class Server:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(self._tmp.name) / "server.log"
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            f"--master-port={free_port()}", "-m", "mstar_dist.serve", str(self.config_path),
-            "--port", str(self.port), "--startup-timeout", str(startup_timeout), *args,
-        ]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        master_port = free_port()
+        nodes = list(nodes) if nodes else [nproc]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+               "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.procs: list[subprocess.Popen] = []
+        for node_rank, n in enumerate(nodes):
+            # one host: --standalone; several: static rendezvous on loopback (host k of the spec = node rank k)
+            rdzv = (["--standalone"] if len(nodes) == 1 else
+                    [f"--nnodes={len(nodes)}", f"--node-rank={node_rank}", "--master-addr=127.0.0.1",
+                     f"--master-port={master_port}"])
+            if len(nodes) == 1:
+                rdzv.append(f"--master-port={master_port}")
+            cmd = [
+                sys.executable, "-m", "torch.distributed.run", *rdzv, f"--nproc-per-node={n}",
+                "-m", "mstar_dist.serve", str(self.config_path),
+                "--port", str(self.port), "--startup-timeout", str(startup_timeout), *args,
+            ]
+            self.procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                               start_new_session=True))
+        self.proc = self.procs[0]
         self.started_at = time.monotonic()
         try:
             self._wait_healthy(startup_timeout)
@@ -58,8 +70,9 @@ class Server:
     def _wait_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode} before /health:\n{self.log()}")
+            for proc in self.procs:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"a torchrun agent exited with {proc.returncode} before /health:\n{self.log()}")
             try:
                 if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
                     self.ready_seconds = time.monotonic() - self.started_at
@@ -73,21 +86,23 @@ class Server:
         return self.log_path.read_text(errors="replace")[-6000:]
 
     def stop(self, timeout: float = 30.0) -> int | None:
-        """SIGTERM the torchrun agent's process group, then SIGKILL what is left; returns the exit status."""
-        if self.proc.poll() is None:
+        """SIGTERM every torchrun agent's process group, then SIGKILL what is left; returns node 0's status."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        for proc in self.procs:
             try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            try:
-                self.proc.wait(timeout)
+                proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # the agent's workers share its process group
-        except ProcessLookupError:
-            pass
-        self.proc.wait(10)
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # the agent's workers share its process group
+            except ProcessLookupError:
+                pass
+            proc.wait(10)
         self._log.close()
         return self.proc.returncode
 
