@@ -23,7 +23,8 @@ import torch
 from mstar_dist.conductor.metrics import Metrics
 from mstar_dist.control import messages as m
 from mstar_dist.graph.model import CompositeModel, RequestState, WalkStep
-from mstar_dist.graph.nodes import iter_nodes
+from mstar_dist.graph.nodes import iter_nodes, node_names
+from mstar_dist.graph.partitions import PartitionTracker, check_partitions
 from mstar_dist.server.backend import BackendError, Finished, GenerationParams, TextDelta
 from mstar_dist.transport.inline import decode_tensor, encode_tensor
 
@@ -57,6 +58,8 @@ class _Request:
     held: str = ""
     first_token_at: float | None = None
     touched: set[int] = field(default_factory=set)
+    partitions: PartitionTracker | None = None
+    finish_reason: str | None = None
 
 
 class Conductor:
@@ -86,6 +89,15 @@ class Conductor:
             for walk, section in self.graphs.items()
         }
         self.stop_ids = model.stop_token_ids()
+        self.partitions = list(check_partitions(model.partitions(), self.graphs).values())
+        self.streams = model.streaming_edges()
+        for edge in self.streams:
+            edge.check({p.name: p for p in self.partitions}, self.graphs)
+        self._consumer_walk = {  # streaming signal -> the walk holding its consumer node
+            e.signal: next(w for p in self.partitions if p.name == e.dst_partition for w in p.walks
+                           if e.dst_node in node_names(self.graphs[w]))
+            for e in self.streams
+        }
         self.metrics = Metrics(world_size)
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.ready_ranks: dict[int, float] = {}
@@ -212,9 +224,16 @@ class Conductor:
         self._active[params.request_id] = req
         self._by_wire[req.wire_id] = req
         try:
-            self._dispatch(req, self.model.start(state))
+            req.partitions = PartitionTracker(self.partitions, self.model.start_done(state))
+            steps = self.model.start(state)
+            for step in steps if isinstance(steps, list) else [steps]:
+                req.partitions.start(req.partitions.partition_of(step.walk))
+                self._dispatch(req, step)
         except Exception as exc:
             self._finish_error(req, 500, f"start failed: {type(exc).__name__}: {exc}")
+            return
+        if req.partitions.request_done:
+            self._finish(req, state.finish_reason or "stop")
 
     def _choose_ranks(self) -> dict[str, int] | None:
         """One replica per (walk, node) group; prefer hosts, then ranks the request already uses (DESIGN §5)."""
@@ -260,6 +279,8 @@ class Conductor:
             export=sorted(self.persist_signals[step.walk]) if spans_ranks else [],
             loop_limits=step.loop_limits,
             stop_token_ids=self.stop_ids,
+            stream_routes={e.signal: req.ranks[self._consumer_walk[e.signal]] for e in self.streams
+                           if req.partitions.partition_of(step.walk) == e.src_partition},
         )
         req.touched.add(rank)
         self._send(rank, msg)
@@ -277,15 +298,20 @@ class Conductor:
             for k, v in done.outputs.items()
         }
         req.walk_index += 1
+        partition = req.partitions.partition_of(done.walk)
+        req.partitions.walk_done(partition)
+        req.finish_reason = done.finish_reason or req.finish_reason
         try:
             step = self.model.after_walk(req.state, done.walk, outputs)
         except Exception as exc:
             self._finish_error(req, 500, f"after_walk({done.walk!r}) failed: {type(exc).__name__}: {exc}")
             return
-        if step is None:
-            self._finish(req, req.state.finish_reason or done.finish_reason or "stop")
-        else:
+        if step is not None:
             self._dispatch(req, step)
+            return
+        req.partitions.partition_done(partition)
+        if req.partitions.request_done:
+            self._finish(req, req.state.finish_reason or req.finish_reason or "stop")
 
     def _on_emit(self, emit: m.Emit) -> None:
         req = self._by_wire.get(emit.request_id)

@@ -56,6 +56,8 @@ class RunWalk(msgspec.Struct, tag=True):
     export: list[str] = []
     loop_limits: dict[str, int] = {}
     stop_token_ids: list[int] = []
+    stream_routes: dict[str, int] = {}
+    """Streaming signals this walk produces -> global rank of the consuming walk (another partition)."""
 
 
 class Push(msgspec.Struct, tag=True):
@@ -101,6 +103,21 @@ class TensorDesc(msgspec.Struct, tag=True):
     src: int
     shape: list[int]
     dtype: str
+
+
+class StreamItems(msgspec.Struct, tag=True):
+    """Values a producer walk emitted on a streaming edge, for the consumer's buffer (FIFO per sender)."""
+
+    request_id: str
+    signal: str
+    values: list[InlineTensor]
+
+
+class StreamEnd(msgspec.Struct, tag=True):
+    """The producer walk of ``signal`` finished: the consumer's buffer emits its final chunk."""
+
+    request_id: str
+    signal: str
 
 
 # ---- worker -> conductor -------------------------------------------------------------------------------------
@@ -152,7 +169,8 @@ class Stats(msgspec.Struct, tag=True):
 
 
 Message = Union[
-    RunWalk, Push, StopLoops, RemoveRequest, Shutdown, TensorDesc, Emit, WalkDone, Ready, LoadFailed, Stats
+    RunWalk, Push, StopLoops, RemoveRequest, Shutdown, TensorDesc, StreamItems, StreamEnd, Emit, WalkDone, Ready,
+    LoadFailed, Stats,
 ]
 
 

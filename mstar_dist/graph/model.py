@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mstar_dist.graph.nodes import Section
+from mstar_dist.graph.partitions import Partition, StreamingEdge
 
 
 @dataclass
@@ -50,6 +51,23 @@ class CompositeModel(ABC):
     def graphs(self) -> dict[str, Section]:
         """Walk name -> section. Pure: the same on every rank."""
 
+    def partitions(self) -> list[Partition]:
+        """Groups of walks that run concurrently for one request. Default: one partition with every walk."""
+        return [Partition("main", tuple(self.graphs()))]
+
+    def streaming_edges(self) -> list[StreamingEdge]:
+        """Signals streamed from a walk of one partition into a node of another, through a chunk policy.
+
+        The consumer node receives each chunk as input ``signal`` plus optional inputs ``<signal>_final`` (bool,
+        the last chunk: its stop check should end its loop) and ``<signal>_context`` (leading items that an earlier
+        chunk already carried).
+        """
+        return []
+
+    def start_done(self, state: "RequestState") -> set[str]:
+        """Partitions that need not run for this request (e.g. no audio asked for). Default: none."""
+        return set()
+
     def prepare_weights(self) -> None:
         """Make ``weights_dir`` exist (called once per host before loading). Default: nothing to do."""
 
@@ -70,11 +88,13 @@ class CompositeModel(ABC):
         """Tokenize into ``state.data``; raise ``ValueError`` with a message for the client on bad input."""
 
     @abstractmethod
-    def start(self, state: RequestState) -> WalkStep: ...
+    def start(self, state: RequestState) -> WalkStep | list[WalkStep]:
+        """The first walk of each partition that starts now (one step, or one per partition)."""
 
     @abstractmethod
     def after_walk(self, state: RequestState, walk: str, outputs: dict[str, Any]) -> WalkStep | None:
-        """Next walk, or ``None`` when the request is complete."""
+        """Next walk of the same partition, or ``None``: that partition is done (the request is done when every
+        partition is)."""
 
     @abstractmethod
     def postprocess(self, state: RequestState, signal: str, values: list[Any]) -> str:
