@@ -4,6 +4,11 @@ A walk is one :data:`Section`. A node runs when all its required inputs are pres
 signal, where it goes (a node name, :data:`EMIT_TO_CLIENT`, or ``None`` for a walk output) and whether the value is
 kept in the producer's tensor store after the walk (``persist``). Declared outputs are *possible* outputs: a node
 emits the ones it returns.
+
+Composition: a :class:`Sequential` runs its members one after another (member ``i + 1`` starts when member ``i`` has
+finished, so side effects such as a KV cache written by one node and read by the next are ordered); a
+:class:`Parallel` starts all its members at once and each node runs as soon as its data is there. A :class:`Loop`
+repeats its section. A node may appear once per walk (:func:`mstar_dist.graph.validate.validate`).
 """
 
 from __future__ import annotations
@@ -45,10 +50,22 @@ class Sequential:
 
 
 @dataclass(frozen=True)
+class Parallel:
+    """Members start together; a node runs once its inputs are there and every sibling member that feeds it through
+    an edge has finished (so an edge between siblings is a same-iteration dependency, never a loop-back)."""
+
+    members: tuple["Section", ...]
+
+    def __init__(self, *members: "Section"):
+        object.__setattr__(self, "members", tuple(members))
+
+
+@dataclass(frozen=True)
 class Loop:
     section: "Section"
     max_iters: int
-    """Upper bound on iterations; a walk may lower it per request through ``RunWalk.loop_limits[name]``."""
+    """Upper bound on iterations; a walk may lower it per request through ``RunWalk.loop_limits[name]`` (for every
+    run of the loop: a nested loop runs afresh in each iteration of the loop around it)."""
     outputs: tuple[str, ...] = ()
     """Signals whose *last* iteration's value becomes a walk output."""
     name: str | None = None
@@ -61,14 +78,14 @@ class Loop:
             raise ValueError(f"Loop {self.name!r}: max_iters must be >= 0, got {self.max_iters}")
 
 
-Section = Union[GraphNode, Sequential, Loop]
+Section = Union[GraphNode, Sequential, Parallel, Loop]
 
 
 def iter_nodes(section: Section) -> Iterator[GraphNode]:
     """Every node of a section, depth first, in declaration order."""
     if isinstance(section, GraphNode):
         yield section
-    elif isinstance(section, Sequential):
+    elif isinstance(section, (Sequential, Parallel)):
         for member in section.members:
             yield from iter_nodes(member)
     elif isinstance(section, Loop):
@@ -78,13 +95,15 @@ def iter_nodes(section: Section) -> Iterator[GraphNode]:
 
 
 def node_names(section: Section) -> frozenset[str]:
+    """Names of every node of a section (the components a walk uses)."""
     return frozenset(node.name for node in iter_nodes(section))
 
 
 def iter_loops(section: Section) -> Iterator[Loop]:
+    """Every loop of a section, outer before inner, in declaration order."""
     if isinstance(section, Loop):
         yield section
         yield from iter_loops(section.section)
-    elif isinstance(section, Sequential):
+    elif isinstance(section, (Sequential, Parallel)):
         for member in section.members:
             yield from iter_loops(member)

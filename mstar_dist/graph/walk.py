@@ -1,32 +1,53 @@
-"""Executes one request's walk on one rank, one node call at a time, so the worker can batch calls across requests.
+"""Executes one request's walk on one rank, so the worker can batch node calls across requests (DESIGN §4).
 
-A :class:`WalkRun` is a small state machine: ``pending`` is the node call it waits on (or ``None`` when done);
-the worker runs that call (batched with other requests' calls to the same component) and hands the result to
-:meth:`WalkRun.complete`, which routes the outputs along the node's edges and advances to the next call.
+A :class:`WalkRun` is a state machine with no threads and no I/O. :meth:`WalkRun.ready` hands out the node calls that
+became runnable (several at once inside a ``Parallel``); the worker runs them, batched with other requests' calls to
+the same component, and hands each result to :meth:`WalkRun.complete`, which routes its outputs and may make more
+calls ready. Values from outside the walk during it (a streamed chunk, an input from another rank) come in through
+:meth:`WalkRun.deliver`.
 
-Routing rules: an edge to a node delivers the value as that node's input (consumed when the node runs, so a
-loop-back edge feeds the next iteration); an edge to :data:`EMIT_TO_CLIENT` calls ``on_emit``; an edge with no
-destination is a walk output (kept in the store when ``persist``). Walk inputs are delivered at the start to
-every node that declares them. A loop stops at its ``max_iters`` (finish reason ``"length"``), when a node's stop
-check asks (``NodeResult.stop``, reason ``"stop"``), or when :meth:`stop_loop` names it.
+Readiness: a ``Sequential`` starts member ``i + 1`` when member ``i`` has finished; a ``Parallel`` starts all its
+members. A started node runs once its required inputs are present and every ``Parallel`` sibling member that feeds
+it has finished; it runs once per iteration of its loops (once per walk outside loops).
+
+Routing: an edge to a node queues the value as that node's input; the node consumes it when it runs. Each input
+holds at most two values: one for the node's next run and one for the run after (a loop-back value, or a delivered
+one that came while a value was still waiting); a third is a :class:`GraphError`, as is a value for a node that
+already ran outside any loop: a value is never silently dropped or overwritten. Exceptions: an edge that leaves a
+loop keeps only its latest value (the last iteration's), and when a loop's run ends, the values that nodes of the
+walk queued for the loop's nodes are dropped (they were for iterations that will not happen; an inner loop restarts
+fresh each outer iteration), while values from outside the walk are kept. An edge to :data:`EMIT_TO_CLIENT` calls
+``on_emit``; an edge with no destination is a walk output (kept in the store when ``persist``). Declared outputs
+a node does not return are skipped. Walk inputs go, at the start, to every external input of that name
+(:func:`mstar_dist.graph.io.walk_io`), not to inputs an internal edge feeds.
+
+Loops: a loop runs up to ``min(loop_limits[name], max_iters)`` iterations (reason ``"length"``) and ends early,
+after the current iteration, when a call of a node it holds innermost returns ``NodeResult.stop`` or when
+:meth:`WalkRun.stop_loop` names it (reason ``"stop"``). Stopping a loop stops no other loop. The walk's
+``finish_reason`` is that of its outermost loop (the last one to end, if several), ``None`` without loops.
 """
 
 from __future__ import annotations
 
+import functools
+from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Generator
+from typing import Any, Callable, Collection
 
-from mstar_dist.graph.nodes import EMIT_TO_CLIENT, GraphNode, Loop, Section, Sequential, iter_nodes
+from mstar_dist.graph.io import Port, WalkIO, common_loops, divergence, edge_kind, node_trails, walk_io
+from mstar_dist.graph.nodes import EMIT_TO_CLIENT, GraphNode, Loop, Parallel, Section, Sequential, iter_nodes
+from mstar_dist.graph.validate import validate
 
 
-@dataclass
+@dataclass(eq=False)
 class NodeCall:
-    """One node invocation for one request; ``ctx`` is the worker's per-request walk context."""
+    """One node invocation for one request; ``ctx`` is the worker's per-request walk context. Compared by identity."""
 
     run: "WalkRun"
     node: str
     inputs: dict[str, Any]
     iteration: int
+    """Iteration of the innermost loop holding the node (0 outside loops)."""
 
     @property
     def request_id(self) -> str:
@@ -41,23 +62,182 @@ class NodeCall:
 class NodeResult:
     outputs: dict[str, Any]
     stop: bool = False
-    """Dynamic stop check fired (e.g. EOS): end the innermost enclosing loop after this call."""
+    """Dynamic stop check fired (e.g. EOS): end the innermost loop holding the node after this iteration."""
 
 
 class GraphError(RuntimeError):
-    """A walk could not proceed (a required input never arrived, a component misbehaved)."""
+    """A walk could not proceed (a required input never arrived, a value would be lost, a call is unknown)."""
 
 
-@dataclass
-class _LoopState:
-    loop: Loop
-    limit: int
-    stopped: str | None = None
-    iteration: int = 0
+@dataclass(frozen=True)
+class _Wiring:
+    """What ``WalkRun`` needs from a section's structure, derived once per section."""
+
+    io: WalkIO
+    leaves_loop: frozenset[tuple[str, int]]
+    """``(node, index in node.outputs)`` of edges whose source is in a loop that does not hold the destination."""
+    waits_on: dict[str, frozenset[tuple[int, ...]]]
+    """Node -> positions of the ``Parallel`` sibling members that feed it (it runs after they have finished)."""
+
+
+@functools.lru_cache(maxsize=256)
+def _wire(section: Section) -> _Wiring:
+    validate(section)
+    trails = node_trails(section)
+    leaves: set[tuple[str, int]] = set()
+    waits: dict[str, set[tuple[int, ...]]] = defaultdict(set)
+    for node in iter_nodes(section):
+        for index, e in enumerate(node.outputs):
+            if e.dst not in trails:
+                continue  # EMIT_TO_CLIENT or a walk output
+            src, dst = trails[node.name], trails[e.dst]
+            if sum(isinstance(sec, Loop) for sec, _ in src) > len(common_loops(src, dst)):
+                leaves.add((node.name, index))
+            k = divergence(src, dst)
+            if edge_kind(src, dst) == "internal" and isinstance(src[k][0], Parallel):
+                waits[e.dst].add(tuple(i for _, i in src[: k + 1]))
+    return _Wiring(walk_io(section), frozenset(leaves), {name: frozenset(p) for name, p in waits.items()})
+
+
+class _Frame:
+    """Run-time state of one section of one walk; ``start`` (re)starts it, ``parent.child_done`` reports its end."""
+
+    def __init__(self, run: "WalkRun", parent: "_Frame | None"):
+        self.run = run
+        self.parent = parent
+        self.done = False
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def child_done(self, child: "_Frame") -> None:
+        raise NotImplementedError
+
+    def _finish(self) -> None:
+        self.done = True
+        if self.parent is None:
+            self.run._done = True
+        else:
+            self.parent.child_done(self)
+
+
+class _NodeFrame(_Frame):
+    def __init__(self, run: "WalkRun", parent: _Frame | None, node: GraphNode, loops: tuple["_LoopFrame", ...]):
+        super().__init__(run, parent)
+        self.node = node
+        self.loops = loops
+        """Loops holding the node, outermost first."""
+        self.state = "idle"  # idle -> waiting (started) -> running (call handed out) -> done
+        self.waits_on: tuple[_Frame, ...] = ()
+
+    def start(self) -> None:
+        self.done = False
+        self.state = "waiting"
+
+    def ran(self) -> None:
+        self.state = "done"
+        self._finish()
+
+
+class _SequentialFrame(_Frame):
+    members: list[_Frame]
+
+    def start(self) -> None:
+        self.done = False
+        self.index = 0
+        self._start_current()
+
+    def _start_current(self) -> None:
+        if self.index == len(self.members):
+            self._finish()
+        else:
+            self.members[self.index].start()
+
+    def child_done(self, child: _Frame) -> None:
+        self.index += 1
+        self._start_current()
+
+
+class _ParallelFrame(_Frame):
+    members: list[_Frame]
+
+    def start(self) -> None:
+        self.done = False
+        self.remaining = len(self.members)
+        if not self.members:
+            self._finish()
+        for member in self.members:
+            member.start()
+
+    def child_done(self, child: _Frame) -> None:
+        self.remaining -= 1
+        if self.remaining == 0:
+            self._finish()
+
+
+class _LoopFrame(_Frame):
+    body: _Frame
+
+    def __init__(self, run: "WalkRun", parent: _Frame | None, loop: Loop, outer: "_LoopFrame | None"):
+        super().__init__(run, parent)
+        self.loop = loop
+        self.outer = outer
+        self.node_names = frozenset(node.name for node in iter_nodes(loop))
+        self.running = False
+        self.iteration = 0
+        self.stopped: str | None = None
+        self._advancing = False
+        self._again = False
+
+    def start(self) -> None:
+        self.done = False
+        self.running = True
+        self.iteration = 0
+        self.limit = self.run._loop_limit(self.loop)
+        self.stopped = "stop" if self.run._take_stop_request(self.loop.name) else None
+        self.latest: dict[str, Any] = {}
+        self.current: dict[str, Any] = {}
+        self.accumulated: dict[str, list] = {signal: [] for signal in self.loop.accumulated_outputs}
+        self._next_iteration()
+
+    def record(self, signal: str, value: Any) -> None:
+        """A node inside the loop emitted ``signal``."""
+        if signal in self.loop.outputs or signal in self.accumulated:
+            self.current[signal] = self.latest[signal] = value
+
+    def _next_iteration(self) -> None:
+        # A body can end inside its own start() (its inner loops run 0 times): iterate here instead of recursing,
+        # so a long loop of empty iterations cannot exhaust the stack.
+        if self._advancing:
+            self._again = True
+            return
+        self._advancing = True
+        while self.stopped is None and self.iteration < self.limit:
+            self._again = False
+            self.body.start()
+            if not self._again:
+                self._advancing = False
+                return
+        self._advancing = False
+        self.running = False
+        self.run._loop_ended(self)
+        self._finish()
+
+    def child_done(self, child: _Frame) -> None:
+        for signal, values in self.accumulated.items():
+            if signal in self.current:
+                values.append(self.current[signal])
+        self.current = {}
+        self.iteration += 1
+        self._next_iteration()
 
 
 @dataclass
 class WalkRun:
+    """One request's walk on one rank (see the module docstring). Not thread-safe; never blocks. Raises
+    ``ValueError`` for an invalid graph (:func:`mstar_dist.graph.validate.validate`) and ``GraphError`` when the
+    walk cannot proceed; after an error the run is unusable."""
+
     request_id: str
     walk: str
     section: Section
@@ -65,6 +245,9 @@ class WalkRun:
     ctx: Any = None
     loop_limits: dict[str, int] = field(default_factory=dict)
     on_emit: Callable[[str, Any], None] = lambda signal, value: None
+    streamed_inputs: Collection[str] = frozenset()
+    """Input signals that arrive through :meth:`deliver` during the walk: a node missing only these waits for them
+    instead of failing the walk as stalled."""
 
     def __post_init__(self):
         self.outputs: dict[str, Any] = {}
@@ -72,100 +255,202 @@ class WalkRun:
             edge.signal for node in iter_nodes(self.section) for edge in node.outputs if edge.persist
         }
         self.finish_reason: str | None = None
-        self.pending: NodeCall | None = None
+        self._wiring = _wire(self.section)
+        self._done = False
+        self._nodes: dict[str, _NodeFrame] = {}
+        self._named_loops: dict[str, _LoopFrame] = {}
+        self._positions: dict[tuple[int, ...], _Frame] = {}
+        self._inbox: dict[tuple[str, str], list[tuple[str | None, Any]]] = {}
+        self._outstanding: dict[NodeCall, _NodeFrame] = {}
+        self._fresh: list[NodeCall] = []
         self._stop_requests: set[str] = set()
-        self._loops: list[_LoopState] = []
-        self._deliveries: dict[tuple[str, str], Any] = {}
-        self._last: dict[str, Any] = {}
-        for node in iter_nodes(self.section):
-            for name in node.inputs + node.optional_inputs:
-                if name in self.inputs:
-                    self._deliveries[(node.name, name)] = self.inputs[name]
-        self._gen = self._run(self.section)
-        self._advance(None)
+        root = self._build(self.section, None, (), ())
+        for name, positions in self._wiring.waits_on.items():
+            self._nodes[name].waits_on = tuple(self._positions[p] for p in sorted(positions))
+        for port in self._wiring.io.external_inputs:
+            if port.signal in self.inputs:
+                self._push(port.node, port.signal, self.inputs[port.signal], source=None)
+        root.start()
+        self._pump()
 
+    # ---- public API ----
     @property
     def done(self) -> bool:
-        return self.pending is None
+        """The walk has finished: every section ran; ``outputs`` and ``finish_reason`` are final."""
+        return self._done
 
-    def complete(self, result: NodeResult) -> None:
-        """Route ``result`` (for :attr:`pending`) and advance to the next node call or the end."""
-        assert self.pending is not None, "complete() on a finished walk"
-        self._advance(result)
+    @property
+    def outstanding(self) -> tuple[NodeCall, ...]:
+        """Calls handed out (or ready to be) and not completed yet, in the order they became ready."""
+        return tuple(self._outstanding)
+
+    @property
+    def external_inputs(self) -> tuple[Port, ...]:
+        """Inputs this walk takes from outside (walk inputs or :meth:`deliver`); see :func:`walk_io`."""
+        return self._wiring.io.external_inputs
+
+    def ready(self) -> list[NodeCall]:
+        """Calls that became runnable since the last ``ready()``; each call is handed out exactly once."""
+        calls, self._fresh = self._fresh, []
+        return calls
+
+    def complete(self, call: NodeCall, result: NodeResult) -> None:
+        """Route ``call``'s outputs, end its node's run, and make what that unblocks ready. Raises ``GraphError`` for
+        a call that is not outstanding, a value that would be lost, or a walk that can no longer proceed."""
+        frame = self._outstanding.pop(call, None)
+        if frame is None:
+            raise GraphError(f"walk {self.walk!r}: complete() for a call of node {call.node!r} that is not "
+                             f"outstanding (completed already, or from another walk)")
+        if call in self._fresh:
+            self._fresh.remove(call)
+        self._route(frame, result)
+        if result.stop and frame.loops and frame.loops[-1].stopped is None:
+            frame.loops[-1].stopped = "stop"
+        frame.ran()
+        self._pump()
+
+    def deliver(self, node: str, signal: str, value: Any) -> None:
+        """An input from outside the walk, during it (a streamed chunk, a value from another rank). It is for the
+        node's next run: if the node already ran in the current iteration, or a value is already waiting, it waits
+        for the next iteration; a third value while one is queued raises ``GraphError``."""
+        if self._done:
+            raise GraphError(f"walk {self.walk!r} is done: cannot deliver {signal!r} to node {node!r}")
+        frame = self._nodes.get(node)
+        if frame is None:
+            raise GraphError(f"walk {self.walk!r}: cannot deliver {signal!r}: no node {node!r} "
+                             f"(nodes: {sorted(self._nodes)})")
+        if signal not in frame.node.inputs + frame.node.optional_inputs:
+            raise GraphError(f"walk {self.walk!r}: cannot deliver {signal!r}: node {node!r} has no such input "
+                             f"(inputs: {list(frame.node.inputs)}, optional: {list(frame.node.optional_inputs)})")
+        self._push(node, signal, value, source=None)
+        self._pump()
 
     def stop_loop(self, name: str) -> None:
-        """Stop the named loop after its current iteration (a no-op for a loop that is not running)."""
-        self._stop_requests.add(name)
-        for state in self._loops:
-            if state.loop.name == name and state.stopped is None:
-                state.stopped = "stop"
+        """Stop the named loop after its current iteration; if it is not running, its next run does not iterate.
+        A no-op for a name that is not a loop of this walk."""
+        frame = self._named_loops.get(name)
+        if frame is None:
+            return
+        if not frame.running:
+            self._stop_requests.add(name)
+        elif frame.stopped is None:
+            frame.stopped = "stop"
 
-    def _advance(self, result: NodeResult | None) -> None:
-        try:
-            self.pending = self._gen.send(result) if result is not None else next(self._gen)
-        except StopIteration:
-            self.pending = None
-
-    def _run(self, section: Section) -> Generator[NodeCall, NodeResult, None]:
-        if isinstance(section, GraphNode):
-            yield from self._run_node(section)
-        elif isinstance(section, Sequential):
-            for member in section.members:
-                yield from self._run(member)
-        elif isinstance(section, Loop):
-            yield from self._run_loop(section)
+    # ---- building ----
+    def _build(
+        self, sec: Section, parent: _Frame | None, pos: tuple[int, ...], loops: tuple[_LoopFrame, ...]
+    ) -> _Frame:
+        """Build the frame of ``sec`` at position ``pos`` (member indices from the root) and its children's."""
+        frame: _Frame
+        if isinstance(sec, GraphNode):
+            frame = self._nodes[sec.name] = _NodeFrame(self, parent, sec, loops)
+        elif isinstance(sec, (Sequential, Parallel)):
+            frame = _SequentialFrame(self, parent) if isinstance(sec, Sequential) else _ParallelFrame(self, parent)
+            frame.members = [self._build(m, frame, pos + (i,), loops) for i, m in enumerate(sec.members)]
         else:
-            raise GraphError(f"walk {self.walk!r}: not a graph section: {section!r}")
+            frame = _LoopFrame(self, parent, sec, outer=loops[-1] if loops else None)
+            frame.body = self._build(sec.section, frame, pos + (0,), loops + (frame,))
+            if sec.name is not None:
+                self._named_loops[sec.name] = frame
+        self._positions[pos] = frame
+        return frame
 
-    def _run_node(self, node: GraphNode) -> Generator[NodeCall, NodeResult, None]:
-        inputs: dict[str, Any] = {}
-        for name in node.inputs:
-            if (node.name, name) not in self._deliveries:
-                raise GraphError(
-                    f"walk {self.walk!r}: node {node.name!r} needs input {name!r}, which neither the walk inputs "
-                    f"({sorted(self.inputs)}) nor an earlier node provided"
-                )
-            inputs[name] = self._deliveries.pop((node.name, name))
-        for name in node.optional_inputs:
-            if (node.name, name) in self._deliveries:
-                inputs[name] = self._deliveries.pop((node.name, name))
-        iteration = self._loops[-1].iteration if self._loops else 0
-        result = yield NodeCall(run=self, node=node.name, inputs=inputs, iteration=iteration)
-        self._route(node, result)
-
-    def _route(self, node: GraphNode, result: NodeResult) -> None:
-        for edge in node.outputs:
-            if edge.signal not in result.outputs:
+    # ---- routing ----
+    def _route(self, frame: _NodeFrame, result: NodeResult) -> None:
+        node = frame.node
+        for index, e in enumerate(node.outputs):
+            if e.signal not in result.outputs:
                 continue  # declared outputs are possible outputs
-            value = result.outputs[edge.signal]
-            self._last[edge.signal] = value
-            if edge.dst == EMIT_TO_CLIENT:
-                self.on_emit(edge.signal, value)
-            elif edge.dst is None:
-                self.outputs[edge.signal] = value
+            value = result.outputs[e.signal]
+            for loop in frame.loops:
+                loop.record(e.signal, value)
+            if e.dst == EMIT_TO_CLIENT:
+                self.on_emit(e.signal, value)
+            elif e.dst is None:
+                self.outputs[e.signal] = value
             else:
-                self._deliveries[(edge.dst, edge.signal)] = value
-        if result.stop and self._loops and self._loops[-1].stopped is None:
-            self._loops[-1].stopped = "stop"
+                latest_only = (node.name, index) in self._wiring.leaves_loop
+                self._push(e.dst, e.signal, value, source=node.name, latest_only=latest_only)
 
-    def _run_loop(self, loop: Loop) -> Generator[NodeCall, NodeResult, None]:
-        limit = self.loop_limits.get(loop.name, loop.max_iters) if loop.name else loop.max_iters
-        state = _LoopState(loop=loop, limit=min(limit, loop.max_iters))
-        if loop.name in self._stop_requests:
-            state.stopped = "stop"
-        accumulated: dict[str, list] = {name: [] for name in loop.accumulated_outputs}
-        self._loops.append(state)
-        try:
-            while state.stopped is None and state.iteration < state.limit:
-                yield from self._run(loop.section)
-                for name in loop.accumulated_outputs:
-                    if name in self._last:
-                        accumulated[name].append(self._last[name])
-                state.iteration += 1
-        finally:
-            self._loops.pop()
-        self.finish_reason = state.stopped or "length"
-        for name in loop.outputs:
-            if name in self._last:
-                self.outputs[name] = self._last[name]
-        self.outputs.update(accumulated)
+    def _push(self, node: str, signal: str, value: Any, *, source: str | None, latest_only: bool = False) -> None:
+        frame = self._nodes[node]
+        origin = f"node {source!r}" if source else "outside the walk"
+        if not frame.loops and frame.state in ("running", "done"):
+            raise GraphError(f"walk {self.walk!r}: node {node!r} already ran and is in no loop, so the value of its "
+                             f"input {signal!r} from {origin} would be lost")
+        queue = self._inbox.setdefault((node, signal), [])
+        if latest_only:
+            queue[:] = [(src, v) for src, v in queue if src != source]
+        if len(queue) >= 2:
+            raise GraphError(f"walk {self.walk!r}: node {node!r} input {signal!r} already holds a value for its next "
+                             f"run and one for the run after; rejected a third from {origin}")
+        queue.append((source, value))
+
+    def _loop_ended(self, frame: _LoopFrame) -> None:
+        for signal in frame.loop.outputs:
+            if signal in frame.latest:
+                self.outputs[signal] = frame.latest[signal]
+        self.outputs.update(frame.accumulated)
+        if frame.outer is None:
+            self.finish_reason = frame.stopped or "length"
+        for (node, _), queue in self._inbox.items():
+            if node in frame.node_names:
+                queue[:] = [(src, v) for src, v in queue if src is None]
+
+    def _loop_limit(self, loop: Loop) -> int:
+        limit = loop.max_iters if loop.name is None else self.loop_limits.get(loop.name, loop.max_iters)
+        return max(0, min(limit, loop.max_iters))
+
+    def _take_stop_request(self, name: str | None) -> bool:
+        if name in self._stop_requests:
+            self._stop_requests.discard(name)
+            return True
+        return False
+
+    # ---- readiness ----
+    def _pump(self) -> None:
+        for frame in self._nodes.values():
+            if frame.state == "waiting" and self._is_ready(frame):
+                self._issue(frame)
+        if not self._done and not self._outstanding:
+            self._check_stall()
+
+    def _is_ready(self, frame: _NodeFrame) -> bool:
+        name = frame.node.name
+        return all(self._inbox.get((name, s)) for s in frame.node.inputs) and all(f.done for f in frame.waits_on)
+
+    def _issue(self, frame: _NodeFrame) -> None:
+        node = frame.node
+        inputs = {signal: self._inbox[(node.name, signal)].pop(0)[1] for signal in node.inputs}
+        for signal in node.optional_inputs:
+            queue = self._inbox.get((node.name, signal))
+            if queue:
+                inputs[signal] = queue.pop(0)[1]
+        frame.state = "running"
+        iteration = frame.loops[-1].iteration if frame.loops else 0
+        call = NodeCall(run=self, node=node.name, inputs=inputs, iteration=iteration)
+        self._outstanding[call] = frame
+        self._fresh.append(call)
+
+    def _check_stall(self) -> None:
+        """Nothing is running and nothing can run: wait if a streamed input can still unblock a node, else raise."""
+        blocked = []
+        for frame in self._nodes.values():
+            if frame.state != "waiting":
+                continue
+            missing = [s for s in frame.node.inputs if not self._inbox.get((frame.node.name, s))]
+            if missing and set(missing) <= set(self.streamed_inputs):
+                return
+            if missing:
+                blocked.append(self._describe_missing(frame, missing))
+        assert blocked, f"walk {self.walk!r}: not done, nothing outstanding and no node waiting"
+        raise GraphError(f"walk {self.walk!r} cannot proceed: " + "; ".join(blocked))
+
+    def _describe_missing(self, frame: _NodeFrame, missing: list[str]) -> str:
+        inputs = "inputs " if len(missing) > 1 else "input "
+        text = (f"node {frame.node.name!r} needs {inputs}{', '.join(map(repr, missing))}, which neither the walk "
+                f"inputs ({sorted(self.inputs)}) nor an earlier node provided")
+        if frame.loops:
+            loop = frame.loops[-1]
+            text += f" (iteration {loop.iteration} of loop {loop.loop.name or 'unnamed'!r})"
+        return text

@@ -16,12 +16,14 @@ LLM_DECODE = Loop(
 
 
 def drive(run: WalkRun, fn, limit=1000):
-    """Answer every pending call with fn(call) until the walk is done; returns the calls seen."""
+    """Answer every ready call with fn(call) until the walk is done; returns the calls seen, in hand-out order."""
     calls = []
     while not run.done and len(calls) < limit:
-        call = run.pending
-        calls.append(call)
-        run.complete(fn(call))
+        batch = run.ready()
+        assert batch, "walk is neither done nor has a ready call"
+        for call in batch:
+            calls.append(call)
+            run.complete(call, fn(call))
     return calls
 
 
@@ -49,10 +51,12 @@ def test_dynamic_stop_ends_loop_with_reason_stop():
 
 def test_stop_loop_by_name_from_outside():
     run = WalkRun("r", "decode", LLM_DECODE, {"token": 0})
-    run.complete(NodeResult({"token": 1}))
+    [call] = run.ready()
+    run.complete(call, NodeResult({"token": 1}))
     run.stop_loop("decode")
     assert not run.done  # the pending call of the current iteration still completes
-    run.complete(NodeResult({"token": 2}))
+    [call] = run.ready()
+    run.complete(call, NodeResult({"token": 2}))
     assert run.done and run.finish_reason == "stop"
 
 
