@@ -28,6 +28,9 @@ class Edge:
     """Consumer node name, :data:`EMIT_TO_CLIENT`, or ``None``: a walk output."""
     persist: bool = False
     """Keep the value in the producer's store after the walk, for a later walk (possibly on another rank)."""
+    stream: bool = False
+    """A streaming edge: ``dst`` is a node in a walk of another partition; each value goes into that consumer's
+    buffer (chunk policy from the model's ``streaming_edges()``), whichever rank it runs on."""
 
 
 @dataclass(frozen=True)

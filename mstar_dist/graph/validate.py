@@ -74,8 +74,8 @@ def _edge_problems(section: Section) -> list[str]:
     problems = []
     for node in nodes.values():
         for e in node.outputs:
-            if e.dst is None or e.dst == EMIT_TO_CLIENT:
-                continue
+            if e.dst is None or e.dst == EMIT_TO_CLIENT or e.stream:
+                continue  # a streaming edge's consumer is in another walk: checked by StreamingEdge.check
             where = f"edge {e.signal!r} from node {node.name!r} to {e.dst!r}"
             if e.dst not in nodes:
                 problems.append(f"{where}: no node {e.dst!r} in this walk (nodes: {sorted(nodes)})")

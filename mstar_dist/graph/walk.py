@@ -245,6 +245,8 @@ class WalkRun:
     ctx: Any = None
     loop_limits: dict[str, int] = field(default_factory=dict)
     on_emit: Callable[[str, Any], None] = lambda signal, value: None
+    on_stream: Callable[[str, Any], None] = lambda signal, value: None
+    """Called with each value a node sends on a streaming edge (to another partition)."""
     streamed_inputs: Collection[str] = frozenset()
     """Input signals that arrive through :meth:`deliver` during the walk: a node missing only these waits for them
     instead of failing the walk as stalled."""
@@ -253,6 +255,9 @@ class WalkRun:
         self.outputs: dict[str, Any] = {}
         self.persist_signals: set[str] = {
             edge.signal for node in iter_nodes(self.section) for edge in node.outputs if edge.persist
+        }
+        self.stream_signals: set[str] = {
+            edge.signal for node in iter_nodes(self.section) for edge in node.outputs if edge.stream
         }
         self.finish_reason: str | None = None
         self._wiring = _wire(self.section)
@@ -364,7 +369,9 @@ class WalkRun:
             value = result.outputs[e.signal]
             for loop in frame.loops:
                 loop.record(e.signal, value)
-            if e.dst == EMIT_TO_CLIENT:
+            if e.stream:
+                self.on_stream(e.signal, value)
+            elif e.dst == EMIT_TO_CLIENT:
                 self.on_emit(e.signal, value)
             elif e.dst is None:
                 self.outputs[e.signal] = value

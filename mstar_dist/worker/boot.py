@@ -179,6 +179,7 @@ def serve(args: argparse.Namespace) -> int:
             global_rank=rank, graphs=dep.model.graphs(), components=components, channel=channel,
             transport=transport, store=TensorStore(), token=dep.token, device=torch.device(device),
             inline_max_bytes=dep.config.transport.inline_max_bytes,
+            streaming_edges=dep.model.streaming_edges(),
         )
         if conductor_channel is not None:
             conductor, http = _start_front(dep, conductor_channel, args.startup_timeout, stop)

@@ -4,8 +4,11 @@ Runs on the main thread and issues *all* of this rank's torch.distributed work (
 groups), so NCCL ops of a rank are never issued from two threads. Each turn of the loop:
 1. drains the control socket (``RunWalk``, ``Push``, ``TensorDesc``, ``StopLoops``, ``RemoveRequest``);
 2. polls in-flight transfers (a receive completes a waiting walk's input; a send releases the producer's ref);
-3. gathers every walk's pending node call, hands each component all of its calls at once (continuous batching),
-   and routes the results (``Emit`` to the conductor, ``WalkDone`` when a walk ends).
+3. feeds streamed chunks (from producer walks of other partitions, through each edge's chunk policy) into the
+   consuming walks;
+4. gathers every walk's ready node calls, hands each component all of its calls at once (continuous batching),
+   and routes the results (``Emit`` to the conductor, ``StreamItems`` to a consumer rank, ``WalkDone`` when a
+   walk ends, then ``StreamEnd`` for each signal it streamed).
 A request that fails on this rank is reported in ``WalkDone.error``; the rank lives on.
 """
 
@@ -23,8 +26,10 @@ import torch
 from mstar_dist.control import messages as m
 from mstar_dist.engine.component import Component, WalkContext
 from mstar_dist.engine.sampling import SamplingParams
-from mstar_dist.graph.nodes import Section
-from mstar_dist.graph.walk import GraphError, NodeCall, NodeResult, WalkRun
+from mstar_dist.graph.nodes import Section, node_names
+from mstar_dist.graph.partitions import StreamingEdge
+from mstar_dist.graph.streaming import StreamBuffer
+from mstar_dist.graph.walk import GraphError, NodeCall, WalkRun
 from mstar_dist.transport.inline import decode_tensor, encode_tensor
 
 log = logging.getLogger(__name__)
@@ -68,6 +73,7 @@ class Worker:
         device: torch.device,
         inline_max_bytes: int,
         transfer_timeout_s: float = 120.0,
+        streaming_edges: list[StreamingEdge] = (),
     ):
         self.global_rank = global_rank
         self.graphs = graphs
@@ -80,7 +86,7 @@ class Worker:
         self.inline_max_bytes = inline_max_bytes
         self.transfer_timeout_s = transfer_timeout_s
         self.name = rank_name(global_rank)
-        self._runs: dict[str, WalkRun] = {}
+        self._runs: dict[tuple[str, str], WalkRun] = {}  # (request, walk): partitions may share a rank
         self._waiting: dict[str, _Waiting] = {}
         self._incoming: dict[str, Any] = {}  # uuid -> Transfer (posted in descriptor order)
         self._incoming_req: dict[str, str] = {}  # uuid -> request id
@@ -88,6 +94,11 @@ class Worker:
         self._emits: dict[str, list[tuple[str, torch.Tensor]]] = collections.defaultdict(list)
         self._removed: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._early_stops: dict[str, list[str]] = collections.defaultdict(list)
+        self._stream_edges = {e.signal: e for e in streaming_edges}
+        self._stream_routes: dict[str, dict[str, int]] = {}  # request -> signal -> consumer rank
+        self._stream_out: dict[str, list[tuple[str, torch.Tensor]]] = collections.defaultdict(list)
+        self._streams: dict[tuple[str, str], StreamBuffer] = {}  # (request, signal) -> consumer-side buffer
+        self._chunks: dict[tuple[str, str], collections.deque] = collections.defaultdict(collections.deque)
         self._last_stats = 0.0
         self.stopping = False
         self.failed_reason: str | None = None
@@ -97,15 +108,16 @@ class Worker:
         """Serve until a ``Shutdown`` message arrives or ``should_stop()`` is true. Never returns on its own."""
         while not self.stopping and not should_stop():
             # Never spin: poll at once only when a node call can run; wait briefly while transfers are in flight.
-            if any(run.pending is not None for run in self._runs.values()):
+            if self._collect():
                 timeout_ms = 0
-            elif self._incoming or self._outgoing or self._waiting:
+            elif self._incoming or self._outgoing or self._waiting or self._chunks:
                 timeout_ms = 1
             else:
                 timeout_ms = 20
             for sender, payload in self.channel.recv(timeout_ms):
                 self._handle(sender, payload)
             self._poll_transfers()
+            self._feed_streams()
             self._step()
             self._maybe_send_stats()
 
@@ -128,11 +140,13 @@ class Worker:
             self._on_tensor_desc(body)
         elif isinstance(body, m.Push):
             self._on_push(body)
+        elif isinstance(body, (m.StreamItems, m.StreamEnd)):
+            self._on_stream(body)
         elif isinstance(body, m.StopLoops):
-            run = self._runs.get(body.request_id)
-            if run is not None:
+            runs = self._runs_of(body.request_id)
+            for run in runs:
                 run.stop_loop(body.loop)
-            elif body.request_id not in self._removed:
+            if not runs and body.request_id not in self._removed:
                 self._early_stops[body.request_id].append(body.loop)  # overtook its RunWalk: replay then
         elif isinstance(body, m.RemoveRequest):
             self._remove(body.request_id)
@@ -154,8 +168,8 @@ class Worker:
             if isinstance(value, m.TensorRef) and value.rank != self.global_rank
         }
         if missing:
-            self._waiting[msg.request_id] = _Waiting(msg=msg, missing=missing)
-            self._try_start_waiting(msg.request_id)
+            self._waiting[(msg.request_id, msg.walk)] = _Waiting(msg=msg, missing=missing)
+            self._try_start_waiting((msg.request_id, msg.walk))
         else:
             self._start_walk(msg, {})
 
@@ -187,10 +201,13 @@ class Worker:
         self._removed[request_id] = None
         while len(self._removed) > 100_000:
             self._removed.popitem(last=False)
-        self._runs.pop(request_id, None)
-        self._waiting.pop(request_id, None)
+        for key in [k for k in self._runs if k[0] == request_id]:
+            del self._runs[key]
+        for key in [k for k in self._waiting if k[0] == request_id]:
+            del self._waiting[key]
         self._emits.pop(request_id, None)
         self._early_stops.pop(request_id, None)
+        self._drop_streams(request_id)
         for component in self.components.values():
             component.release(request_id)
         self.store.drop_tag(request_id)
@@ -208,20 +225,20 @@ class Worker:
             else:
                 still.append(out)
         self._outgoing = still
-        for request_id in list(self._waiting):
-            self._try_start_waiting(request_id)
+        for key in list(self._waiting):
+            self._try_start_waiting(key)
         for uuid in [u for u, t in self._incoming.items() if self._incoming_req[u] in self._removed and t.done()]:
             del self._incoming[uuid], self._incoming_req[uuid]
 
-    def _try_start_waiting(self, request_id: str) -> None:
-        waiting = self._waiting[request_id]
+    def _try_start_waiting(self, key: tuple[str, str]) -> None:
+        waiting = self._waiting[key]
         ready: dict[str, torch.Tensor] = {}
         for name in waiting.missing:
             ref = waiting.msg.inputs[name]
             transfer = self._incoming.get(ref.uuid)
             if transfer is None or not transfer.done():
                 if time.monotonic() - waiting.since > self.transfer_timeout_s:
-                    del self._waiting[request_id]
+                    del self._waiting[key]
                     self._fail(waiting.msg, f"input {name!r} from rank {ref.rank} did not arrive within "
                                f"{self.transfer_timeout_s:.0f} s")
                 return
@@ -229,7 +246,7 @@ class Worker:
         for name in waiting.missing:
             uuid = waiting.msg.inputs[name].uuid
             del self._incoming[uuid], self._incoming_req[uuid]
-        del self._waiting[request_id]
+        del self._waiting[key]
         self._start_walk(waiting.msg, ready)
 
     # ---- walks ----
@@ -249,6 +266,7 @@ class Worker:
                 stop_token_ids=frozenset(msg.stop_token_ids),
             )
             emits = self._emits[msg.request_id]
+            streamed = self._stream_out[msg.request_id]
             run = WalkRun(
                 request_id=msg.request_id,
                 walk=msg.walk,
@@ -257,11 +275,16 @@ class Worker:
                 ctx=ctx,
                 loop_limits=dict(msg.loop_limits),
                 on_emit=lambda signal, value: emits.append((signal, value)),
+                on_stream=lambda signal, value: streamed.append((signal, value)),
+                streamed_inputs=frozenset(e.signal for e in self._stream_edges.values()
+                                          if e.dst_node in node_names(section)),
             )
+            if msg.stream_routes:
+                self._stream_routes[msg.request_id] = dict(msg.stream_routes)
         except Exception as exc:
             self._fail(msg, f"{type(exc).__name__}: {exc}")
             return
-        self._runs[msg.request_id] = run
+        self._runs[(msg.request_id, msg.walk)] = run
         for loop in self._early_stops.pop(msg.request_id, ()):
             run.stop_loop(loop)
         if run.done:
@@ -272,13 +295,18 @@ class Worker:
             return received if received is not None else self.store.get(value.uuid)
         return decode_tensor(value, self.device)
 
-    def _step(self) -> None:
+    def _collect(self) -> dict[str, list[NodeCall]]:
+        """Every runnable call (new ones and ones a component asked to retry), grouped by component."""
         by_component: dict[str, list[NodeCall]] = collections.defaultdict(list)
         for run in self._runs.values():
-            if run.pending is not None:
-                by_component[run.pending.node].append(run.pending)
+            run.ready()
+            for call in run.outstanding:
+                by_component[call.node].append(call)
+        return by_component
+
+    def _step(self) -> None:
         finished: list[WalkRun] = []
-        for node, calls in by_component.items():
+        for node, calls in self._collect().items():
             component = self.components.get(node)
             if component is None:
                 results: list = [GraphError(f"node {node!r} is not placed on rank {self.global_rank}")] * len(calls)
@@ -290,14 +318,14 @@ class Worker:
                 except Exception as exc:  # a broken batch fails exactly the requests in it
                     results = [exc] * len(calls)
             for call, result in zip(calls, results):
-                if result is None:
-                    continue
                 run = call.run
+                if result is None or self._runs.get((run.request_id, run.walk)) is not run:
+                    continue  # retry later, or the request failed in another component's batch this turn
                 if isinstance(result, BaseException):
                     self._fail_run(run, result)
                     continue
                 try:
-                    run.complete(result)
+                    run.complete(call, result)
                 except Exception as exc:
                     self._fail_run(run, exc)
                     continue
@@ -317,11 +345,30 @@ class Worker:
             for signal, values in by_signal.items():
                 self._send(CONDUCTOR, m.Emit(request_id=request_id, walk="", signal=signal, values=values))
             items.clear()
+        for request_id, items in self._stream_out.items():
+            if not items:
+                continue
+            routes = self._stream_routes.get(request_id, {})
+            by_signal = collections.defaultdict(list)
+            for signal, value in items:
+                by_signal[signal].append(encode_tensor(value.detach().to("cpu")))
+            for signal, values in by_signal.items():
+                if signal not in routes:
+                    log.error("%s: request %s streamed %r with no consumer route", self.name, request_id, signal)
+                    continue
+                self._send(rank_name(routes[signal]), m.StreamItems(request_id=request_id, signal=signal,
+                                                                    values=values))
+            items.clear()
 
     def _finish(self, run: WalkRun) -> None:
         self._flush_emits()
-        self._runs.pop(run.request_id, None)
-        self._emits.pop(run.request_id, None)
+        del self._runs[(run.request_id, run.walk)]
+        if not self._runs_of(run.request_id):
+            self._emits.pop(run.request_id, None)
+        for signal, rank in self._stream_routes.get(run.request_id, {}).items():
+            if signal in run.stream_signals:
+                self._send(rank_name(rank), m.StreamEnd(request_id=run.request_id, signal=signal))
+        self._drop_streams(run.request_id, consumer=run)
         outputs: dict[str, m.Value] = {}
         for signal, value in run.outputs.items():
             if not isinstance(value, torch.Tensor):
@@ -344,7 +391,7 @@ class Worker:
     def _fail_run(self, run: WalkRun, exc: BaseException) -> None:
         log.error("%s: request %s failed in walk %s:\n%s", self.name, run.request_id, run.walk,
                   "".join(traceback.format_exception(exc)))
-        self._runs.pop(run.request_id, None)
+        self._runs.pop((run.request_id, run.walk), None)
         self._emits.pop(run.request_id, None)
         for component in self.components.values():
             component.release(run.request_id)
@@ -355,6 +402,68 @@ class Worker:
         log.error("%s: request %s walk %s failed: %s", self.name, msg.request_id, msg.walk, error)
         self._send(CONDUCTOR, m.WalkDone(request_id=msg.request_id, walk=msg.walk, rank=self.global_rank,
                                          outputs={}, error=error))
+
+    # ---- streaming edges (consumer side) ----
+    def _on_stream(self, msg: m.StreamItems | m.StreamEnd) -> None:
+        if msg.request_id in self._removed:
+            return
+        edge = self._stream_edges.get(msg.signal)
+        if edge is None:
+            log.warning("%s: stream %r for %s is not a streaming edge of this model", self.name, msg.signal,
+                        msg.request_id)
+            return
+        key = (msg.request_id, msg.signal)
+        buffer = self._streams.get(key)
+        if buffer is None:  # items may arrive before the consuming walk: buffered until it starts
+            buffer = self._streams[key] = StreamBuffer(edge.policy)
+        if isinstance(msg, m.StreamEnd):
+            buffer.producer_done()
+        elif msg.values:
+            buffer.push(torch.cat([decode_tensor(v, self.device) for v in msg.values]))
+        self._chunks[key].extend(buffer.pop_ready())
+
+    def _feed_streams(self) -> None:
+        """Deliver buffered chunks to consuming walks, oldest first; a walk takes at most what its loop can queue."""
+        for key in [k for k, q in self._chunks.items() if q]:
+            request_id, signal = key
+            edge = self._stream_edges[signal]
+            run = next((r for r in self._runs_of(request_id) if edge.dst_node in node_names(r.section)), None)
+            if run is None:
+                continue
+            queue = self._chunks[key]
+            while queue:
+                chunk = queue[0]
+                try:
+                    run.deliver(edge.dst_node, signal, chunk.data)
+                except GraphError:
+                    break  # the consumer's input queue is full: retry on a later turn
+                optional = self._node_inputs(run, edge.dst_node)
+                if f"{signal}_final" in optional:
+                    run.deliver(edge.dst_node, f"{signal}_final", torch.tensor([chunk.is_final]))
+                if f"{signal}_context" in optional:
+                    run.deliver(edge.dst_node, f"{signal}_context", torch.tensor([chunk.n_context]))
+                queue.popleft()
+        for key in [k for k, q in self._chunks.items() if not q]:
+            del self._chunks[key]
+
+    @staticmethod
+    def _node_inputs(run: WalkRun, node: str) -> tuple[str, ...]:
+        from mstar_dist.graph.nodes import iter_nodes
+
+        return next(n.optional_inputs for n in iter_nodes(run.section) if n.name == node)
+
+    def _runs_of(self, request_id: str) -> list[WalkRun]:
+        return [run for (rid, _), run in self._runs.items() if rid == request_id]
+
+    def _drop_streams(self, request_id: str, consumer: WalkRun | None = None) -> None:
+        """Forget a request's consumer-side buffers (only those feeding ``consumer`` when given)."""
+        for key in [k for k in self._streams if k[0] == request_id]:
+            if consumer is None or self._stream_edges[key[1]].dst_node in node_names(consumer.section):
+                del self._streams[key]
+                self._chunks.pop(key, None)
+        if consumer is None:
+            self._stream_routes.pop(request_id, None)
+            self._stream_out.pop(request_id, None)
 
     def _maybe_send_stats(self) -> None:
         now = time.monotonic()
