@@ -99,3 +99,103 @@ class ToyModel(CompositeModel):
                 raise RuntimeError("injected postprocess failure")
             texts.append(f"{int(v)} ")
         return "".join(texts)
+
+
+class Codec(Component):
+    """Consumes streamed chunks of x: emits the sum of each chunk's new items; its stop check is the final chunk."""
+
+    name = "CODEC"
+
+    def run_batch(self, calls):
+        out = []
+        for call in calls:
+            chunk = call.inputs["x"].reshape(-1)
+            new = chunk[int(call.inputs.get("x_context", torch.tensor([0]))):]
+            final = bool(call.inputs.get("x_final", torch.tensor([False])))
+            out.append(NodeResult({"audio": new.sum().reshape(1)}, stop=final))
+        return out
+
+
+class ToyAudioModel(ToyModel):
+    """ToyModel plus a Parallel walk and a streaming partition, like an LLM feeding an audio codec.
+
+    Partition ``text``: walk ``start`` = Parallel(ADD: x -> x + 1, emitted; TWICE: x -> 2x, a walk output), then
+    ``count`` (COUNT loop, which also streams every x to CODEC). Partition ``audio``: walk ``codec`` = a loop of
+    CODEC over chunks of 3 (policy Fixed(3)), emitting each chunk's sum; it stops on the final chunk. The audio
+    text is appended after the counted numbers: ``"| audio: s1 s2 ..."``. A prompt with ``no-audio`` starts the
+    audio partition already done.
+    """
+
+    name = "toy_audio"
+
+    def graphs(self):
+        from mstar_dist.graph.nodes import Parallel
+
+        return {
+            "start": Parallel(
+                GraphNode("ADD", inputs=("x",), outputs=(Edge("x"), Edge("x", EMIT_TO_CLIENT))),
+                GraphNode("TWICE", inputs=("x",), outputs=(Edge("twice"),)),
+            ),
+            "count": Loop(GraphNode("COUNT", inputs=("x",), outputs=(
+                Edge("x", "COUNT"), Edge("x", EMIT_TO_CLIENT), Edge("x", "CODEC", stream=True))),
+                max_iters=10_000, outputs=("x",), name="count"),
+            "codec": Loop(GraphNode("CODEC", inputs=("x",), optional_inputs=("x_final", "x_context"),
+                                    outputs=(Edge("audio", EMIT_TO_CLIENT),)),
+                          max_iters=10_000, name="codec"),
+        }
+
+    def partitions(self):
+        from mstar_dist.graph.partitions import Partition
+
+        return [Partition("text", ("start", "count")), Partition("audio", ("codec",))]
+
+    def streaming_edges(self):
+        from mstar_dist.graph.partitions import StreamingEdge
+        from mstar_dist.graph.streaming import Fixed
+
+        return [StreamingEdge("x", "text", "audio", "CODEC", Fixed(3))]
+
+    def build_component(self, node: str, *, device: str, walks: set[str]) -> Component:
+        if node == "CODEC":
+            return Codec()
+        if node == "TWICE":
+            return Doubler()
+        return super().build_component(node, device=device, walks=walks)
+
+    def start_done(self, state: RequestState) -> set[str]:
+        return {"audio"} if state.data.get("no_audio") else set()
+
+    def preprocess(self, state, prompt, messages):
+        super().preprocess(state, prompt, messages)
+        state.data.update(no_audio="no-audio" in (prompt or ""), audio=[])
+
+    def start(self, state: RequestState):
+        steps = [WalkStep("start", {"x": torch.tensor([state.data["x"]])})]
+        if not state.data["no_audio"]:
+            steps.append(WalkStep("codec", {}))
+        return steps
+
+    def after_walk(self, state, walk, outputs):
+        if walk == "start":
+            state.data["twice"] = int(outputs["twice"])
+        if walk == "codec":
+            return None
+        return super().after_walk(state, walk, outputs)
+
+    def postprocess(self, state, signal, values):
+        if signal == "audio":
+            state.data["audio"].extend(int(v) for v in values)
+            return ""
+        return super().postprocess(state, signal, values)
+
+    def finish_text(self, state):
+        if state.data.get("no_audio"):
+            return f"| twice: {state.data['twice']}"
+        return f"| twice: {state.data['twice']} | audio: {' '.join(map(str, state.data['audio']))}"
+
+
+class Doubler(Component):
+    name = "TWICE"
+
+    def run_batch(self, calls):
+        return [NodeResult({"twice": call.inputs["x"] * 2}) for call in calls]

@@ -34,6 +34,15 @@ WAKE = "@wake"
 Sink = Callable[[Any], None]
 
 
+def walk_seed(request_seed: int, partition_index: int, walk_index: int) -> int:
+    """The seed of a walk: the request's seed advanced by one per completed walk of its partition (DESIGN §4).
+
+    Counting per partition keeps the seeds independent of how concurrent partitions interleave; partitions after
+    the first are offset so that their walks never share a seed with the first partition's.
+    """
+    return (request_seed + partition_index * 1_000_003 + walk_index) & 0x7FFF_FFFF_FFFF_FFFF
+
+
 def request_seed(params: GenerationParams, pinned_id: bool) -> int:
     """The pinned ``seed``, else a hash of a pinned request id, else random (DESIGN §4)."""
     if params.seed is not None:
@@ -54,11 +63,12 @@ class _Request:
     wire_id: str
     """The id on the wire: the client's id plus an incarnation number, so a pinned id can be reused at once
     without a rank mistaking the new request for the removed one."""
-    walk_index: int = 0
     held: str = ""
     first_token_at: float | None = None
     touched: set[int] = field(default_factory=set)
     partitions: PartitionTracker | None = None
+    stream_src: dict[str, int] = field(default_factory=dict)
+    """Streaming signal -> the rank of the last walk dispatched to produce it."""
     finish_reason: str | None = None
 
 
@@ -93,6 +103,7 @@ class Conductor:
         self.streams = model.streaming_edges()
         for edge in self.streams:
             edge.check({p.name: p for p in self.partitions}, self.graphs)
+        self._partition_index = {p.name: i for i, p in enumerate(self.partitions)}
         self._consumer_walk = {  # streaming signal -> the walk holding its consumer node
             e.signal: next(w for p in self.partitions if p.name == e.dst_partition for w in p.walks
                            if e.dst_node in node_names(self.graphs[w]))
@@ -224,7 +235,10 @@ class Conductor:
         self._active[params.request_id] = req
         self._by_wire[req.wire_id] = req
         try:
-            req.partitions = PartitionTracker(self.partitions, self.model.start_done(state))
+            start_done = self.model.start_done(state)
+            req.partitions = PartitionTracker(self.partitions, start_done)
+            for partition in start_done:
+                self._end_streams(req, partition)
             steps = self.model.start(state)
             for step in steps if isinstance(steps, list) else [steps]:
                 req.partitions.start(req.partitions.partition_of(step.walk))
@@ -258,6 +272,8 @@ class Conductor:
     # ---- walks ----
     def _dispatch(self, req: _Request, step: WalkStep) -> None:
         rank = req.ranks[step.walk]
+        partition = req.partitions.partition_of(step.walk)
+        walk_index = req.partitions.walks_done(partition)
         inputs: dict[str, m.Value] = {}
         for name, value in step.inputs.items():
             if isinstance(value, m.TensorRef):
@@ -270,8 +286,8 @@ class Conductor:
         msg = m.RunWalk(
             request_id=req.wire_id,
             walk=step.walk,
-            walk_index=req.walk_index,
-            seed=(req.state.seed + req.walk_index) & 0x7FFF_FFFF_FFFF_FFFF,
+            walk_index=walk_index,
+            seed=walk_seed(req.state.seed, self._partition_index[partition], walk_index),
             inputs=inputs,
             sampling=m.Sampling(
                 temperature=req.params.temperature, top_p=req.params.top_p, top_k=req.params.top_k
@@ -280,9 +296,11 @@ class Conductor:
             loop_limits=step.loop_limits,
             stop_token_ids=self.stop_ids,
             stream_routes={e.signal: req.ranks[self._consumer_walk[e.signal]] for e in self.streams
-                           if req.partitions.partition_of(step.walk) == e.src_partition},
+                           if partition == e.src_partition},
         )
         req.touched.add(rank)
+        for signal in msg.stream_routes:
+            req.stream_src[signal] = rank
         self._send(rank, msg)
 
     def _on_walk_done(self, done: m.WalkDone) -> None:
@@ -297,7 +315,6 @@ class Conductor:
             k: (v if isinstance(v, m.TensorRef) else decode_tensor(v, torch.device("cpu")))
             for k, v in done.outputs.items()
         }
-        req.walk_index += 1
         partition = req.partitions.partition_of(done.walk)
         req.partitions.walk_done(partition)
         req.finish_reason = done.finish_reason or req.finish_reason
@@ -310,8 +327,19 @@ class Conductor:
             self._dispatch(req, step)
             return
         req.partitions.partition_done(partition)
+        self._end_streams(req, partition)
         if req.partitions.request_done:
             self._finish(req, req.state.finish_reason or req.finish_reason or "stop")
+
+    def _end_streams(self, req: _Request, partition: str) -> None:
+        """The producing partition is done: its consumers' buffers get their final chunk (see ``StreamEnd``)."""
+        for edge in self.streams:
+            if edge.src_partition != partition or req.partitions.is_done(edge.dst_partition):
+                continue
+            dst = req.ranks[self._consumer_walk[edge.signal]]
+            src = req.stream_src.get(edge.signal)
+            end = m.StreamEnd(request_id=req.wire_id, signal=edge.signal, forward_to=-1 if src is None else dst)
+            self._send(dst if src is None else src, end)
 
     def _on_emit(self, emit: m.Emit) -> None:
         req = self._by_wire.get(emit.request_id)

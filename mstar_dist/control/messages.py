@@ -114,10 +114,16 @@ class StreamItems(msgspec.Struct, tag=True):
 
 
 class StreamEnd(msgspec.Struct, tag=True):
-    """The producer walk of ``signal`` finished: the consumer's buffer emits its final chunk."""
+    """The producing partition of ``signal`` is done: the consumer's buffer emits its final chunk.
+
+    The conductor sends it to the rank that produced the stream with ``forward_to`` = the consumer's rank; that
+    rank forwards it, so it arrives after every ``StreamItems`` it sent (FIFO per sender). When nothing was
+    produced the conductor sends it to the consumer directly.
+    """
 
     request_id: str
     signal: str
+    forward_to: int = -1
 
 
 # ---- worker -> conductor -------------------------------------------------------------------------------------

@@ -318,16 +318,26 @@ class WalkRun:
         """An input from outside the walk, during it (a streamed chunk, a value from another rank). It is for the
         node's next run: if the node already ran in the current iteration, or a value is already waiting, it waits
         for the next iteration; a third value while one is queued raises ``GraphError``."""
+        self.deliver_many(node, {signal: value})
+
+    def deliver_many(self, node: str, values: dict[str, Any]) -> None:
+        """Several inputs of one node that belong together (a streamed chunk with its ``_final``/``_context``
+        flags): queued for the same run, all or none (``GraphError`` before anything is queued)."""
         if self._done:
-            raise GraphError(f"walk {self.walk!r} is done: cannot deliver {signal!r} to node {node!r}")
+            raise GraphError(f"walk {self.walk!r} is done: cannot deliver {sorted(values)} to node {node!r}")
         frame = self._nodes.get(node)
         if frame is None:
-            raise GraphError(f"walk {self.walk!r}: cannot deliver {signal!r}: no node {node!r} "
+            raise GraphError(f"walk {self.walk!r}: cannot deliver {sorted(values)}: no node {node!r} "
                              f"(nodes: {sorted(self._nodes)})")
-        if signal not in frame.node.inputs + frame.node.optional_inputs:
-            raise GraphError(f"walk {self.walk!r}: cannot deliver {signal!r}: node {node!r} has no such input "
-                             f"(inputs: {list(frame.node.inputs)}, optional: {list(frame.node.optional_inputs)})")
-        self._push(node, signal, value, source=None)
+        for signal in values:
+            if signal not in frame.node.inputs + frame.node.optional_inputs:
+                raise GraphError(f"walk {self.walk!r}: cannot deliver {signal!r}: node {node!r} has no such input "
+                                 f"(inputs: {list(frame.node.inputs)}, optional: {list(frame.node.optional_inputs)})")
+            if len(self._inbox.get((node, signal), ())) >= 2:
+                raise GraphError(f"walk {self.walk!r}: node {node!r} input {signal!r} already holds a value for its "
+                                 f"next run and one for the run after; rejected a third from outside the walk")
+        for signal, value in values.items():
+            self._push(node, signal, value, source=None)
         self._pump()
 
     def stop_loop(self, name: str) -> None:

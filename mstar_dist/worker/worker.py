@@ -365,9 +365,6 @@ class Worker:
         del self._runs[(run.request_id, run.walk)]
         if not self._runs_of(run.request_id):
             self._emits.pop(run.request_id, None)
-        for signal, rank in self._stream_routes.get(run.request_id, {}).items():
-            if signal in run.stream_signals:
-                self._send(rank_name(rank), m.StreamEnd(request_id=run.request_id, signal=signal))
         self._drop_streams(run.request_id, consumer=run)
         outputs: dict[str, m.Value] = {}
         for signal, value in run.outputs.items():
@@ -407,6 +404,10 @@ class Worker:
     def _on_stream(self, msg: m.StreamItems | m.StreamEnd) -> None:
         if msg.request_id in self._removed:
             return
+        if isinstance(msg, m.StreamEnd) and msg.forward_to >= 0:  # we produced it: end it after our items
+            self._flush_emits()
+            self._send(rank_name(msg.forward_to), m.StreamEnd(request_id=msg.request_id, signal=msg.signal))
+            return
         edge = self._stream_edges.get(msg.signal)
         if edge is None:
             log.warning("%s: stream %r for %s is not a streaming edge of this model", self.name, msg.signal,
@@ -433,15 +434,16 @@ class Worker:
             queue = self._chunks[key]
             while queue:
                 chunk = queue[0]
-                try:
-                    run.deliver(edge.dst_node, signal, chunk.data)
-                except GraphError:
-                    break  # the consumer's input queue is full: retry on a later turn
+                values = {signal: chunk.data}
                 optional = self._node_inputs(run, edge.dst_node)
                 if f"{signal}_final" in optional:
-                    run.deliver(edge.dst_node, f"{signal}_final", torch.tensor([chunk.is_final]))
+                    values[f"{signal}_final"] = torch.tensor([chunk.is_final])
                 if f"{signal}_context" in optional:
-                    run.deliver(edge.dst_node, f"{signal}_context", torch.tensor([chunk.n_context]))
+                    values[f"{signal}_context"] = torch.tensor([chunk.n_context])
+                try:
+                    run.deliver_many(edge.dst_node, values)
+                except GraphError:
+                    break  # the consumer's input queue is full: retry on a later turn
                 queue.popleft()
         for key in [k for k, q in self._chunks.items() if not q]:
             del self._chunks[key]

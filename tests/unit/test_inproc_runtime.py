@@ -1,0 +1,70 @@
+"""Conductor + workers wired in one process (tests/inproc.py): partitions, streaming edges across ranks, Parallel
+walks, replicas, and the leak canary, with the real message encoding and no processes. A failure here points at
+the runtime's request lifecycle rather than at sockets or process groups.
+"""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from mstar_dist.server.backend import BackendError, Finished, GenerationParams, TextDelta
+from tests.e2e.test_toy_streaming import expected
+from tests.inproc import InProcDeployment
+from tests.toy_model import ToyAudioModel, ToyModel
+
+REPO_TESTS = __import__("pathlib").Path(__file__).resolve().parents[1]
+
+
+def text_of(events) -> str:
+    return "".join(e.text for e in events if isinstance(e, TextDelta))
+
+
+def params(rid, prompt, max_tokens):
+    return GenerationParams(request_id=rid, prompt=prompt, messages=None, max_tokens=max_tokens)
+
+
+def audio_deployment(placement: list[dict], world_size: int) -> InProcDeployment:
+    cfg = yaml.safe_load((REPO_TESTS / "toy_audio_deploy.yaml").read_text())
+    cfg["node_groups"] = placement
+    return InProcDeployment(ToyAudioModel(None, batch_sleep_s=0), cfg, world_size)
+
+
+PLACEMENTS = {
+    "colocated": ([{"node_names": ["ADD", "TWICE"], "ranks": [0], "graph_walks": ["start"]},
+                   {"node_names": ["COUNT"], "ranks": [0], "graph_walks": ["count"]},
+                   {"node_names": ["CODEC"], "ranks": [0], "graph_walks": ["codec"]}], 1),
+    "split": ([{"node_names": ["ADD", "TWICE"], "ranks": [0], "graph_walks": ["start"]},
+               {"node_names": ["COUNT"], "ranks": [1], "graph_walks": ["count"]},
+               {"node_names": ["CODEC"], "ranks": [2], "graph_walks": ["codec"]}], 3),
+    "replicas": ([{"node_names": ["ADD", "TWICE"], "ranks": [0], "graph_walks": ["start"]},
+                  {"node_names": ["COUNT"], "ranks": [1, 2], "graph_walks": ["count"]},
+                  {"node_names": ["CODEC"], "ranks": [0, 3], "graph_walks": ["codec"]}], 4),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PLACEMENTS))
+def test_streaming_partition_gives_the_same_text_on_every_placement(name):
+    dep = audio_deployment(*PLACEMENTS[name])
+    cases = [(5, 8), (0, 7), (100, 2), (40, 1), (7, 30)]
+    events = dep.run([params(f"r{i}", f"start={s}", n) for i, (s, n) in enumerate(cases)])
+    assert [text_of(ev) for ev in events] == [expected(s, n) for s, n in cases]
+    assert all(isinstance(ev[-1], Finished) for ev in events)
+    for worker in dep.workers:  # nothing left behind on any rank
+        assert worker._runs == {} and worker._streams == {} and worker.store.live_tensors == 0
+
+
+def test_partition_that_starts_done_does_not_block_the_request():
+    dep = audio_deployment(*PLACEMENTS["split"])
+    (events,) = dep.run([params("n", "start=3 no-audio", 5)])
+    assert text_of(events) == expected(3, 5, audio=False)
+
+
+def test_failure_in_one_request_leaves_the_batch_mates_alone():
+    cfg = yaml.safe_load((REPO_TESTS / "toy_deploy.yaml").read_text())
+    dep = InProcDeployment(ToyModel(None, batch_sleep_s=0), cfg, 2)
+    events = dep.run([params("ok1", "start=0", 6), params("bad", "fail-forward", 6), params("ok2", "start=50", 6),
+                      params("stop", "fail-stop", 6)])
+    assert text_of(events[0]) == "1 2 3 4 5 6 " and text_of(events[2]) == "51 52 53 54 55 56 "
+    assert isinstance(events[1][-1], BackendError) and "injected forward failure" in str(events[1][-1])
+    assert isinstance(events[3][-1], BackendError) and "stop-check" in str(events[3][-1])
