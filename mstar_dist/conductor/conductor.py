@@ -13,6 +13,7 @@ import hashlib
 import logging
 import queue
 import random
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -181,6 +182,9 @@ class Conductor:
             return
         if env.token != self.token:
             log.warning("conductor: rejected a message from %r with a foreign deployment token", sender)
+            return
+        if env.sender != sender or not re.fullmatch(r"rank\d+", sender):
+            log.warning("conductor: rejected a message from unknown sender %r (claims %r)", sender, env.sender)
             return
         body = env.body
         if isinstance(body, m.Emit):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import re
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ from mstar_dist.transport.inline import decode_tensor, encode_tensor
 log = logging.getLogger(__name__)
 
 CONDUCTOR = "conductor"
+_RANK_NAME = re.compile(r"rank\d+")
 
 
 def rank_name(global_rank: int) -> str:
@@ -55,6 +57,8 @@ class _Outgoing:
     transfer: Any
     uuid: str
     release: bool
+    dst: int = -1
+    since: float = field(default_factory=time.monotonic)
 
 
 class Worker:
@@ -133,6 +137,10 @@ class Worker:
         if env.token != self.token:
             log.warning("%s: rejected a message from %r with a foreign deployment token", self.name, sender)
             return
+        if env.sender != sender or not (sender == CONDUCTOR or _RANK_NAME.fullmatch(sender)):
+            log.warning("%s: rejected a message from unknown sender %r (claims to be %r)", self.name, sender,
+                        env.sender)
+            return
         body = env.body
         if isinstance(body, m.RunWalk):
             self._on_run_walk(body)
@@ -195,7 +203,7 @@ class Worker:
                 dtype=str(tensor.dtype).removeprefix("torch."),
             ),
         )
-        self._outgoing.append(_Outgoing(self.transport.send(tensor, msg.dst), msg.uuid, msg.release))
+        self._outgoing.append(_Outgoing(self.transport.send(tensor, msg.dst), msg.uuid, msg.release, msg.dst))
 
     def _remove(self, request_id: str) -> None:
         self._removed[request_id] = None
@@ -215,6 +223,7 @@ class Worker:
     # ---- transfers ----
     def _poll_transfers(self) -> None:
         still = []
+        now = time.monotonic()
         for out in self._outgoing:
             if out.transfer.done():
                 if out.release:
@@ -222,6 +231,14 @@ class Worker:
                         self.store.unpersist(out.uuid)
                     except KeyError:
                         pass  # the request was removed meanwhile
+            elif now - out.since > self.transfer_timeout_s:
+                # a send that never completes: the pair is dead for good (DESIGN §7); the consumer's input wait
+                # times out and fails its request
+                log.error("%s: send of %s to rank %d did not complete within %.0f s; aborting the pair",
+                          self.name, out.uuid, out.dst, self.transfer_timeout_s)
+                abort = getattr(self.transport, "abort_pair", None)
+                if abort is not None:
+                    abort(self.global_rank, out.dst, reason="send timed out")
             else:
                 still.append(out)
         self._outgoing = still

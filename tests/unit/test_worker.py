@@ -149,6 +149,16 @@ def test_foreign_token_is_rejected():
     assert dones(channel) == {}
 
 
+def test_unknown_or_spoofing_sender_is_rejected():
+    worker, channel, *_ = make_worker()
+    channel.inbox.append(("intruder", m.encode(TOKEN, "intruder", run_walk("a", 0))))
+    channel.inbox.append(("rank3", m.encode(TOKEN, "conductor", run_walk("b", 0))))  # claims another name
+    for s, payload in channel.recv():
+        worker._handle(s, payload)
+    turn(worker)
+    assert dones(channel) == {}
+
+
 def test_remove_that_overtakes_its_run_walk_is_honoured():
     worker, channel, *_ = make_worker()
     deliver(worker, channel, m.RemoveRequest(request_id="gone"))
