@@ -47,6 +47,9 @@ class ConductorBackend:
             return False, f"starting: {len(c.ready_ranks)}/{c.world_size} ranks ready"
         if c.stopped.is_set():
             return False, "shutting down"
+        down = c.unservable_walks()
+        if down:
+            return False, f"no live replica for walks {down}; dead ranks: {c.dead_ranks}"
         return True, "ok"
 
     def metrics_text(self) -> str:

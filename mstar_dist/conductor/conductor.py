@@ -85,6 +85,7 @@ class Conductor:
         max_concurrent: int,
         request_timeout_s: float,
         rank_hosts: dict[int, str],
+        rank_timeout_s: float = 30.0,
     ):
         self.model = model
         self.placement = placement
@@ -93,6 +94,9 @@ class Conductor:
         self.world_size = world_size
         self.max_concurrent = max_concurrent
         self.request_timeout_s = request_timeout_s
+        self.rank_timeout_s = rank_timeout_s
+        self.last_seen: dict[int, float] = {}
+        self.dead_ranks: dict[int, str] = {}
         self.rank_hosts = rank_hosts
         self.graphs = model.graphs()
         self.persist_signals = {
@@ -111,6 +115,7 @@ class Conductor:
             for e in self.streams
         }
         self.metrics = Metrics(world_size)
+        self.metrics.dead_ranks = self.dead_ranks
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.ready_ranks: dict[int, float] = {}
         self.failed: str | None = None
@@ -151,6 +156,7 @@ class Conductor:
             if now - last_check > 0.2:
                 last_check = now
                 self._check_timeouts(now)
+                self._check_ranks(now)
         self._fail_all(503, "the server is shutting down")
 
     def broadcast(self, body: m.Message) -> None:
@@ -187,6 +193,10 @@ class Conductor:
             log.warning("conductor: rejected a message from unknown sender %r (claims %r)", sender, env.sender)
             return
         body = env.body
+        rank = int(sender[4:])
+        self.last_seen[rank] = time.monotonic()
+        if rank in self.dead_ranks:
+            return  # declared dead: its requests were failed; it must not come back half-way
         if isinstance(body, m.Emit):
             self._on_emit(body)
         elif isinstance(body, m.WalkDone):
@@ -231,7 +241,8 @@ class Conductor:
             return
         ranks = self._choose_ranks()
         if ranks is None:
-            sink(BackendError(503, "no live replica can serve this request"))
+            dead = ", ".join(f"rank {r} ({why})" for r, why in sorted(self.dead_ranks.items()))
+            sink(BackendError(503, f"no live replica can serve this request; dead: {dead}"))
             return
         self._incarnation += 1
         req = _Request(state=state, params=params, sink=sink, ranks=ranks, arrived=time.monotonic(),
@@ -262,7 +273,7 @@ class Conductor:
             node = next(iter_nodes(section)).name
             replica = choose_replica(
                 self.placement.replicas(walk, node),
-                live_ranks=set(range(self.world_size)),
+                live_ranks=set(range(self.world_size)) - set(self.dead_ranks),
                 hosts_used={self.rank_hosts[r] for r in chosen.values()},
                 ranks_used=set(chosen.values()),
                 rank_host=self.rank_hosts,
@@ -424,6 +435,28 @@ class Conductor:
             if now - req.arrived > self.request_timeout_s:
                 self._finish_error(req, 504, f"request timed out after {self.request_timeout_s:g} s "
                                              f"(limits.request_timeout_s)")
+
+    def _check_ranks(self, now: float) -> None:
+        """Declare ranks that went silent dead (DESIGN §10) and fail every request that touches them."""
+        if not self.serving:
+            return
+        for rank in range(self.world_size):
+            seen = self.last_seen.get(rank, now)
+            if rank in self.dead_ranks or now - seen <= self.rank_timeout_s:
+                continue
+            host = self.rank_hosts.get(rank, "?")
+            why = f"silent for {now - seen:.0f} s on host {host}"
+            self.dead_ranks[rank] = why
+            log.error("rank %d declared dead: %s (limits.rank_timeout_s=%g)", rank, why, self.rank_timeout_s)
+            for req in list(self._active.values()):
+                if rank in req.touched or rank in req.ranks.values():
+                    self._finish_error(req, 503, f"rank {rank} on host {host} died ({why}); retry the request")
+
+    def unservable_walks(self) -> list[str]:
+        """Walks with no live replica left (the service is down for them)."""
+        live = set(range(self.world_size)) - set(self.dead_ranks)
+        return [walk for walk, section in self.graphs.items()
+                if not any(set(r.ranks) <= live for r in self.placement.replicas(walk, next(iter_nodes(section)).name))]
 
     def _fail_all(self, status: int, message: str) -> None:
         for req in list(self._active.values()):

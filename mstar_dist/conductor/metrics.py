@@ -35,6 +35,7 @@ class Metrics:
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
         self.rank_stats: dict[int, Any] = {}
+        self.dead_ranks: dict[int, str] = {}
         self.requests_received = 0
         self.finished: collections.Counter[str] = collections.Counter()
         self.tokens_generated = 0
@@ -66,6 +67,9 @@ class Metrics:
             "# TYPE mstar_dist_time_to_first_token_seconds histogram",
             *self.ttft.lines("mstar_dist_time_to_first_token_seconds"),
         ]
+        lines.append("# TYPE mstar_dist_rank_up gauge")
+        for rank in range(self.world_size):
+            lines.append(f'mstar_dist_rank_up{{rank="{rank}"}} {0 if rank in self.dead_ranks else 1}')
         gauges = [
             ("live_tensors", "gauge", "live_tensors"),
             ("live_tensor_bytes", "gauge", "live_bytes"),

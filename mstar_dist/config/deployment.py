@@ -110,9 +110,14 @@ class Limits:
     """Seconds a request may run before it is aborted everywhere."""
     max_tokens: int = 2048
     """The most tokens one request may ask for (a larger ask is a 4xx)."""
+    rank_timeout_s: float = 30.0
+    """Seconds without any message from a rank (each sends its gauges every 0.5 s) before the conductor declares
+    it dead: its in-flight requests fail with a 5xx naming it and new requests avoid it. Longer than the slowest
+    step (a long prefill on CPU)."""
 
     def __post_init__(self) -> None:
         read_int(self.max_concurrent_requests, "max_concurrent_requests", minimum=1)
+        object.__setattr__(self, "rank_timeout_s", read_positive_float(self.rank_timeout_s, "rank_timeout_s"))
         object.__setattr__(self, "request_timeout_s", read_positive_float(self.request_timeout_s, "request_timeout_s"))
         read_int(self.max_tokens, "max_tokens", minimum=1)
 

@@ -228,6 +228,7 @@ def _start_front(dep: Deployment, channel: ControlChannel, timeout_s: float, sto
         model=dep.model, placement=dep.placement, channel=channel, token=dep.token,
         world_size=dep.cluster.world_size, max_concurrent=cfg.limits.max_concurrent_requests,
         request_timeout_s=cfg.limits.request_timeout_s, rank_hosts=dep.cluster.rank_hosts(),
+        rank_timeout_s=cfg.limits.rank_timeout_s,
     )
     conductor.wait_ready(timeout_s)
     print(dep.placement.describe(dep.cluster), flush=True)

@@ -183,7 +183,10 @@ class Worker:
 
     def _on_tensor_desc(self, desc: m.TensorDesc) -> None:
         # Post the receive now, in descriptor order, whatever the request's state: the sender is already sending.
-        transfer = self.transport.recv(desc.shape, _dtype(desc.dtype), desc.src)
+        try:
+            transfer = self.transport.recv(desc.shape, _dtype(desc.dtype), desc.src)
+        except Exception as exc:  # a dead pair: the waiting walk fails with this reason
+            transfer = _Failed(f"{type(exc).__name__}: {exc}")
         self._incoming[desc.uuid] = transfer
         self._incoming_req[desc.uuid] = desc.request_id
 
@@ -203,7 +206,12 @@ class Worker:
                 dtype=str(tensor.dtype).removeprefix("torch."),
             ),
         )
-        self._outgoing.append(_Outgoing(self.transport.send(tensor, msg.dst), msg.uuid, msg.release, msg.dst))
+        try:
+            transfer = self.transport.send(tensor, msg.dst)
+        except Exception as exc:  # a dead pair: the consumer's wait for this input fails it
+            log.error("%s: cannot send %s to rank %d: %s", self.name, msg.uuid, msg.dst, exc)
+            return
+        self._outgoing.append(_Outgoing(transfer, msg.uuid, msg.release, msg.dst))
 
     def _remove(self, request_id: str) -> None:
         self._removed[request_id] = None
@@ -225,7 +233,10 @@ class Worker:
         still = []
         now = time.monotonic()
         for out in self._outgoing:
-            if out.transfer.done():
+            state = _state(out.transfer)
+            if state not in ("done", "pending"):
+                log.error("%s: send of %s to rank %d failed: %s", self.name, out.uuid, out.dst, state)
+            elif state == "done":
                 if out.release:
                     try:
                         self.store.unpersist(out.uuid)
@@ -244,7 +255,8 @@ class Worker:
         self._outgoing = still
         for key in list(self._waiting):
             self._try_start_waiting(key)
-        for uuid in [u for u, t in self._incoming.items() if self._incoming_req[u] in self._removed and t.done()]:
+        for uuid in [u for u, t in self._incoming.items()
+                     if self._incoming_req[u] in self._removed and _state(t) != "pending"]:
             del self._incoming[uuid], self._incoming_req[uuid]
 
     def _try_start_waiting(self, key: tuple[str, str]) -> None:
@@ -253,7 +265,12 @@ class Worker:
         for name in waiting.missing:
             ref = waiting.msg.inputs[name]
             transfer = self._incoming.get(ref.uuid)
-            if transfer is None or not transfer.done():
+            state = "pending" if transfer is None else _state(transfer)
+            if state not in ("done", "pending"):
+                del self._waiting[key], self._incoming[ref.uuid], self._incoming_req[ref.uuid]
+                self._fail(waiting.msg, f"input {name!r} from rank {ref.rank} failed: {state}")
+                return
+            if state == "pending":
                 if time.monotonic() - waiting.since > self.transfer_timeout_s:
                     del self._waiting[key]
                     self._fail(waiting.msg, f"input {name!r} from rank {ref.rank} did not arrive within "
@@ -502,6 +519,24 @@ class Worker:
             host_staging_copies=int(st.get("host_staging_copies", 0)),
             engine=dict(engine),
         ))
+
+
+class _Failed:
+    """Stands for a transfer that could not even be posted."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+    def done(self) -> bool:
+        raise RuntimeError(self.reason)
+
+
+def _state(transfer: Any) -> str:
+    """``"done"``, ``"pending"``, or the error that broke the transfer (a dead peer raises at once)."""
+    try:
+        return "done" if transfer.done() else "pending"
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
 
 
 def _dtype(name: str) -> torch.dtype:

@@ -18,6 +18,26 @@ REPO = Path(__file__).resolve().parents[2]
 WEIGHTS = os.path.expanduser(os.environ.get("MSTAR_TEST_WEIGHTS", "~/.cache/mstar_dist/smollm2-135m-instruct"))
 
 
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (from /proc), children first."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -85,8 +105,19 @@ class Server:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-6000:]
 
+    def kill_node(self, node: int) -> None:
+        """SIGKILL one torchrun agent and every rank it started: the host dies (its workers run in their own
+        sessions, so killing the agent's process group alone would orphan them)."""
+        victims = [self.procs[node].pid, *descendants(self.procs[node].pid)]
+        for pid in victims:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
     def stop(self, timeout: float = 30.0) -> int | None:
-        """SIGTERM every torchrun agent's process group, then SIGKILL what is left; returns node 0's status."""
+        """SIGTERM every torchrun agent, then SIGKILL whatever is left of it and its ranks; returns node 0's status."""
+        family = {proc.pid: descendants(proc.pid) for proc in self.procs}
         for proc in self.procs:
             if proc.poll() is None:
                 try:
@@ -98,10 +129,11 @@ class Server:
                 proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 pass
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # the agent's workers share its process group
-            except ProcessLookupError:
-                pass
+            for pid in [proc.pid, *family[proc.pid]]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             proc.wait(10)
         self._log.close()
         return self.proc.returncode

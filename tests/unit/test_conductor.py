@@ -155,3 +155,27 @@ def test_late_messages_for_finished_requests_are_dropped():
     emit(c, wire, 1)
     from_rank(c, m.WalkDone(request_id=wire, walk="start", rank=0, outputs={}))
     assert events == []  # an aborted request's client hears nothing more
+
+
+def test_silent_rank_is_declared_dead_its_requests_fail_and_new_ones_avoid_it():
+    c, ch = make(max_concurrent=50)
+    c.serving, c.rank_timeout_s = True, 5.0
+    now = 1000.0
+    c.last_seen = {0: now, 1: now, 2: now}
+    events = submit(c, params("on-count", max_tokens=8))
+    wire = walks_sent(ch, "start")[0][1].request_id
+    from_rank(c, m.WalkDone(request_id=wire, walk="start", rank=0, outputs={"x": encode_tensor(torch.tensor([1]))}))
+    (peer, _), = walks_sent(ch, "count")
+    victim = int(peer[4:])
+    c.last_seen = {0: now, 1: now, 2: now, victim: now - 10}
+    c._check_ranks(now)
+    assert isinstance(events[-1], BackendError) and events[-1].status == 503
+    assert f"rank {victim} on host h died" in str(events[-1])
+    assert f'mstar_dist_rank_up{{rank="{victim}"}} 0' in c.metrics.render(active=0, queued=0)
+    for i in range(6):  # every new request avoids the dead replica
+        submit(c, params(f"n{i}", max_tokens=8))
+        assert c._active[f"n{i}"].ranks["count"] != victim
+    assert c.unservable_walks() == []
+    c.dead_ranks[3 - victim] = "also dead"
+    assert c.unservable_walks() == ["count"]
+    assert submit(c, params("none-left"))[0].status == 503

@@ -1,0 +1,63 @@
+"""A host dies under load (DESIGN §10): two hosts on loopback, each with a SmolLM2 prefill and a decode replica
+(host A: ranks 0, 1; host B: ranks 2, 3; a request stays on one host); host B's torchrun is killed. A failure means requests on the dead host hang
+instead of failing fast with a 5xx naming the rank, new requests still go to it, or the service does not stay up
+on the surviving replica.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import re
+import time
+
+import httpx
+
+from tests.e2e.server import REPO, Server
+
+CONFIG = {
+    "node_groups": [
+        {"node_names": ["LLM"], "ranks": [0, 2], "graph_walks": ["prefill"]},
+        {"node_names": ["LLM"], "ranks": [1, 3], "graph_walks": ["decode"]},
+    ],
+    "cluster": {"hosts": [{"name": "host-a", "addr": "127.0.0.1", "devices": [0, 1]},
+                          {"name": "host-b", "addr": "127.0.0.2", "devices": [0, 1]}]},
+    "limits": {"max_concurrent_requests": 16, "request_timeout_s": 120, "max_tokens": 512, "rank_timeout_s": 3},
+}
+
+
+def stream(base_url: str, i: int) -> str:
+    body = {"prompt": f"Tell me a long story number {i}.", "stream": True,
+            "model_kwargs": {"max_tokens": 400, "temperature": 0.9, "seed": i}}
+    with httpx.stream("POST", f"{base_url}/generate", json=body, timeout=120) as r:
+        last = ""
+        for line in r.iter_lines():
+            if line.strip():
+                last = line
+    return last
+
+
+def test_requests_on_a_dead_host_fail_fast_and_the_survivor_serves():
+    server = Server(REPO / "launch/configs/smollm2_dp.yaml", 0, nodes=[2, 2], overrides=CONFIG)
+    try:
+        with cf.ThreadPoolExecutor(6) as pool:
+            futures = [pool.submit(stream, server.base_url, i) for i in range(6)]
+            time.sleep(4)  # every request is decoding by now
+            server.kill_node(1)  # host B: its agent and its ranks
+            t_kill = time.monotonic()
+            finals = [f.result(timeout=120) for f in futures]
+        elapsed = time.monotonic() - t_kill
+        errors = [f for f in finals if '"error"' in f]
+        assert errors, f"some of the 6 requests were on host B: {finals}"
+        assert all(re.search(r"rank [23] on host host-b died", e) for e in errors), errors
+        assert len(errors) < 6, "the requests on host A must complete"
+        assert elapsed < 60, "the requests on the dead host must fail fast, not wait for their timeout"
+        metrics = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+        assert re.search(r'^mstar_dist_rank_up\{rank="2"\} 0$', metrics, re.M)
+        assert re.search(r'^mstar_dist_rank_up\{rank="3"\} 0$', metrics, re.M)
+        assert httpx.get(f"{server.base_url}/health", timeout=10).status_code == 200  # host A still serves
+        for i in range(3):
+            r = httpx.post(f"{server.base_url}/generate", timeout=60, json={
+                "prompt": "Hello", "model_kwargs": {"max_tokens": 8, "seed": i}})
+            assert r.status_code == 200, r.text
+    finally:
+        server.stop()
