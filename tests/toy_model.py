@@ -199,3 +199,53 @@ class Doubler(Component):
 
     def run_batch(self, calls):
         return [NodeResult({"twice": call.inputs["x"] * 2}) for call in calls]
+
+
+class Blob(Component):
+    """MAKE: x -> a kept 80 KB tensor full of x (too big to inline); USE: blob -> its sum; PEEK: blob -> its max."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def run_batch(self, calls):
+        out = []
+        for call in calls:
+            if self.name == "MAKE":
+                out.append(NodeResult({"blob": torch.full((20_000,), float(call.inputs["x"]))}))
+            elif self.name == "USE":
+                out.append(NodeResult({"s": call.inputs["blob"].sum().reshape(1)}))
+            else:
+                out.append(NodeResult({"s": call.inputs["blob"].max().reshape(1)}))
+        return out
+
+
+class ToyFanoutModel(ToyModel):
+    """One kept tensor consumed by two later walks: ``make`` persists ``blob``; ``use`` (keeps it) and ``peek``
+    (consumes it for the last time) read it, wherever they run. Text: ``"<sum> <max> "``."""
+
+    name = "toy_fanout"
+
+    def graphs(self):
+        return {
+            "make": GraphNode("MAKE", inputs=("x",), outputs=(Edge("blob", persist=True),)),
+            "use": GraphNode("USE", inputs=("blob",), outputs=(Edge("s", EMIT_TO_CLIENT),)),
+            "peek": GraphNode("PEEK", inputs=("blob",), outputs=(Edge("s", EMIT_TO_CLIENT),)),
+        }
+
+    def build_component(self, node: str, *, device: str, walks: set[str]) -> Component:
+        return Blob(node)
+
+    def start(self, state):
+        return WalkStep("make", {"x": torch.tensor([state.data["x"]])})
+
+    def after_walk(self, state, walk, outputs):
+        if walk == "make":
+            state.data["blob"] = outputs["blob"]
+            return WalkStep("use", {"blob": state.data["blob"]}, keep=frozenset({"blob"}))
+        if walk == "use":
+            return WalkStep("peek", {"blob": state.data["blob"]})
+        return None
+
+    def postprocess(self, state, signal, values):
+        state.completion_tokens += len(values)
+        return "".join(f"{float(v):g} " for v in values)

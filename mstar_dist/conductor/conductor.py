@@ -290,10 +290,16 @@ class Conductor:
         partition = req.partitions.partition_of(step.walk)
         walk_index = req.partitions.walks_done(partition)
         inputs: dict[str, m.Value] = {}
+        release: list[str] = []
         for name, value in step.inputs.items():
             if isinstance(value, m.TensorRef):
+                # one persist count per kept tensor: consumed here unless the model keeps it for a later walk
+                last_use = name not in step.keep
                 if value.rank != rank:
-                    self._send(value.rank, m.Push(request_id=req.wire_id, uuid=value.uuid, dst=rank))
+                    self._send(value.rank, m.Push(request_id=req.wire_id, uuid=value.uuid, dst=rank,
+                                                  release=last_use))
+                elif last_use:
+                    release.append(name)
                 inputs[name] = value
             else:
                 inputs[name] = encode_tensor(value)
@@ -312,6 +318,7 @@ class Conductor:
             stop_token_ids=self.stop_ids,
             stream_routes={e.signal: req.ranks[self._consumer_walk[e.signal]] for e in self.streams
                            if partition == e.src_partition},
+            release=release,
         )
         req.touched.add(rank)
         for signal in msg.stream_routes:

@@ -58,6 +58,8 @@ class RunWalk(msgspec.Struct, tag=True):
     stop_token_ids: list[int] = []
     stream_routes: dict[str, int] = {}
     """Streaming signals this walk produces -> global rank of the consuming walk (another partition)."""
+    release: list[str] = []
+    """Inputs that are tensors kept on the receiving rank itself and consumed by this walk: unpersist once read."""
 
 
 class Push(msgspec.Struct, tag=True):

@@ -22,6 +22,9 @@ class WalkStep:
     walk: str
     inputs: dict[str, Any]
     loop_limits: dict[str, int] = field(default_factory=dict)
+    keep: frozenset[str] = frozenset()
+    """Inputs that are kept tensors (walk outputs with ``persist``) a later walk will consume again. Every other
+    kept-tensor input is consumed by this walk: its producer drops it once it is sent (or read, on its own rank)."""
 
 
 @dataclass

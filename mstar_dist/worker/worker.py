@@ -287,6 +287,8 @@ class Worker:
     def _start_walk(self, msg: m.RunWalk, received: dict[str, torch.Tensor]) -> None:
         try:
             inputs = {name: self._resolve(value, received.get(name)) for name, value in msg.inputs.items()}
+            for name in msg.release:  # consumed here, on the producer's own rank: the walk holds the tensor now
+                self.store.unpersist(msg.inputs[name].uuid)
             section = self.graphs[msg.walk]
             ctx = WalkContext(
                 request_id=msg.request_id,

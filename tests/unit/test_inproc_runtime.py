@@ -68,3 +68,29 @@ def test_failure_in_one_request_leaves_the_batch_mates_alone():
     assert text_of(events[0]) == "1 2 3 4 5 6 " and text_of(events[2]) == "51 52 53 54 55 56 "
     assert isinstance(events[1][-1], BackendError) and "injected forward failure" in str(events[1][-1])
     assert isinstance(events[3][-1], BackendError) and "stop-check" in str(events[3][-1])
+
+
+@pytest.mark.parametrize("use_rank, peek_rank", [(1, 0), (1, 2), (0, 0)])
+def test_kept_tensor_serves_every_consumer_then_is_freed(use_rank, peek_rank):
+    from mstar_dist.control import messages as m
+    from tests.toy_model import ToyFanoutModel
+
+    cfg = {"model": "tests.toy_model:ToyFanoutModel", "node_groups": [
+        {"node_names": ["MAKE"], "ranks": [0], "graph_walks": ["make"]},
+        {"node_names": ["USE"], "ranks": [use_rank], "graph_walks": ["use"]},
+        {"node_names": ["PEEK"], "ranks": [peek_rank], "graph_walks": ["peek"]}]}
+    dep = InProcDeployment(ToyFanoutModel(None), cfg, 3)
+    sent = []
+    bus_send = dep.conductor.channel.send
+    dep.conductor.channel.send = lambda peer, payload: (sent.append(m.decode(payload).body), bus_send(peer, payload))
+    (events,) = dep.run([params("f", "start=3", 4)])
+    assert text_of(events) == "60000 3 "
+    pushes = [b for b in sent if isinstance(b, m.Push)]
+    walks = {b.walk: b for b in sent if isinstance(b, m.RunWalk)}
+    # the first consumer keeps it (no release), the last one consumes the producer's one persist count
+    expect = [(use_rank, False), (peek_rank, True)]
+    assert [(p.dst, p.release) for p in pushes] == [(r, rel) for r, rel in expect if r != 0]
+    assert walks["peek"].release == (["blob"] if peek_rank == 0 else [])
+    assert walks["use"].release == []
+    for worker in dep.workers:
+        assert worker.store.live_tensors == 0
