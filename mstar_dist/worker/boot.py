@@ -2,7 +2,9 @@
 
 Every rank runs :func:`serve`. The steps and who they wait for:
 1. parse the YAML into the immutable deployment (pure; identical on every rank);
-2. identify this process in the cluster spec against torchrun's variables (ValueError on any mismatch);
+2. identify this process in the cluster spec against torchrun's variables (ValueError on any mismatch); the
+   process group is joined with this *logical* global rank (under c10d rendezvous torchrun's RANK may differ; the
+   agent's store accepts any permutation), so every rank number in the runtime is a logical one;
 3. ``init_process_group`` (gloo on CPU, ``cuda:nccl,cpu:gloo`` on GPUs), then one pair group per directed edge
    pair, created on every rank in one order, and warmed — a collective step: blocks until all ranks join or
    ``--startup-timeout`` passes;

@@ -2,14 +2,17 @@
 
 Runs on the main thread and issues *all* of this rank's torch.distributed work (sends and receives on the pair
 groups), so NCCL ops of a rank are never issued from two threads. Each turn of the loop:
-1. drains the control socket (``RunWalk``, ``Push``, ``TensorDesc``, ``StopLoops``, ``RemoveRequest``);
+1. drains the control socket (``RunWalk``, ``Push``, ``TensorDesc``, ``StreamItems``/``StreamEnd``, ``StopLoops``,
+   ``RemoveRequest``); a message that overtakes its request's ``RunWalk`` is kept and applied when it starts;
 2. polls in-flight transfers (a receive completes a waiting walk's input; a send releases the producer's ref);
 3. feeds streamed chunks (from producer walks of other partitions, through each edge's chunk policy) into the
    consuming walks;
 4. gathers every walk's ready node calls, hands each component all of its calls at once (continuous batching),
    and routes the results (``Emit`` to the conductor, ``StreamItems`` to a consumer rank, ``WalkDone`` when a
-   walk ends, then ``StreamEnd`` for each signal it streamed).
-A request that fails on this rank is reported in ``WalkDone.error``; the rank lives on.
+   walk ends). A ``StreamEnd`` the conductor routes through this rank is forwarded after its items.
+A request that fails on this rank is reported in ``WalkDone.error``; the rank lives on. Walks are keyed by
+(request, walk): two partitions of one request may run on the same rank. The loop never spins: it blocks on the
+control socket unless a call is runnable (1 ms slices while transfers are in flight).
 """
 
 from __future__ import annotations
