@@ -8,7 +8,6 @@ failure, with a message naming the rank, host and cause.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 
@@ -31,12 +30,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     rank = os.environ.get("RANK", "?")
-    logging.basicConfig(
-        level=args.log_level,
-        format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    from mstar_dist.worker.boot import serve
+    from mstar_dist.worker.boot import configure_logging, serve
+
+    configure_logging(args.log_level, f"torch rank {rank}")  # boot relabels it with the logical rank
 
     try:
         return serve(args)

@@ -74,6 +74,16 @@ class Deployment:
         return cls(config=config, cluster=cluster, model=model, placement=placement, token=token)
 
 
+def configure_logging(level: str, label: str) -> None:
+    """One stderr handler whose lines carry ``label`` (the rank); calling it again relabels the lines."""
+    root = logging.getLogger()
+    root.setLevel(level)
+    if not root.handlers:
+        root.addHandler(logging.StreamHandler())
+    for handler in root.handlers:
+        handler.setFormatter(logging.Formatter(f"%(asctime)s [{label}] %(levelname)s %(name)s: %(message)s"))
+
+
 def _hostnames() -> set[str]:
     names = {socket.gethostname(), socket.getfqdn()}
     try:
@@ -135,6 +145,7 @@ def serve(args: argparse.Namespace) -> int:
     info = identify(dep.cluster, env, _hostnames())
     rank = info.global_rank
     where = f"rank {rank} on host {info.host_name}"
+    configure_logging(logging.getLogger().level, f"rank {rank}")
     device = device_for(info, torch.cuda.is_available())
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))

@@ -48,7 +48,7 @@ class Server:
     """``torchrun --standalone --nproc-per-node N -m mstar_dist.serve CONFIG`` in its own process group."""
 
     def __init__(self, config: str | Path, nproc: int, *, overrides: dict | None = None, args: tuple = (),
-                 startup_timeout: float = 240.0, nodes: list[int] | None = None):
+                 startup_timeout: float = 240.0, nodes: list[int] | None = None, rdzv: str = "static"):
         data = yaml.safe_load(Path(config).read_text())
         data["weights"] = WEIGHTS
         for key, value in (overrides or {}).items():
@@ -67,18 +67,24 @@ class Server:
         self.procs: list[subprocess.Popen] = []
         for node_rank, n in enumerate(nodes):
             # one host: --standalone; several: static rendezvous on loopback (host k of the spec = node rank k)
-            rdzv = (["--standalone"] if len(nodes) == 1 else
-                    [f"--nnodes={len(nodes)}", f"--node-rank={node_rank}", "--master-addr=127.0.0.1",
-                     f"--master-port={master_port}"])
+            node_env = dict(env)
             if len(nodes) == 1:
-                rdzv.append(f"--master-port={master_port}")
+                flags = ["--standalone", f"--master-port={master_port}"]
+            elif rdzv == "static":
+                flags = [f"--nnodes={len(nodes)}", f"--node-rank={node_rank}", "--master-addr=127.0.0.1",
+                         f"--master-port={master_port}"]
+            else:  # c10d: node ranks arrive in any order; hosts are named by MSTAR_NODE_RANK
+                flags = [f"--nnodes={len(nodes)}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{master_port}",
+                         "--rdzv-id=mstar-test", f"--local-addr=127.0.0.{node_rank + 1}",
+                         f"--rdzv-conf=is_host={'true' if node_rank == 0 else 'false'}"]
+                node_env["MSTAR_NODE_RANK"] = str(node_rank)
             cmd = [
-                sys.executable, "-m", "torch.distributed.run", *rdzv, f"--nproc-per-node={n}",
+                sys.executable, "-m", "torch.distributed.run", *flags, f"--nproc-per-node={n}",
                 "-m", "mstar_dist.serve", str(self.config_path),
                 "--port", str(self.port), "--startup-timeout", str(startup_timeout), *args,
             ]
-            self.procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                               start_new_session=True))
+            self.procs.append(subprocess.Popen(cmd, cwd=REPO, env=node_env, stdout=self._log,
+                                               stderr=subprocess.STDOUT, start_new_session=True))
         self.proc = self.procs[0]
         self.started_at = time.monotonic()
         try:

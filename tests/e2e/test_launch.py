@@ -15,8 +15,9 @@ import yaml
 from tests.e2e.server import REPO, Server
 
 
-def test_two_hosts_on_loopback_serve_the_pd_split():
-    server = Server(REPO / "launch/configs/smollm2_pd_2host.yaml", 0, nodes=[1, 1])
+@pytest.mark.parametrize("rdzv", ["static", "c10d"])
+def test_two_hosts_on_loopback_serve_the_pd_split(rdzv):
+    server = Server(REPO / "launch/configs/smollm2_pd_2host.yaml", 0, nodes=[1, 1], rdzv=rdzv)
     try:
         r = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=120, json={
             "model": "smollm2", "max_tokens": 16, "temperature": 0,
