@@ -147,7 +147,7 @@ class Conductor:
 
     def run(self) -> None:
         """Serve until ``stop()``. Runs on the conductor thread."""
-        last_check = time.monotonic()
+        last_check = last_beat = time.monotonic()
         while not self.stopped.is_set():
             for sender, payload in self.channel.recv(100):
                 self._handle(sender, payload)
@@ -157,6 +157,11 @@ class Conductor:
                 last_check = now
                 self._check_timeouts(now)
                 self._check_ranks(now)
+            if now - last_beat > 1.0:
+                last_beat = now
+                for rank in range(self.world_size):
+                    if rank not in self.dead_ranks:
+                        self._send(rank, m.Heartbeat(sent_at=now))
         self._fail_all(503, "the server is shutting down")
 
     def broadcast(self, body: m.Message) -> None:

@@ -94,6 +94,13 @@ class Shutdown(msgspec.Struct, tag=True):
     error: bool = False
 
 
+class Heartbeat(msgspec.Struct, tag=True):
+    """The conductor is alive (sent to every live rank every second); a rank that hears nothing from the
+    conductor for its rank timeout exits non-zero instead of serving nobody forever."""
+
+    sent_at: float
+
+
 # ---- worker -> worker ----------------------------------------------------------------------------------------
 
 
@@ -177,7 +184,7 @@ class Stats(msgspec.Struct, tag=True):
 
 
 Message = Union[
-    RunWalk, Push, StopLoops, RemoveRequest, Shutdown, TensorDesc, StreamItems, StreamEnd, Emit, WalkDone, Ready,
+    RunWalk, Push, StopLoops, RemoveRequest, Shutdown, Heartbeat, TensorDesc, StreamItems, StreamEnd, Emit, WalkDone, Ready,
     LoadFailed, Stats,
 ]
 

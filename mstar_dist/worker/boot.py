@@ -193,6 +193,7 @@ def serve(args: argparse.Namespace) -> int:
             transport=transport, store=TensorStore(), token=dep.token, device=torch.device(device),
             inline_max_bytes=dep.config.transport.inline_max_bytes,
             streaming_edges=dep.model.streaming_edges(),
+            conductor_timeout_s=None if dep.placement.is_conductor(rank) else dep.config.limits.rank_timeout_s,
         )
         if conductor_channel is not None:
             conductor, http = _start_front(dep, conductor_channel, args.startup_timeout, stop)

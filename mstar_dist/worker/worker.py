@@ -81,6 +81,7 @@ class Worker:
         inline_max_bytes: int,
         transfer_timeout_s: float = 120.0,
         streaming_edges: list[StreamingEdge] = (),
+        conductor_timeout_s: float | None = None,
     ):
         self.global_rank = global_rank
         self.graphs = graphs
@@ -109,6 +110,8 @@ class Worker:
         self._last_stats = 0.0
         self.stopping = False
         self.failed_reason: str | None = None
+        self.conductor_timeout_s = conductor_timeout_s
+        self._conductor_seen: float | None = None  # armed by the first heartbeat (the conductor starts last)
 
     # ---- loop ----
     def run(self, should_stop=lambda: False) -> None:
@@ -127,6 +130,7 @@ class Worker:
             self._feed_streams()
             self._step()
             self._maybe_send_stats()
+            self._check_conductor()
 
     def _send(self, peer: str, body: m.Message) -> None:
         self.channel.send(peer, m.encode(self.token, self.name, body))
@@ -145,6 +149,10 @@ class Worker:
                         env.sender)
             return
         body = env.body
+        if sender == CONDUCTOR:
+            self._conductor_seen = time.monotonic()
+        if isinstance(body, m.Heartbeat):
+            return
         if isinstance(body, m.RunWalk):
             self._on_run_walk(body)
         elif isinstance(body, m.TensorDesc):
@@ -505,6 +513,17 @@ class Worker:
         if consumer is None:
             self._stream_routes.pop(request_id, None)
             self._stream_out.pop(request_id, None)
+
+    def _check_conductor(self) -> None:
+        """Exit (non-zero) when the conductor on rank 0 went silent: its host died and nobody will call us."""
+        if self.conductor_timeout_s is None or self._conductor_seen is None:
+            return
+        silent = time.monotonic() - self._conductor_seen
+        if silent > self.conductor_timeout_s:
+            self.failed_reason = (f"the conductor (rank 0) has been silent for {silent:.0f} s "
+                                  f"(limits.rank_timeout_s={self.conductor_timeout_s:g}); its host is gone")
+            log.error("%s: %s", self.name, self.failed_reason)
+            self.stopping = True
 
     def _maybe_send_stats(self) -> None:
         now = time.monotonic()

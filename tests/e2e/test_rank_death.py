@@ -66,3 +66,15 @@ def test_requests_on_a_dead_host_fail_fast_and_the_survivor_serves():
             assert r.status_code == 200, r.text
     finally:
         server.stop()
+
+
+def test_ranks_of_other_hosts_exit_when_the_conductor_host_dies():
+    server = Server(REPO / "launch/configs/smollm2_dp.yaml", 0, nodes=[2, 2], overrides=CONFIG)
+    try:
+        time.sleep(2)  # a few heartbeats arm the ranks' watchdog
+        server.kill_node(0)  # host A: rank 0 (conductor, HTTP) and rank 1
+        status = server.procs[1].wait(timeout=30)  # host B's torchrun ends instead of serving nobody forever
+        assert status != 0
+        assert "the conductor (rank 0) has been silent" in server.log()
+    finally:
+        server.stop()

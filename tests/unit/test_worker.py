@@ -217,3 +217,16 @@ def test_remove_frees_kept_tensors():
     assert store.live_tensors == 1
     deliver(worker, channel, m.RemoveRequest(request_id="k"))
     assert store.live_tensors == 0
+
+
+def test_worker_stops_when_the_conductor_goes_silent():
+    worker, channel, *_ = make_worker()
+    worker.conductor_timeout_s = 5.0
+    worker._check_conductor()
+    assert not worker.stopping  # not armed before the first heartbeat: the conductor starts last
+    deliver(worker, channel, m.Heartbeat(sent_at=0.0))
+    worker._check_conductor()
+    assert not worker.stopping
+    worker._conductor_seen -= 6.0
+    worker._check_conductor()
+    assert worker.stopping and "conductor (rank 0) has been silent" in worker.failed_reason
