@@ -25,14 +25,16 @@ MAX_DECODE_ITERS = 1 << 20
 
 class LlamaChat(CompositeModel):
     """``model_kwargs``: ``dtype`` (float32 | bfloat16 | float16; default float32 on CPU, bfloat16 on CUDA),
-    ``max_seq_len`` (KV positions per request, default 2048), ``max_batch`` (KV slots = decode batch, default 16)."""
+    ``max_seq_len`` (KV positions per request, default 2048), ``max_batch`` (KV slots = decode batch, default 16),
+    ``cuda_graphs`` (decode steps replay captured CUDA graphs; default true on CUDA)."""
 
     name = "llama"
 
     def __init__(self, weights_dir: str | None, **model_kwargs: Any):
-        unknown = set(model_kwargs) - {"dtype", "max_seq_len", "max_batch"}
+        unknown = set(model_kwargs) - {"dtype", "max_seq_len", "max_batch", "cuda_graphs"}
         if unknown:
-            raise ValueError(f"model_kwargs: unknown keys {sorted(unknown)} (allowed: dtype, max_seq_len, max_batch)")
+            raise ValueError(f"model_kwargs: unknown keys {sorted(unknown)} "
+                             f"(allowed: dtype, max_seq_len, max_batch, cuda_graphs)")
         super().__init__(weights_dir, **model_kwargs)
         if weights_dir is None:
             raise ValueError("weights: a Llama model needs a weights directory")
@@ -77,17 +79,18 @@ class LlamaChat(CompositeModel):
         if node != LLM:
             raise ValueError(f"{self.name}: no component named {node!r} (only {LLM!r})")
         dtype = self._dtype(device)
+        graphs = device.startswith("cuda") and bool(self.model_kwargs.get("cuda_graphs", True))
         model, cfg = load_llama(self.weights_dir, device=device, dtype=dtype)
         cache = StaticKVCache(
             n_layers=cfg.n_layers,
             n_kv_heads=cfg.n_kv_heads,
             head_dim=cfg.head_dim,
-            max_slots=self.max_batch,
+            max_slots=self.max_batch + (1 if graphs else 0),  # + the graphs' scratch slot
             max_seq_len=min(self.max_seq_len, cfg.max_position_embeddings),
             dtype=dtype,
             device=device,
         )
-        return KVCacheEngine(LLM, model, cache, torch.device(device))
+        return KVCacheEngine(LLM, model, cache, torch.device(device), cuda_graphs=graphs)
 
     # ---- conductor side ----
     def load_frontend(self) -> None:

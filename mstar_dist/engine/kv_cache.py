@@ -76,6 +76,8 @@ class StaticKVCache:
         self._free: list[int] = list(range(max_slots))  # a heap: alloc hands out the lowest free slot
         self._allocated: set[int] = set()
         self._binding: _Binding | None = None
+        self._graph_binding: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._positions = torch.arange(max_seq_len, device=device)  # (L,) for graph-mode masks
 
     @property
     def device(self) -> torch.device:
@@ -112,6 +114,15 @@ class StaticKVCache:
 
     # ---- one forward pass -----------------------------------------------------------------------
 
+    def bind_graph(self, slot_idx: torch.Tensor, positions: torch.Tensor) -> None:
+        """Bind a one-token-per-row decode pass whose slots and positions are device tensors (B,), read inside the
+        pass. Nothing here reads them on the host, so the pass can be captured in a CUDA graph and replayed after
+        new values are copied into the same tensors. Rows attend over all ``max_seq_len`` positions under a mask
+        (static shapes); rows may repeat a slot only if they write the same position (padding rows)."""
+        mask = (self._positions[None, :] <= positions[:, None])[:, None, None, :]  # (B, 1, 1, L)
+        self._binding = None
+        self._graph_binding = (slot_idx, positions, mask)
+
     def bind(self, slots: list[int], start_pos: list[int], n_new: int) -> None:
         """Describe the next forward pass: row b is slot slots[b], writing n_new tokens from start_pos[b]."""
         if not slots or len(slots) != len(start_pos):
@@ -144,6 +155,7 @@ class StaticKVCache:
             starts = torch.tensor(start_pos, device=dev)
             write_pos = starts[:, None] + new[None, :]  # (B, T)
             mask = (torch.arange(ctx, device=dev)[None, None, :] <= write_pos[:, :, None])[:, None]  # (B,1,T,ctx)
+        self._graph_binding = None
         self._binding = _Binding(
             n_rows=n_rows, n_new=n_new, ctx=ctx,
             slot_start=slots[0] if contiguous else None,
@@ -158,6 +170,8 @@ class StaticKVCache:
         q: (B, n_heads, T, hd); k, v: (B, n_kv_heads, T, hd), RoPE applied. Returns (B, n_heads, T, hd).
         Causal inside the new tokens; GQA by SDPA's enable_gqa (no repeated K/V).
         """
+        if self._graph_binding is not None:
+            return self._attend_graph(layer, q, k, v)
         b = self._binding
         if b is None:
             raise RuntimeError("StaticKVCache.attend called before bind()")
@@ -173,6 +187,16 @@ class StaticKVCache:
             values = v_cache[:, :, :b.ctx].index_select(0, b.slot_idx)
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=b.mask, is_causal=b.is_causal,
                                               enable_gqa=True)
+
+    def _attend_graph(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        slot_idx, positions, mask = self._graph_binding
+        k_cache, v_cache = self.kv[layer, 0], self.kv[layer, 1]  # (S, nkv, L, hd)
+        # advanced indices around a slice: the indexed view is (B, nkv, hd); k/v are (B, nkv, 1, hd)
+        k_cache[slot_idx, :, positions] = k[:, :, 0]
+        v_cache[slot_idx, :, positions] = v[:, :, 0]
+        keys = k_cache.index_select(0, slot_idx)  # (B, nkv, L, hd)
+        values = v_cache.index_select(0, slot_idx)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
 
     @staticmethod
     def _write(b: _Binding, cache: torch.Tensor, new: torch.Tensor) -> None:

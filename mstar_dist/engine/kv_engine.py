@@ -33,11 +33,21 @@ class _Seq:
 
 
 class KVCacheEngine(Component):
-    def __init__(self, name: str, model: torch.nn.Module, cache: StaticKVCache, device: torch.device):
+    def __init__(self, name: str, model: torch.nn.Module, cache: StaticKVCache, device: torch.device,
+                 cuda_graphs: bool = False):
+        """With ``cuda_graphs`` (CUDA only) decode steps replay captured graphs; the cache must hold one slot
+        more than the batch: it is kept as the padding rows' scratch slot."""
         self.name = name
         self.model = model
         self.cache = cache
         self.device = device
+        self.graphs = None
+        if cuda_graphs:
+            from mstar_dist.engine.cuda_graphs import DecodeGraphs
+
+            if device.type != "cuda":
+                raise ValueError(f"cuda_graphs needs a CUDA device, got {device}")
+            self.graphs = DecodeGraphs(model, cache, scratch_slot=cache.alloc(), max_batch=cache.num_free)
         self._seqs: dict[str, _Seq] = {}
         self.steps = 0
         self.decode_rows = 0
@@ -76,6 +86,8 @@ class KVCacheEngine(Component):
                 "decode_rows_total": self.decode_rows, "decode_ms_total": int(self.decode_seconds * 1000)}
 
     def warmup(self) -> None:
+        if self.graphs is not None:
+            self.graphs.capture()
         with torch.inference_mode():
             slot = self.cache.alloc()
             try:
@@ -143,9 +155,12 @@ class KVCacheEngine(Component):
             if s.length + 1 > self.cache.max_seq_len:
                 raise RuntimeError(f"request {c.request_id!r} reached the context limit {self.cache.max_seq_len}")
         tokens = torch.cat([c.inputs["token"].reshape(1) for c in calls]).to(self.device, torch.long)
-        positions = torch.tensor([s.length for s in seqs], dtype=torch.long, device=self.device)
-        self.cache.bind([s.slot for s in seqs], [s.length for s in seqs], 1)
-        logits = self.model(tokens[:, None], positions[:, None], self.cache, last_only=True)
+        if self.graphs is not None and len(calls) <= self.graphs.max_rows:
+            logits = self.graphs.logits(tokens, [s.length for s in seqs], [s.slot for s in seqs])
+        else:
+            positions = torch.tensor([s.length for s in seqs], dtype=torch.long, device=self.device)
+            self.cache.bind([s.slot for s in seqs], [s.length for s in seqs], 1)
+            logits = self.model(tokens[:, None], positions[:, None], self.cache, last_only=True)
         ctxs: list[WalkContext] = [c.ctx for c in calls]
         sampled = sample(logits[:, -1], [x.sampling for x in ctxs], [x.generator(self.device) for x in ctxs])
         self.steps += 1

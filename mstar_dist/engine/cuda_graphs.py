@@ -1,0 +1,80 @@
+"""CUDA-graph replay of one decode step (DESIGN §8: an eager decode step is host-launch-bound on our GPUs).
+
+One graph per batch-size bucket (1, 2, 4, ... up to the engine's batch), captured at warm-up over static input
+tensors: tokens (B, 1), positions (B,), slots (B,) -> last-token logits (B, 1, V). A step of n rows replays the
+smallest bucket >= n after copying its inputs in; the rows past n are padding that decode into a scratch KV slot
+at position 0 and are ignored. Sampling stays outside the graph (per-request generators). Built on
+``StaticKVCache.bind_graph``, whose attention reads slots and positions on the device (no host syncs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mstar_dist.engine.kv_cache import StaticKVCache
+
+
+@dataclass
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    logits: torch.Tensor
+
+
+class DecodeGraphs:
+    def __init__(self, model: torch.nn.Module, cache: StaticKVCache, scratch_slot: int, max_batch: int):
+        self.model = model
+        self.cache = cache
+        self.scratch = scratch_slot
+        self.buckets = [1 << i for i in range(max_batch.bit_length()) if 1 << i <= max_batch]
+        if self.buckets[-1] != max_batch:
+            self.buckets.append(max_batch)
+        self._captured: dict[int, _Captured] = {}
+
+    @property
+    def max_rows(self) -> int:
+        return self.buckets[-1]
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every bucket, largest first (smaller graphs reuse its memory pool). Blocks for a few seconds."""
+        device = self.cache.device
+        pool = torch.cuda.graph_pool_handle()
+        for bucket in sorted(self.buckets, reverse=True):
+            tokens = torch.zeros((bucket, 1), dtype=torch.long, device=device)
+            positions = torch.zeros(bucket, dtype=torch.long, device=device)
+            slots = torch.full((bucket,), self.scratch, dtype=torch.long, device=device)
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):  # warm the kernels (and cuBLAS workspaces) outside the capture
+                for _ in range(2):
+                    self._forward(tokens, positions, slots)
+            torch.cuda.current_stream(device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self._forward(tokens, positions, slots)
+            self._captured[bucket] = _Captured(graph, tokens, positions, slots, logits)
+
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        self.cache.bind_graph(slots, positions)
+        return self.model(tokens, positions[:, None], self.cache, last_only=True)
+
+    def logits(self, tokens: torch.Tensor, positions: list[int], slots: list[int]) -> torch.Tensor:
+        """Last-token logits (n, 1, V) of one decode step for n <= max_rows rows; valid until the next call."""
+        n = len(slots)
+        bucket = next(b for b in self.buckets if b >= n)
+        cap = self._captured[bucket]
+        pad = bucket - n
+        cap.tokens[:n, 0].copy_(tokens.reshape(-1))
+        cap.positions[:n].copy_(torch.tensor(positions, dtype=torch.long), non_blocking=True)
+        cap.slots[:n].copy_(torch.tensor(slots, dtype=torch.long), non_blocking=True)
+        if pad:
+            cap.tokens[n:].zero_()
+            cap.positions[n:].zero_()
+            cap.slots[n:].fill_(self.scratch)
+        cap.graph.replay()
+        return cap.logits[:n]
