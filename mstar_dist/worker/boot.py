@@ -61,6 +61,10 @@ class Deployment:
         model = get_model_class(config.model)(config.weights, **dict(config.model_kwargs))
         walks = {walk: node_names(section) for walk, section in model.graphs().items()}
         placement = Placement.build(config, walks, cluster.world_size)
+        for key in ("intra_host", "inter_host"):
+            if getattr(config.transport, key) != "p2p":
+                raise ValueError(f"{config.source}: transport.{key} = {getattr(config.transport, key)!r}: only 'p2p' "
+                                 f"is implemented by this runtime (Mooncake is not yet)")
         for group in config.node_groups:
             if group.tp_size != 1:
                 raise ValueError(f"node_groups: tp_size={group.tp_size} is not supported by this runtime yet (use 1)")

@@ -47,3 +47,13 @@ def test_config_mistake_is_a_clear_error_without_traceback(tmp_path):
                          capture_output=True, text=True, timeout=60, env={"WORLD_SIZE": "2", "PATH": "/usr/bin"})
     assert out.returncode == 2
     assert "node_groups[1].tp_size = 0" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_unimplemented_transport_is_refused_not_ignored(tmp_path):
+    data = yaml.safe_load((REPO / "launch/configs/smollm2_pd.yaml").read_text())
+    data["transport"]["inter_host"] = "mooncake"
+    bad = tmp_path / "mooncake.yaml"
+    bad.write_text(yaml.safe_dump(data))
+    out = subprocess.run([sys.executable, "-m", "mstar_dist.serve", str(bad), "--dry-run"], cwd=REPO,
+                         capture_output=True, text=True, timeout=60, env={"WORLD_SIZE": "2", "PATH": "/usr/bin"})
+    assert out.returncode == 2 and "transport.inter_host = 'mooncake'" in out.stderr
