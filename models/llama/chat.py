@@ -114,6 +114,8 @@ class LlamaChat(CompositeModel):
         ids = self.tokenizer.encode(text)
         if not ids:
             raise ValueError("the prompt is empty after tokenization: send some text")
+        if len(ids) + state.max_tokens > self._context and not state.max_tokens_given and len(ids) < self._context:
+            state.max_tokens = self._context - len(ids)  # the client left it to us: what the context leaves
         if len(ids) + state.max_tokens > self._context:
             raise ValueError(
                 f"the prompt is {len(ids)} tokens and max_tokens is {state.max_tokens}: together they exceed the "

@@ -43,6 +43,8 @@ class ConductorBackend:
         c = self.conductor
         if c.failed:
             return False, c.failed
+        if c.thread is not None and not c.thread.is_alive() and not c.stopped.is_set():
+            return False, "the conductor thread died; see rank 0's log"
         if not c.serving:
             return False, f"starting: {len(c.ready_ranks)}/{c.world_size} ranks ready"
         if c.stopped.is_set():
@@ -63,9 +65,14 @@ class ConductorBackend:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         finished = False
-        self.conductor.commands.put(
-            ("submit", params, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev), True)
-        )
+
+        def sink(event) -> None:  # called on the conductor thread
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, event)
+            except RuntimeError:
+                pass  # the HTTP loop is closed (shutdown): nobody is listening any more
+
+        self.conductor.commands.put(("submit", params, sink, True))
         self._wake()
         try:
             while True:
@@ -80,5 +87,5 @@ class ConductorBackend:
                     return
         finally:
             if not finished:
-                self.conductor.commands.put(("abort", params.request_id))
+                self.conductor.commands.put(("abort", params.request_id, sink))
                 self._wake()

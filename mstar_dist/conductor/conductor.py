@@ -121,6 +121,8 @@ class Conductor:
         self.failed: str | None = None
         self.serving = False
         self.stopped = threading.Event()
+        self.thread: threading.Thread | None = None
+        """The thread running :meth:`run` (set by whoever starts it)."""
         self._active: dict[str, _Request] = {}  # by the client's request id
         self._by_wire: dict[str, _Request] = {}
         self._incarnation = 0
@@ -150,7 +152,7 @@ class Conductor:
         last_check = last_beat = time.monotonic()
         while not self.stopped.is_set():
             for sender, payload in self.channel.recv(100):
-                self._handle(sender, payload)
+                self._guarded(self._handle, sender, payload)
             self._drain_commands()
             now = time.monotonic()
             if now - last_check > 0.2:
@@ -179,9 +181,38 @@ class Conductor:
                 return
             kind = cmd[0]
             if kind == "submit":
-                self._submit(*cmd[1:])
+                params, sink = cmd[1], cmd[2]
+                try:
+                    self._submit(*cmd[1:])
+                except Exception as exc:  # never let one request take the conductor thread down
+                    log.exception("conductor: submit of %s failed", params.request_id)
+                    req = self._active.get(params.request_id)
+                    if req is not None and req.sink is sink:
+                        self._finish_error(req, 500, f"{type(exc).__name__}: {exc}")
+                    else:
+                        sink(BackendError(500, f"{type(exc).__name__}: {exc}"))
             elif kind == "abort":
-                self._abort(cmd[1])
+                self._guarded(self._abort, cmd[1], cmd[2] if len(cmd) > 2 else None)
+
+    def _guarded(self, fn, *args) -> None:
+        """Run one message handler; an exception fails the request it concerns, never the conductor thread."""
+        try:
+            fn(*args)
+        except Exception as exc:
+            log.exception("conductor: handling %s failed", fn.__name__)
+            payload = args[1] if fn == self._handle and len(args) > 1 else None
+            wire_id = None
+            if isinstance(payload, bytes):
+                try:
+                    wire_id = getattr(m.decode(payload).body, "request_id", None)
+                except Exception:
+                    pass
+            req = self._by_wire.get(wire_id) if wire_id else None
+            if req is not None:
+                try:
+                    self._finish_error(req, 500, f"conductor: {type(exc).__name__}: {exc}")
+                except Exception:
+                    log.exception("conductor: failing request %s failed too", req.state.request_id)
 
     def _handle(self, sender: str, payload: bytes) -> None:
         if sender == WAKE:
@@ -233,7 +264,8 @@ class Conductor:
 
     def _admit(self, params: GenerationParams, sink: Sink, pinned_id: bool) -> None:
         state = RequestState(
-            request_id=params.request_id, seed=request_seed(params, pinned_id), max_tokens=params.max_tokens
+            request_id=params.request_id, seed=request_seed(params, pinned_id), max_tokens=params.max_tokens,
+            max_tokens_given=params.max_tokens_given,
         )
         try:
             self.model.preprocess(state, params.prompt, params.messages)
@@ -431,14 +463,16 @@ class Conductor:
         req.sink(BackendError(status, message))
         self._release(req)
 
-    def _abort(self, request_id: str) -> None:
-        for i, (params, _, _) in enumerate(self._queue):
-            if params.request_id == request_id:
+    def _abort(self, request_id: str, sink: Sink | None = None) -> None:
+        """Abort a queued or running request; with ``sink``, only the submission that owns that sink (a late abort
+        must not hit a newer request that reuses the same pinned id)."""
+        for i, (params, queued_sink, _) in enumerate(self._queue):
+            if params.request_id == request_id and sink in (None, queued_sink):
                 del self._queue[i]
                 self.metrics.observe_done("abort", 0.0, 0)
                 return
         req = self._active.get(request_id)
-        if req is not None:
+        if req is not None and sink in (None, req.sink):
             self.metrics.observe_done("abort", time.monotonic() - req.arrived, req.state.completion_tokens)
             self._release(req)
 

@@ -104,6 +104,15 @@ class Heartbeat(msgspec.Struct, tag=True):
 # ---- worker -> worker ----------------------------------------------------------------------------------------
 
 
+class AbortPair(msgspec.Struct, tag=True):
+    """The sender gave up on the directed pair (src, dst) (a post failed, a transfer timed out): the receiver
+    marks it dead too, so no later send or receive on it is matched against the wrong partner (DESIGN §7)."""
+
+    src: int
+    dst: int
+    reason: str
+
+
 class TensorDesc(msgspec.Struct, tag=True):
     """Precedes a p2p send on the pair (src, receiver): the receiver posts its recv in descriptor order."""
 
@@ -184,7 +193,7 @@ class Stats(msgspec.Struct, tag=True):
 
 
 Message = Union[
-    RunWalk, Push, StopLoops, RemoveRequest, Shutdown, Heartbeat, TensorDesc, StreamItems, StreamEnd, Emit, WalkDone, Ready,
+    RunWalk, Push, StopLoops, RemoveRequest, Shutdown, Heartbeat, AbortPair, TensorDesc, StreamItems, StreamEnd, Emit, WalkDone, Ready,
     LoadFailed, Stats,
 ]
 

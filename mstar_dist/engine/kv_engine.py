@@ -63,6 +63,9 @@ class KVCacheEngine(Component):
                 if "input_ids" in call.inputs:
                     results[i] = self._prefill(call)
                 elif self._ensure_seq(call):
+                    if self._seqs[call.request_id].length + 1 > self.cache.max_seq_len:
+                        raise RuntimeError(f"request {call.request_id!r} reached the context limit "
+                                           f"{self.cache.max_seq_len}")
                     decode.append(i)
             except Exception as exc:  # one request's failure must not take the batch down
                 results[i] = exc
@@ -138,8 +141,13 @@ class KVCacheEngine(Component):
         if self.cache.num_free == 0:
             return False
         slot = self.cache.alloc()
-        self.cache.import_(slot, kv.to(self.device))
+        try:
+            self.cache.import_(slot, kv.to(self.device))
+        except Exception:
+            self.cache.free(slot)  # a malformed KV must not cost a slot for good
+            raise
         self._seqs[call.request_id] = _Seq(slot=slot, length=int(kv.shape[3]))
+        call.inputs.pop("kv")  # imported: let the received buffer go
         return True
 
     def _decode(self, calls: list[NodeCall]) -> list[NodeResult | BaseException]:
@@ -151,9 +159,6 @@ class KVCacheEngine(Component):
 
     def _decode_step(self, calls: list[NodeCall]) -> list[NodeResult | BaseException]:
         seqs = [self._seqs[c.request_id] for c in calls]
-        for c, s in zip(calls, seqs):
-            if s.length + 1 > self.cache.max_seq_len:
-                raise RuntimeError(f"request {c.request_id!r} reached the context limit {self.cache.max_seq_len}")
         tokens = torch.cat([c.inputs["token"].reshape(1) for c in calls]).to(self.device, torch.long)
         if self.graphs is not None and len(calls) <= self.graphs.max_rows:
             logits = self.graphs.logits(tokens, [s.length for s in seqs], [s.slot for s in seqs])

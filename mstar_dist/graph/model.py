@@ -34,6 +34,8 @@ class RequestState:
     request_id: str
     seed: int
     max_tokens: int
+    max_tokens_given: bool = True
+    """False when the client left max_tokens to the service: preprocess may lower it to fit the context."""
     prompt_tokens: int = 0
     completion_tokens: int = 0
     finish_reason: str | None = None

@@ -43,6 +43,9 @@ class GenerationParams:
     engine); the app trims the stop string and everything after it from what the client sees."""
     stream: bool = False
     """Whether the client streams; informational (the backend yields deltas either way)."""
+    max_tokens_given: bool = True
+    """False when the client did not ask for a number: ``max_tokens`` is then the service's default limit and the
+    backend may lower it to what the context leaves after the prompt (instead of rejecting the request)."""
 
 
 @dataclass(frozen=True)

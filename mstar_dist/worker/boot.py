@@ -36,7 +36,7 @@ from mstar_dist.config.deployment import DeploymentConfig, load_config
 from mstar_dist.control import messages as m
 from mstar_dist.control.channel import ControlChannel, default_store, lookup_endpoint, publish_endpoint
 from mstar_dist.graph.model import CompositeModel
-from mstar_dist.graph.nodes import node_names
+from mstar_dist.graph.nodes import iter_nodes, node_names
 from mstar_dist.topology.placement import Placement
 from mstar_dist.worker.worker import CONDUCTOR, Worker, rank_name
 
@@ -72,6 +72,13 @@ class Deployment:
             if len({r.ranks for n in nodes for r in placement.replicas(walk, n)}) > 1 and len(nodes) > 1:
                 raise ValueError(f"walk {walk!r}: its nodes are on different ranks; this runtime runs a walk's "
                                  f"nodes on one rank (place {sorted(nodes)} together)")
+        graphs = model.graphs()
+        for edge in model.streaming_edges():
+            producers = [w for w, sec in graphs.items()
+                         if any(e.stream and e.signal == edge.signal for n in iter_nodes(sec) for e in n.outputs)]
+            if len(producers) > 1:  # items from two ranks have no common order on the consumer
+                raise ValueError(f"streaming edge {edge.signal!r} is produced by walks {producers}: this runtime "
+                                 f"needs one producing walk per streaming signal")
         seed = f"{config.to_dict()}|{world_size}|{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
         seed += f"|{os.environ.get('TORCHELASTIC_RUN_ID', '')}"
         token = hashlib.sha256(seed.encode()).hexdigest()[:32]
@@ -200,7 +207,8 @@ def serve(args: argparse.Namespace) -> int:
             conductor_timeout_s=None if dep.placement.is_conductor(rank) else dep.config.limits.rank_timeout_s,
         )
         if conductor_channel is not None:
-            conductor, http = _start_front(dep, conductor_channel, args.startup_timeout, stop)
+            conductor = _start_conductor(dep, conductor_channel, args.startup_timeout)
+            http = _start_http(dep, conductor)
         worker.run(should_stop=stop.is_set)
         if worker.stopping and worker.failed_reason:
             raise RuntimeError(worker.failed_reason)
@@ -210,12 +218,16 @@ def serve(args: argparse.Namespace) -> int:
         if conductor is None and conductor_channel is not None:
             _broadcast_shutdown(dep, conductor_channel, world_size, f"{where} failed: {exc}")
     finally:
-        if http is not None:
-            http.stop()
         if conductor is not None:
+            # the conductor fails in-flight requests with 503 while HTTP still delivers them, then lets go of its
+            # socket: only after the join may this thread use it (ZMQ sockets are single-threaded)
             conductor.stopped.set()
+            if conductor.thread is not None:
+                conductor.thread.join(timeout=10)
             _broadcast_shutdown(dep, conductor.channel, world_size, "rank 0 is stopping", error=rc != 0)
             time.sleep(0.2)  # let the shutdown messages leave before the sockets close
+        if http is not None:
+            http.stop()
         for ch in (channel, conductor_channel):
             if ch is not None:
                 ch.close()
@@ -233,12 +245,9 @@ def _broadcast_shutdown(dep: Deployment, channel: ControlChannel, world_size: in
             pass
 
 
-def _start_front(dep: Deployment, channel: ControlChannel, timeout_s: float, stop: threading.Event):
-    """Rank 0: wait for every READY, start the conductor thread and bind HTTP (DESIGN §2 step 6)."""
-    from mstar_dist.conductor.backend import ConductorBackend
+def _start_conductor(dep: Deployment, channel: ControlChannel, timeout_s: float):
+    """Rank 0: wait for every READY, then start the conductor thread (DESIGN §2 step 6)."""
     from mstar_dist.conductor.conductor import Conductor
-    from mstar_dist.server.app import build_app
-    from mstar_dist.server.http_server import HttpServer
 
     cfg = dep.config
     dep.model.load_frontend()
@@ -250,8 +259,18 @@ def _start_front(dep: Deployment, channel: ControlChannel, timeout_s: float, sto
     )
     conductor.wait_ready(timeout_s)
     print(dep.placement.describe(dep.cluster), flush=True)
-    thread = threading.Thread(target=conductor.run, name="conductor", daemon=True)
-    thread.start()
+    conductor.thread = threading.Thread(target=conductor.run, name="conductor", daemon=True)
+    conductor.thread.start()
+    return conductor
+
+
+def _start_http(dep: Deployment, conductor):
+    """Rank 0: bind HTTP only now that every rank serves (DESIGN §2 step 6)."""
+    from mstar_dist.conductor.backend import ConductorBackend
+    from mstar_dist.server.app import build_app
+    from mstar_dist.server.http_server import HttpServer
+
+    cfg = dep.config
     backend = ConductorBackend(
         conductor, model_name=cfg.model, max_context_tokens=dep.model.max_context_tokens,
         max_tokens_limit=min(cfg.limits.max_tokens, dep.model.max_context_tokens - 1),
@@ -259,4 +278,4 @@ def _start_front(dep: Deployment, channel: ControlChannel, timeout_s: float, sto
     http = HttpServer(build_app(backend))
     http.start(cfg.server.host, cfg.server.port, timeout_s=30)
     print(f"mstar_dist: serving {cfg.model} on http://{cfg.server.host}:{cfg.server.port}", flush=True)
-    return conductor, http
+    return http

@@ -110,6 +110,7 @@ class Worker:
         self._last_stats = 0.0
         self.stopping = False
         self.failed_reason: str | None = None
+        self._deferred_only = False  # the last step ran nothing: every call was deferred (no free KV slot)
         self.conductor_timeout_s = conductor_timeout_s
         self._conductor_seen: float | None = None  # armed by the first heartbeat (the conductor starts last)
 
@@ -118,7 +119,7 @@ class Worker:
         """Serve until a ``Shutdown`` message arrives or ``should_stop()`` is true. Never returns on its own."""
         while not self.stopping and not should_stop():
             # Never spin: poll at once only when a node call can run; wait briefly while transfers are in flight.
-            if self._collect():
+            if self._collect() and not self._deferred_only:
                 timeout_ms = 0
             elif self._incoming or self._outgoing or self._waiting or self._chunks:
                 timeout_ms = 1
@@ -159,8 +160,14 @@ class Worker:
             self._on_tensor_desc(body)
         elif isinstance(body, m.Push):
             self._on_push(body)
+        elif isinstance(body, m.AbortPair):
+            self._abort_pair(body.src, body.dst, f"peer rank{body.src if body.dst == self.global_rank else body.dst}: "
+                                                 f"{body.reason}", tell_peer=False)
         elif isinstance(body, (m.StreamItems, m.StreamEnd)):
-            self._on_stream(body)
+            try:
+                self._on_stream(body)
+            except Exception as exc:  # a malformed or out-of-order stream fails its request, not the rank
+                self._fail_request(body.request_id, f"stream {body.signal!r}: {type(exc).__name__}: {exc}")
         elif isinstance(body, m.StopLoops):
             runs = self._runs_of(body.request_id)
             for run in runs:
@@ -196,8 +203,11 @@ class Worker:
         # Post the receive now, in descriptor order, whatever the request's state: the sender is already sending.
         try:
             transfer = self.transport.recv(desc.shape, _dtype(desc.dtype), desc.src)
-        except Exception as exc:  # a dead pair: the waiting walk fails with this reason
+        except Exception as exc:
+            # the sender's isend is already posted: with no matching receive, every later transfer on the pair
+            # would pair up with the wrong partner. The pair is dead for good, on both sides.
             transfer = _Failed(f"{type(exc).__name__}: {exc}")
+            self._abort_pair(desc.src, self.global_rank, f"posting a receive failed: {exc}")
         self._incoming[desc.uuid] = transfer
         self._incoming_req[desc.uuid] = desc.request_id
 
@@ -207,6 +217,10 @@ class Worker:
         except KeyError as exc:
             log.error("%s: push of %s for %s: %s", self.name, msg.uuid, msg.request_id, exc)
             return
+        if getattr(self.transport, "is_dead", lambda s, d: False)(self.global_rank, msg.dst):
+            log.error("%s: push of %s for %s: pair (%d, %d) is dead", self.name, msg.uuid, msg.request_id,
+                      self.global_rank, msg.dst)
+            return  # no descriptor: the consumer's wait for this input times out and fails the request
         self._send(
             rank_name(msg.dst),
             m.TensorDesc(
@@ -219,8 +233,9 @@ class Worker:
         )
         try:
             transfer = self.transport.send(tensor, msg.dst)
-        except Exception as exc:  # a dead pair: the consumer's wait for this input fails it
+        except Exception as exc:  # the descriptor is out: the consumer posted a receive that nothing will match
             log.error("%s: cannot send %s to rank %d: %s", self.name, msg.uuid, msg.dst, exc)
+            self._abort_pair(self.global_rank, msg.dst, f"posting a send failed: {exc}")
             return
         self._outgoing.append(_Outgoing(transfer, msg.uuid, msg.release, msg.dst))
 
@@ -247,6 +262,7 @@ class Worker:
             state = _state(out.transfer)
             if state not in ("done", "pending"):
                 log.error("%s: send of %s to rank %d failed: %s", self.name, out.uuid, out.dst, state)
+                self._abort_pair(self.global_rank, out.dst, f"a send failed: {state}")
             elif state == "done":
                 if out.release:
                     try:
@@ -258,9 +274,7 @@ class Worker:
                 # times out and fails its request
                 log.error("%s: send of %s to rank %d did not complete within %.0f s; aborting the pair",
                           self.name, out.uuid, out.dst, self.transfer_timeout_s)
-                abort = getattr(self.transport, "abort_pair", None)
-                if abort is not None:
-                    abort(self.global_rank, out.dst, reason="send timed out")
+                self._abort_pair(self.global_rank, out.dst, "a send timed out")
             else:
                 still.append(out)
         self._outgoing = still
@@ -279,11 +293,18 @@ class Worker:
             state = "pending" if transfer is None else _state(transfer)
             if state not in ("done", "pending"):
                 del self._waiting[key], self._incoming[ref.uuid], self._incoming_req[ref.uuid]
+                self._abort_pair(ref.rank, self.global_rank, f"a receive failed: {state}")
                 self._fail(waiting.msg, f"input {name!r} from rank {ref.rank} failed: {state}")
+                return
+            if transfer is None and getattr(self.transport, "is_dead", lambda s, d: False)(ref.rank, self.global_rank):
+                del self._waiting[key]
+                self._fail(waiting.msg, f"input {name!r} cannot arrive: the pair from rank {ref.rank} is dead")
                 return
             if state == "pending":
                 if time.monotonic() - waiting.since > self.transfer_timeout_s:
                     del self._waiting[key]
+                    if transfer is not None:  # a posted receive that never completed: the pair is out of step
+                        self._abort_pair(ref.rank, self.global_rank, "a receive timed out")
                     self._fail(waiting.msg, f"input {name!r} from rank {ref.rank} did not arrive within "
                                f"{self.transfer_timeout_s:.0f} s")
                 return
@@ -331,6 +352,7 @@ class Worker:
         except Exception as exc:
             self._fail(msg, f"{type(exc).__name__}: {exc}")
             return
+        run.inputs = dict.fromkeys(run.inputs)  # delivered at construction; keep names only, free big tensors
         self._runs[(msg.request_id, msg.walk)] = run
         for loop in self._early_stops.pop(msg.request_id, ()):
             run.stop_loop(loop)
@@ -353,6 +375,7 @@ class Worker:
 
     def _step(self) -> None:
         finished: list[WalkRun] = []
+        progressed = False
         for node, calls in self._collect().items():
             component = self.components.get(node)
             if component is None:
@@ -368,6 +391,7 @@ class Worker:
                 run = call.run
                 if result is None or self._runs.get((run.request_id, run.walk)) is not run:
                     continue  # retry later, or the request failed in another component's batch this turn
+                progressed = True
                 if isinstance(result, BaseException):
                     self._fail_run(run, result)
                     continue
@@ -378,21 +402,27 @@ class Worker:
                     continue
                 if run.done:
                     finished.append(run)
+        self._deferred_only = not progressed
         self._flush_emits()
         for run in finished:
             self._finish(run)
 
     def _flush_emits(self) -> None:
-        for request_id, items in self._emits.items():
+        for request_id, items in list(self._emits.items()):
             if not items:
                 continue
             by_signal: dict[str, list] = collections.defaultdict(list)
-            for signal, value in items:
-                by_signal[signal].append(encode_tensor(value.detach().to("cpu")))
+            try:
+                for signal, value in items:
+                    by_signal[signal].append(encode_tensor(value.detach().to("cpu")))
+            except Exception as exc:  # a component emitted something that is not a tensor
+                items.clear()
+                self._fail_request(request_id, f"emitted value: {type(exc).__name__}: {exc}")
+                continue
             for signal, values in by_signal.items():
                 self._send(CONDUCTOR, m.Emit(request_id=request_id, walk="", signal=signal, values=values))
             items.clear()
-        for request_id, items in self._stream_out.items():
+        for request_id, items in list(self._stream_out.items()):
             if not items:
                 continue
             routes = self._stream_routes.get(request_id, {})
@@ -441,6 +471,25 @@ class Worker:
             component.release(run.request_id)
         self._send(CONDUCTOR, m.WalkDone(request_id=run.request_id, walk=run.walk, rank=self.global_rank,
                                          outputs={}, error=f"{type(exc).__name__}: {exc}"))
+
+    def _abort_pair(self, src: int, dst: int, reason: str, tell_peer: bool = True) -> None:
+        """Declare the directed pair (src, dst) dead for good here and, unless the peer told us, on the peer."""
+        abort = getattr(self.transport, "abort_pair", None)
+        if abort is None or getattr(self.transport, "is_dead", lambda s, d: False)(src, dst):
+            return
+        log.error("%s: pair (%d -> %d) is dead for good: %s", self.name, src, dst, reason)
+        abort(src, dst, reason=reason)
+        peer = dst if src == self.global_rank else src
+        if tell_peer and peer != self.global_rank:
+            self._send(rank_name(peer), m.AbortPair(src=src, dst=dst, reason=reason))
+
+    def _fail_request(self, request_id: str, error: str) -> None:
+        """Fail every walk of a request on this rank (reported to the conductor once per walk)."""
+        runs = self._runs_of(request_id)
+        for run in runs:
+            self._fail_run(run, RuntimeError(error))
+        if not runs:
+            log.error("%s: request %s: %s", self.name, request_id, error)
 
     def _fail(self, msg: m.RunWalk, error: str) -> None:
         log.error("%s: request %s walk %s failed: %s", self.name, msg.request_id, msg.walk, error)
@@ -533,7 +582,10 @@ class Worker:
         st = self.transport.stats() if self.transport is not None else {}
         engine: dict[str, int] = collections.Counter()
         for component in self.components.values():
-            engine.update(component.stats())
+            try:
+                engine.update(component.stats())
+            except Exception:
+                log.exception("%s: %s.stats() failed", self.name, getattr(component, "name", "?"))
         self._send(CONDUCTOR, m.Stats(
             rank=self.global_rank,
             live_tensors=self.store.live_tensors,

@@ -153,3 +153,11 @@ def test_colocated_equals_split_for_pinned_requests(pd):
         assert pinned_texts(single.base_url) == split
     finally:
         assert single.stop_clean(1)
+
+
+def test_omitted_max_tokens_fits_the_context_instead_of_failing(pd):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{pd.base_url}/v1", api_key="unused", timeout=120)
+    out = client.chat.completions.create(model="smollm2", messages=FRANCE, temperature=0)  # no max_tokens
+    assert "Paris" in out.choices[0].message.content

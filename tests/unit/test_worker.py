@@ -72,8 +72,18 @@ class FakeTransfer:
 class FakeTransport:
     def __init__(self):
         self.sends, self.recvs = [], []
+        self.dead: set[tuple[int, int]] = set()
+        self.fail_sends = False
+
+    def abort_pair(self, src, dst, reason=""):
+        self.dead.add((src, dst))
+
+    def is_dead(self, src, dst):
+        return (src, dst) in self.dead
 
     def send(self, tensor, dst):
+        if self.fail_sends:
+            raise RuntimeError("NCCL error")
         self.sends.append(FakeTransfer(tensor))
         return self.sends[-1]
 
@@ -230,3 +240,28 @@ def test_worker_stops_when_the_conductor_goes_silent():
     worker._conductor_seen -= 6.0
     worker._check_conductor()
     assert worker.stopping and "conductor (rank 0) has been silent" in worker.failed_reason
+
+
+def test_a_send_that_cannot_be_posted_kills_the_pair_on_both_sides():
+    worker, channel, transport, *_ = make_worker()
+    deliver(worker, channel, run_walk("k", 5, walk="keep"))
+    turn(worker)
+    ref = dones(channel)["k"].outputs["kept"]
+    transport.fail_sends = True
+    deliver(worker, channel, m.Push(request_id="k", uuid=ref.uuid, dst=2))
+    aborts = [(peer, b) for peer, b in channel.sent if isinstance(b, m.AbortPair)]
+    assert aborts == [("rank2", m.AbortPair(src=1, dst=2, reason=aborts[0][1].reason))]
+    assert transport.is_dead(1, 2)
+    deliver(worker, channel, m.Push(request_id="k", uuid=ref.uuid, dst=2))  # dead pair: no descriptor at all
+    assert len([b for _, b in channel.sent if isinstance(b, m.TensorDesc)]) == 1
+
+
+def test_peer_abort_fails_a_walk_waiting_on_that_pair_at_once():
+    worker, channel, transport, *_ = make_worker()
+    ref = m.TensorRef(uuid="u9", rank=0, shape=[2], dtype="float32", nbytes=8)
+    deliver(worker, channel, run_walk("w", 0, iters=1, big=ref))
+    turn(worker)
+    deliver(worker, channel, m.AbortPair(src=0, dst=1, reason="send failed"), sender="rank0")
+    turn(worker)
+    assert transport.is_dead(0, 1)
+    assert "pair from rank 0 is dead" in dones(channel)["w"].error
