@@ -121,6 +121,8 @@ class TensorDesc(msgspec.Struct, tag=True):
     src: int
     shape: list[int]
     dtype: str
+    host: bool = False
+    """A host (CPU) tensor: it travels on the pair's gloo half and is received into host memory."""
 
 
 class StreamItems(msgspec.Struct, tag=True):

@@ -202,7 +202,8 @@ class Worker:
     def _on_tensor_desc(self, desc: m.TensorDesc) -> None:
         # Post the receive now, in descriptor order, whatever the request's state: the sender is already sending.
         try:
-            transfer = self.transport.recv(desc.shape, _dtype(desc.dtype), desc.src)
+            transfer = self.transport.recv(desc.shape, _dtype(desc.dtype), desc.src,
+                                           device="cpu" if desc.host else None)
         except Exception as exc:
             # the sender's isend is already posted: with no matching receive, every later transfer on the pair
             # would pair up with the wrong partner. The pair is dead for good, on both sides.
@@ -229,6 +230,7 @@ class Worker:
                 src=self.global_rank,
                 shape=list(tensor.shape),
                 dtype=str(tensor.dtype).removeprefix("torch."),
+                host=tensor.device.type == "cpu",
             ),
         )
         try:

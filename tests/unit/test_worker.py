@@ -87,7 +87,7 @@ class FakeTransport:
         self.sends.append(FakeTransfer(tensor))
         return self.sends[-1]
 
-    def recv(self, shape, dtype, src):
+    def recv(self, shape, dtype, src, device=None):
         self.recvs.append(FakeTransfer(torch.full(shape, 7.0, dtype=dtype)))
         return self.recvs[-1]
 
