@@ -23,6 +23,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds every rank has to join, load and report READY (default 300)")
     p.add_argument("--log-level", default=os.environ.get("MSTAR_LOG_LEVEL", "INFO"),
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument("--log-stats", action="store_true",
+                   help="rank 0 logs throughput, queue and per-rank live tensors every 10 s")
     p.add_argument("--dry-run", action="store_true", help="validate the config and print the placement, then exit")
     return p.parse_args(argv)
 

@@ -86,6 +86,7 @@ class Conductor:
         request_timeout_s: float,
         rank_hosts: dict[int, str],
         rank_timeout_s: float = 30.0,
+        log_stats_s: float | None = None,
     ):
         self.model = model
         self.placement = placement
@@ -95,6 +96,8 @@ class Conductor:
         self.max_concurrent = max_concurrent
         self.request_timeout_s = request_timeout_s
         self.rank_timeout_s = rank_timeout_s
+        self.log_stats_s = log_stats_s
+        self._stats_mark = (time.monotonic(), 0)  # (when, tokens generated then)
         self.last_seen: dict[int, float] = {}
         self.dead_ranks: dict[int, str] = {}
         self.rank_hosts = rank_hosts
@@ -159,6 +162,8 @@ class Conductor:
                 last_check = now
                 self._check_timeouts(now)
                 self._check_ranks(now)
+            if self.log_stats_s and now - self._stats_mark[0] >= self.log_stats_s:
+                self.log_stats(now)
             if now - last_beat > 1.0:
                 last_beat = now
                 for rank in range(self.world_size):
@@ -497,6 +502,16 @@ class Conductor:
             for req in list(self._active.values()):
                 if rank in req.touched or rank in req.ranks.values():
                     self._finish_error(req, 503, f"rank {rank} on host {host} died ({why}); retry the request")
+
+    def log_stats(self, now: float) -> None:
+        """One log line: generation throughput since the last line, load, and the per-rank leak canary."""
+        since, tokens = self._stats_mark
+        rate = (self.metrics.tokens_generated - tokens) / max(now - since, 1e-9)
+        live = {r: st.live_tensors for r, st in sorted(self.metrics.rank_stats.items())}
+        log.info("stats: %.1f tok/s, %d running, %d queued, finished %s, live tensors per rank %s, dead ranks %s",
+                 rate, len(self._active), len(self._queue), dict(self.metrics.finished), live,
+                 sorted(self.dead_ranks))
+        self._stats_mark = (now, self.metrics.tokens_generated)
 
     def unservable_walks(self) -> list[str]:
         """Walks with no live replica left (the service is down for them)."""

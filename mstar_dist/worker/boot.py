@@ -207,7 +207,8 @@ def serve(args: argparse.Namespace) -> int:
             conductor_timeout_s=None if dep.placement.is_conductor(rank) else dep.config.limits.rank_timeout_s,
         )
         if conductor_channel is not None:
-            conductor = _start_conductor(dep, conductor_channel, args.startup_timeout)
+            conductor = _start_conductor(dep, conductor_channel, args.startup_timeout,
+                                         log_stats_s=10.0 if args.log_stats else None)
             http = _start_http(dep, conductor)
         worker.run(should_stop=stop.is_set)
         if worker.stopping and worker.failed_reason:
@@ -245,7 +246,7 @@ def _broadcast_shutdown(dep: Deployment, channel: ControlChannel, world_size: in
             pass
 
 
-def _start_conductor(dep: Deployment, channel: ControlChannel, timeout_s: float):
+def _start_conductor(dep: Deployment, channel: ControlChannel, timeout_s: float, log_stats_s: float | None):
     """Rank 0: wait for every READY, then start the conductor thread (DESIGN §2 step 6)."""
     from mstar_dist.conductor.conductor import Conductor
 
@@ -255,7 +256,7 @@ def _start_conductor(dep: Deployment, channel: ControlChannel, timeout_s: float)
         model=dep.model, placement=dep.placement, channel=channel, token=dep.token,
         world_size=dep.cluster.world_size, max_concurrent=cfg.limits.max_concurrent_requests,
         request_timeout_s=cfg.limits.request_timeout_s, rank_hosts=dep.cluster.rank_hosts(),
-        rank_timeout_s=cfg.limits.rank_timeout_s,
+        rank_timeout_s=cfg.limits.rank_timeout_s, log_stats_s=log_stats_s,
     )
     conductor.wait_ready(timeout_s)
     print(dep.placement.describe(dep.cluster), flush=True)

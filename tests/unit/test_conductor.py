@@ -179,3 +179,16 @@ def test_silent_rank_is_declared_dead_its_requests_fail_and_new_ones_avoid_it():
     c.dead_ranks[3 - victim] = "also dead"
     assert c.unservable_walks() == ["count"]
     assert submit(c, params("none-left"))[0].status == 503
+
+
+def test_log_stats_reports_throughput_load_and_the_leak_canary(caplog):
+    c, _ = make()
+    c.metrics.rank_stats = {1: m.Stats(rank=1, live_tensors=3, live_bytes=12, edge_bytes_sent=0,
+                                        edge_bytes_received=0, host_staging_copies=0)}
+    c._stats_mark = (100.0, 0)
+    c.metrics.tokens_generated = 50
+    submit(c, params("busy"))
+    with caplog.at_level("INFO"):
+        c.log_stats(110.0)
+    line = caplog.records[-1].getMessage()
+    assert "5.0 tok/s" in line and "1 running" in line and "{1: 3}" in line
