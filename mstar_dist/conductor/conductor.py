@@ -493,6 +493,8 @@ class Conductor:
             return
         for rank in range(self.world_size):
             seen = self.last_seen.get(rank, now)
+            if self.placement.is_conductor(rank):
+                continue  # our own process: if it were dead, so would we be; silence is only a long step
             if rank in self.dead_ranks or now - seen <= self.rank_timeout_s:
                 continue
             host = self.rank_hosts.get(rank, "?")

@@ -21,7 +21,7 @@ CONFIG = {
     ],
     "cluster": {"hosts": [{"name": "host-a", "addr": "127.0.0.1", "devices": [0, 1]},
                           {"name": "host-b", "addr": "127.0.0.2", "devices": [0, 1]}]},
-    "limits": {"max_concurrent_requests": 16, "request_timeout_s": 120, "max_tokens": 512, "rank_timeout_s": 3},
+    "limits": {"max_concurrent_requests": 16, "request_timeout_s": 120, "max_tokens": 512, "rank_timeout_s": 6},
 }
 
 
@@ -51,7 +51,7 @@ def test_requests_on_a_dead_host_fail_fast_and_the_survivor_serves():
         assert all(re.search(r"rank [23] on host host-b died", e) for e in errors), errors
         assert len(errors) < 6, "the requests on host A must complete"
         assert elapsed < 60, "the requests on the dead host must fail fast, not wait for their timeout"
-        deadline = time.monotonic() + 15  # both of host B's ranks went silent at once; each is declared in turn
+        deadline = time.monotonic() + 20  # both of host B's ranks went silent at once; each is declared in turn
         while time.monotonic() < deadline:
             metrics = httpx.get(f"{server.base_url}/metrics", timeout=10).text
             down = re.findall(r'^mstar_dist_rank_up\{rank="(\d)"\} 0$', metrics, re.M)

@@ -192,3 +192,11 @@ def test_log_stats_reports_throughput_load_and_the_leak_canary(caplog):
         c.log_stats(110.0)
     line = caplog.records[-1].getMessage()
     assert "5.0 tok/s" in line and "1 running" in line and "{1: 3}" in line
+
+
+def test_the_conductors_own_rank_is_never_declared_dead():
+    c, _ = make()
+    c.serving, c.rank_timeout_s = True, 5.0
+    c.last_seen = {0: 0.0, 1: 100.0, 2: 100.0}  # rank 0's worker busy in a long step
+    c._check_ranks(100.0)
+    assert c.dead_ranks == {}
