@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU runs on the device machine (torch + NCCL preinstalled, no network). Usage, from the repo root there:
 #   bash scripts/gpu_run.sh STEP...      STEP: tests | serving | pd | edges
-# Needs, carried from the dev machine: .whl/ (wheels the GPU image lacks: fastapi, starlette, pydantic(-core),
+# Needs, carried from the dev machine (bash scripts/gpu_prepare.sh makes both): .whl/ (wheels the GPU image lacks: fastapi, starlette, pydantic(-core),
 # annotated-types, typing-inspection, opentelemetry-api, uvicorn, pyzmq, msgspec) and .ckpt/smol-shape (config + tokenizer of
 # SmolLM2-135M; a random same-shaped checkpoint is generated there). Results go to $OUT (or bench/results).
 set -uo pipefail
