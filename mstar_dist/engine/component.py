@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from mstar_dist.engine.sampling import make_generator
 from mstar_dist.graph.walk import NodeCall, NodeResult
 
 
@@ -33,11 +34,10 @@ class WalkContext:
     """Component-private per-walk state (e.g. the seeded sampling generator)."""
 
     def generator(self, device: torch.device | str) -> torch.Generator:
+        """This walk's sampling generator (seeded from ``sampling.seed``, the walk's seed), made on first use."""
         gen = self.state.get("generator")
         if gen is None:
-            gen = torch.Generator(device=device)
-            gen.manual_seed(self.seed & 0x7FFF_FFFF_FFFF_FFFF)
-            self.state["generator"] = gen
+            gen = self.state["generator"] = make_generator(self.sampling, device)
         return gen
 
 

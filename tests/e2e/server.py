@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -16,6 +17,20 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 WEIGHTS = os.path.expanduser(os.environ.get("MSTAR_TEST_WEIGHTS", "~/.cache/mstar_dist/smollm2-135m-instruct"))
+
+
+def per_rank(base_url: str, name: str) -> dict[str, int]:
+    """A per-rank series of ``/metrics``: ``{rank: value}`` (e.g. ``mstar_dist_live_tensors``)."""
+    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    return {m.group(1): int(float(m.group(2)))
+            for m in re.finditer(rf'^{name}\{{rank="(\d+)"\}} (\S+)$', text, re.M)}
+
+
+def metric(base_url: str, series: str) -> float:
+    """One series of ``/metrics`` (a regex for its name and labels); 0 when absent."""
+    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    match = re.search(r"^" + series + r" (\S+)$", text, re.M)
+    return float(match.group(1)) if match else 0.0
 
 
 def descendants(pid: int) -> list[int]:

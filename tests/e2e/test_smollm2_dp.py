@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.server import REPO, Server
+from tests.e2e.server import REPO, Server, per_rank
 
 DP = REPO / "launch/configs/smollm2_dp.yaml"
 SINGLE = REPO / "launch/configs/smollm2_single.yaml"
@@ -26,11 +26,6 @@ def dp():
     server = Server(DP, nproc=3)
     yield server
     assert server.stop_clean(3), server.log()
-
-
-def gauges(base_url: str, name: str) -> dict[str, int]:
-    text = httpx.get(f"{base_url}/metrics", timeout=10).text
-    return {m.group(1): int(float(m.group(2))) for m in re.finditer(rf'^{name}\{{rank="(\d+)"\}} (\S+)$', text, re.M)}
 
 
 def wait_for(predicate, timeout: float, what: str):
@@ -64,12 +59,12 @@ def test_few_hundred_requests_with_a_fifth_abandoned_leave_nothing_behind(dp):
         outcomes = list(pool.map(lambda p: run_one(dp.base_url, *p), plan))
     assert outcomes.count("done") == sum(1 for _, a in plan if not a), outcomes
     assert outcomes.count("abandoned") == sum(1 for _, a in plan if a)
-    wait_for(lambda: gauges(dp.base_url, "mstar_dist_live_tensors") == {"0": 0, "1": 0, "2": 0}, 30,
+    wait_for(lambda: per_rank(dp.base_url, "mstar_dist_live_tensors") == {"0": 0, "1": 0, "2": 0}, 30,
              "every rank's live tensors back to 0")
-    wait_for(lambda: set(gauges(dp.base_url, "mstar_dist_engine_kv_slots_used").values()) == {0}, 30,
+    wait_for(lambda: set(per_rank(dp.base_url, "mstar_dist_engine_kv_slots_used").values()) == {0}, 30,
              "every KV slot freed")
-    assert gauges(dp.base_url, "mstar_dist_live_tensor_bytes") == {"0": 0, "1": 0, "2": 0}
-    rows = gauges(dp.base_url, "mstar_dist_engine_decode_rows_total")
+    assert per_rank(dp.base_url, "mstar_dist_live_tensor_bytes") == {"0": 0, "1": 0, "2": 0}
+    rows = per_rank(dp.base_url, "mstar_dist_engine_decode_rows_total")
     assert rows["1"] > 100 and rows["2"] > 100, f"both decode replicas should serve: {rows}"
     text = httpx.get(f"{dp.base_url}/metrics", timeout=10).text
     aborted = int(re.search(r'mstar_dist_requests_finished_total\{reason="abort"\} (\d+)', text).group(1))

@@ -8,13 +8,12 @@ changes the output of a pinned request compared with one rank.
 from __future__ import annotations
 
 import json
-import re
 
 import httpx
 import pytest
 
 from mstar_dist.client import MStarClient
-from tests.e2e.server import REPO, Server
+from tests.e2e.server import REPO, Server, per_rank
 
 PD = REPO / "launch/configs/smollm2_pd.yaml"
 SINGLE = REPO / "launch/configs/smollm2_single.yaml"
@@ -26,11 +25,6 @@ def pd():
     server = Server(PD, nproc=2)
     yield server
     assert server.stop_clean(2), f"SIGTERM should end both ranks with status 0:\n{server.log()}"
-
-
-def live_tensors(base_url: str) -> dict[str, int]:
-    text = httpx.get(f"{base_url}/metrics", timeout=10).text
-    return {m.group(1): int(m.group(2)) for m in re.finditer(r'mstar_dist_live_tensors\{rank="(\d+)"\} (\d+)', text)}
 
 
 def test_chat_answers_paris_over_http(pd):
@@ -123,7 +117,7 @@ def test_concurrent_requests_and_no_leak(pd):
     import time
 
     time.sleep(1.5)  # gauges are reported every 0.5 s
-    assert live_tensors(pd.base_url) == {"0": 0, "1": 0}
+    assert per_rank(pd.base_url, "mstar_dist_live_tensors") == {"0": 0, "1": 0}
 
 
 PINNED = [

@@ -8,14 +8,13 @@ or a client that goes away leaves its request running.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import re
 import threading
 import time
 
 import httpx
 import pytest
 
-from tests.e2e.server import REPO, Server
+from tests.e2e.server import REPO, Server, metric
 
 
 @pytest.fixture(scope="module")
@@ -28,12 +27,6 @@ def toy():
 def gen(base_url: str, prompt: str, max_tokens: int = 8, timeout: float = 60) -> httpx.Response:
     return httpx.post(f"{base_url}/generate", timeout=timeout,
                       json={"prompt": prompt, "model_kwargs": {"max_tokens": max_tokens}})
-
-
-def metric(base_url: str, pattern: str) -> float:
-    text = httpx.get(f"{base_url}/metrics", timeout=10).text
-    match = re.search(r"^" + pattern + r" (\S+)$", text, re.M)
-    return float(match.group(1)) if match else 0.0
 
 
 def test_each_failure_fails_only_its_request(toy):

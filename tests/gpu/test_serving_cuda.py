@@ -6,13 +6,12 @@ GPUs — the P/D split's KV does not go device to device over NCCL or changes th
 from __future__ import annotations
 
 import os
-import re
 
 import httpx
 import pytest
 import torch
 
-from tests.e2e.server import REPO, WEIGHTS, Server
+from tests.e2e.server import REPO, WEIGHTS, Server, per_rank
 
 pytestmark = [
     pytest.mark.gpu,
@@ -34,11 +33,6 @@ def pinned(base_url: str) -> list[str]:
     return out
 
 
-def metric(base_url: str, name: str) -> dict[str, float]:
-    text = httpx.get(f"{base_url}/metrics", timeout=10).text
-    return {m.group(1): float(m.group(2)) for m in re.finditer(rf'{name}\{{rank="(\d+)"\}} (\S+)', text)}
-
-
 def test_single_rank_serves_on_cuda_and_repeats_pinned_requests():
     server = Server(REPO / "launch/configs/smollm2_single.yaml", 1, overrides=LLAMA)
     try:
@@ -56,8 +50,8 @@ def test_pd_split_moves_kv_over_nccl_device_to_device():
     try:
         split = pinned(pd.base_url)
         time.sleep(1.5)
-        received = metric(pd.base_url, "mstar_dist_edge_bytes_received_total")
-        staged = metric(pd.base_url, "mstar_dist_host_staging_copies_total")
+        received = per_rank(pd.base_url, "mstar_dist_edge_bytes_received_total")
+        staged = per_rank(pd.base_url, "mstar_dist_host_staging_copies_total")
     finally:
         assert pd.stop_clean(2), pd.log()
     assert received["1"] > 0, "the decode rank received no KV bytes over the pair"
