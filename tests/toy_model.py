@@ -249,3 +249,15 @@ class ToyFanoutModel(ToyModel):
     def postprocess(self, state, signal, values):
         state.completion_tokens += len(values)
         return "".join(f"{float(v):g} " for v in values)
+
+
+def audio_text(start: int, max_tokens: int, audio: bool = True) -> str:
+    """The text ToyAudioModel answers for prompt ``start=<start>`` and ``max_tokens``."""
+    xs = [start + i for i in range(1, max_tokens + 1)]
+    streamed = xs[1:]  # the count walk streams; the first value comes from the start walk
+    head = "".join(f"{x} " for x in xs) + f"| twice: {2 * start}"
+    if not audio:
+        return head
+    full = [sum(streamed[i : i + 3]) for i in range(0, len(streamed) - len(streamed) % 3, 3)]
+    final = sum(streamed[len(streamed) - len(streamed) % 3 :])  # the final chunk: the remainder (maybe empty)
+    return head + " | audio: " + " ".join(map(str, [*full, final]))

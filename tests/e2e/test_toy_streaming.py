@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from tests.e2e.server import REPO, Server
+from tests.toy_model import audio_text as expected
 
 
 @pytest.fixture(scope="module")
@@ -28,17 +29,6 @@ def text(base_url: str, prompt: str, max_tokens: int) -> str:
     r = httpx.post(f"{base_url}/generate", timeout=60, json={"prompt": prompt, "model_kwargs": {"max_tokens": max_tokens}})
     assert r.status_code == 200, r.text
     return r.json()["text"]
-
-
-def expected(start: int, max_tokens: int, audio: bool = True) -> str:
-    xs = [start + i for i in range(1, max_tokens + 1)]
-    streamed = xs[1:]  # the count walk streams; the first value comes from the start walk
-    head = "".join(f"{x} " for x in xs) + f"| twice: {2 * start}"
-    if not audio:
-        return head
-    full = [sum(streamed[i : i + 3]) for i in range(0, len(streamed) - len(streamed) % 3, 3)]
-    final = sum(streamed[len(streamed) - len(streamed) % 3 :])  # the final chunk: the remainder (maybe empty)
-    return head + " | audio: " + " ".join(map(str, [*full, final]))
 
 
 @pytest.mark.parametrize("start, max_tokens", [(5, 8), (0, 7), (100, 2), (40, 1)])

@@ -9,9 +9,9 @@ import pytest
 import yaml
 
 from mstar_dist.server.backend import BackendError, Finished, GenerationParams, TextDelta
-from tests.e2e.test_toy_streaming import expected
 from tests.inproc import InProcDeployment
 from tests.toy_model import ToyAudioModel, ToyModel
+from tests.toy_model import audio_text as expected
 
 REPO_TESTS = __import__("pathlib").Path(__file__).resolve().parents[1]
 
