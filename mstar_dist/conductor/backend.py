@@ -14,12 +14,14 @@ from collections.abc import AsyncIterator
 import zmq
 
 from mstar_dist.conductor.conductor import WAKE, Conductor
-from mstar_dist.server.backend import BackendError, Finished, GenerationEvent, GenerationParams
+from mstar_dist.events import BackendError, Finished, GenerationEvent, GenerationParams
 
 
 class ConductorBackend:
-    def __init__(self, conductor: Conductor, *, model_name: str, max_context_tokens: int, max_tokens_limit: int):
+    def __init__(self, conductor: Conductor, *, model_name: str, max_context_tokens: int, max_tokens_limit: int,
+                 output_modality: str = "text"):
         self.conductor = conductor
+        self.output_modality = output_modality
         self.model_name = model_name
         self.max_context_tokens = max_context_tokens
         self.max_tokens_limit = max_tokens_limit

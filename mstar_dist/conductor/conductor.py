@@ -26,7 +26,8 @@ from mstar_dist.control import messages as m
 from mstar_dist.graph.model import CompositeModel, RequestState, WalkStep
 from mstar_dist.graph.nodes import iter_nodes, node_names
 from mstar_dist.graph.partitions import PartitionTracker, check_partitions
-from mstar_dist.server.backend import BackendError, Finished, GenerationParams, TextDelta
+from mstar_dist.conductor.stop_strings import StopTrimmer
+from mstar_dist.events import BackendError, Finished, GenerationParams, MediaDelta, TextDelta
 from mstar_dist.transport.inline import decode_tensor, encode_tensor
 
 log = logging.getLogger(__name__)
@@ -64,7 +65,8 @@ class _Request:
     wire_id: str
     """The id on the wire: the client's id plus an incarnation number, so a pinned id can be reused at once
     without a rank mistaking the new request for the removed one."""
-    held: str = ""
+    stops: StopTrimmer | None = None
+    """Cuts the text at the request's stop strings (the one place they are applied)."""
     first_token_at: float | None = None
     touched: set[int] = field(default_factory=set)
     partitions: PartitionTracker | None = None
@@ -270,7 +272,7 @@ class Conductor:
     def _admit(self, params: GenerationParams, sink: Sink, pinned_id: bool) -> None:
         state = RequestState(
             request_id=params.request_id, seed=request_seed(params, pinned_id), max_tokens=params.max_tokens,
-            max_tokens_given=params.max_tokens_given,
+            max_tokens_given=params.max_tokens_given, knobs=dict(params.model_kwargs),
         )
         try:
             self.model.preprocess(state, params.prompt, params.messages)
@@ -411,9 +413,10 @@ class Conductor:
             return
         before = req.state.completion_tokens
         try:
-            text = self.model.postprocess(
+            out = self.model.postprocess(
                 req.state, emit.signal, [decode_tensor(v, torch.device("cpu")) for v in emit.values]
             )
+            deltas = _deltas(out, req.state.completion_tokens - before)
         except Exception as exc:
             self._finish_error(req, 500, f"postprocess failed: {type(exc).__name__}: {exc}")
             return
@@ -422,28 +425,22 @@ class Conductor:
             req.first_token_at = time.monotonic()
             self.metrics.ttft.observe(req.first_token_at - req.arrived)
         self.metrics.tokens_generated += n
-        self._emit_text(req, text, n)
+        for delta in deltas:
+            if isinstance(delta, MediaDelta):
+                req.sink(delta)
+            elif self._emit_text(req, delta):
+                return  # a stop string ended the request
 
-    def _emit_text(self, req: _Request, text: str, n: int) -> None:
-        stops = req.params.stop
-        if not stops:
-            if text or n:
-                req.sink(TextDelta(text=text, n_tokens=n))
-            return
-        buf = req.held + text
-        hits = [(buf.find(s), s) for s in stops if s and s in buf]
-        if hits:
-            cut = min(i for i, _ in hits)
-            req.held = ""
-            if cut or n:
-                req.sink(TextDelta(text=buf[:cut], n_tokens=n))
-            self._finish(req, "stop", flush=False)
-            return
-        keep = max((k for s in stops for k in range(1, len(s)) if buf.endswith(s[:k])), default=0)
-        req.held = buf[len(buf) - keep :] if keep else ""
-        out = buf[: len(buf) - keep] if keep else buf
-        if out or n:
-            req.sink(TextDelta(text=out, n_tokens=n))
+    def _emit_text(self, req: _Request, delta: TextDelta) -> bool:
+        """Send ``delta`` cut at the request's stop strings; True when a stop string ended the request."""
+        if req.stops is None:
+            req.stops = StopTrimmer(req.params.stop)
+        text = req.stops.feed(delta.text)
+        if text or delta.n_tokens:
+            req.sink(TextDelta(text=text, n_tokens=delta.n_tokens))
+        if req.stops.stopped:
+            self._finish(req, "stop")
+        return req.stops.stopped
 
     # ---- ends ----
     def _release(self, req: _Request) -> None:
@@ -453,10 +450,14 @@ class Conductor:
             self._send(rank, m.RemoveRequest(request_id=req.wire_id))
         self._admit_queued()
 
-    def _finish(self, req: _Request, reason: str, flush: bool = True) -> None:
-        tail = (req.held + self.model.finish_text(req.state)) if flush else ""
-        if tail:
-            req.sink(TextDelta(text=tail, n_tokens=0))
+    def _finish(self, req: _Request, reason: str) -> None:
+        stops = req.stops or StopTrimmer(req.params.stop)
+        if not stops.stopped:
+            tail = stops.feed(self.model.finish_text(req.state)) + stops.flush()
+            if tail:
+                req.sink(TextDelta(text=tail, n_tokens=0))
+            if stops.stopped:
+                reason = "stop"
         self.metrics.observe_done(reason, time.monotonic() - req.arrived, req.state.completion_tokens)
         req.sink(Finished(finish_reason=reason, prompt_tokens=req.state.prompt_tokens,
                           completion_tokens=req.state.completion_tokens))
@@ -535,3 +536,23 @@ class Conductor:
     @property
     def active_count(self) -> int:
         return len(self._active)
+
+
+def _deltas(out: Any, n_tokens: int) -> list[TextDelta | MediaDelta]:
+    """What ``postprocess`` returned (text, a media delta, or a list of them) as deltas; the request's new token
+    count rides on the first one (on an empty text delta when there is nothing else)."""
+    items = out if isinstance(out, list) else [out]
+    deltas: list[TextDelta | MediaDelta] = []
+    for item in items:
+        if isinstance(item, str):
+            deltas.append(TextDelta(text=item, n_tokens=0))
+        elif isinstance(item, (TextDelta, MediaDelta)):
+            deltas.append(item)
+        else:
+            raise TypeError(f"postprocess returned {type(item).__name__}; expected str, TextDelta or MediaDelta")
+    if not deltas:
+        deltas.append(TextDelta(text="", n_tokens=0))
+    first = deltas[0]
+    deltas[0] = (TextDelta(first.text, first.n_tokens + n_tokens) if isinstance(first, TextDelta)
+                 else MediaDelta(first.modality, first.data, first.metadata, first.n_tokens + n_tokens))
+    return deltas

@@ -2,7 +2,8 @@
 
 A model declares its walks (``graphs``), builds the components placed on a rank (``build_component``), and drives
 a request on the conductor: ``preprocess`` (tokenize), ``start`` (first walk), ``after_walk`` (next walk or done),
-``postprocess`` (values emitted to the client -> text). Model code never sees ranks or transports.
+``postprocess`` (values emitted to the client -> text, audio or image deltas). Model code never sees ranks or
+transports, but a family may look at the deployment's layout (:class:`Layout`) before it builds its walks.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ class RequestState:
     completion_tokens: int = 0
     finish_reason: str | None = None
     """Set by the model when it ends the request itself (e.g. EOS right after prefill)."""
+    knobs: dict[str, Any] = field(default_factory=dict)
+    """The request's model knobs (native ``model_kwargs`` beyond sampling, or a route's family fields such as
+    ``voice``); ``preprocess`` validates them (``ValueError`` naming the knob and its allowed range: a 400)."""
     data: dict[str, Any] = field(default_factory=dict)
 
 
@@ -47,6 +51,8 @@ class CompositeModel(ABC):
     """A model family. Instances are built on every rank from ``(weights_dir, model_kwargs)``."""
 
     name: str = "model"
+    output_modality: str = "text"
+    """What ``postprocess`` produces for clients: "text", "audio" or "image" (routes check it)."""
 
     def __init__(self, weights_dir: str | None, **model_kwargs: Any):
         self.weights_dir = weights_dir
@@ -102,8 +108,10 @@ class CompositeModel(ABC):
         partition is)."""
 
     @abstractmethod
-    def postprocess(self, state: RequestState, signal: str, values: list[Any]) -> str:
-        """Values a node emitted to the client -> new text (may be empty while a character is incomplete)."""
+    def postprocess(self, state: RequestState, signal: str, values: list[Any]) -> Any:
+        """Values a node emitted to the client -> new text (a ``str``, possibly empty while a character is
+        incomplete), or :class:`mstar_dist.events.MediaDelta` (audio, image), or a list of them. Count generated
+        tokens in ``state.completion_tokens``. Stop strings are the conductor's business, not the model's."""
 
     def finish_text(self, state: RequestState) -> str:
         """Text still held back when the request ends (an incomplete character, flushed)."""

@@ -51,7 +51,7 @@ from mstar_dist.server.protocol import (
     Usage,
     normalize_messages,
 )
-from mstar_dist.server.stop_strings import StopTrimmer
+from mstar_dist.conductor.stop_strings import StopTrimmer
 
 __all__ = ["build_app", "HttpServer", "NDJSON_MEDIA_TYPE", "SSE_MEDIA_TYPE"]
 

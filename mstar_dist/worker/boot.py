@@ -275,6 +275,7 @@ def _start_http(dep: Deployment, conductor):
     backend = ConductorBackend(
         conductor, model_name=cfg.model, max_context_tokens=dep.model.max_context_tokens,
         max_tokens_limit=min(cfg.limits.max_tokens, dep.model.max_context_tokens - 1),
+        output_modality=dep.model.output_modality,
     )
     http = HttpServer(build_app(backend))
     http.start(cfg.server.host, cfg.server.port, timeout_s=30)

@@ -16,7 +16,7 @@ from starlette.testclient import TestClient
 
 from mstar_dist.server.app import build_app
 from mstar_dist.server.backend import BackendError
-from mstar_dist.server.stop_strings import StopTrimmer
+from mstar_dist.conductor.stop_strings import StopTrimmer
 from tests.fakes import UNICODE_DELTAS, UNICODE_TEXT, FakeBackend
 
 CHAT = "/v1/chat/completions"

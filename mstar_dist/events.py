@@ -1,0 +1,102 @@
+"""What a request produces, as plain data shared by the model families, the conductor and the HTTP server.
+
+A request yields zero or more deltas — :class:`TextDelta` (text), :class:`MediaDelta` (audio or image bytes with
+their metadata) — then exactly one :class:`Finished`, or fails with a :class:`BackendError`. No torch, no
+sockets: the server and its tests import this without a process group (docs/architecture.md, "per-token path").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+FINISH_REASONS = ("stop", "length", "abort")
+"""Finish reasons a client can see."""
+MODALITIES = ("text", "audio", "image")
+"""What a model family can emit to the client."""
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """One validated request, as the backend receives it (already checked against the backend's limits)."""
+
+    request_id: str
+    """Pinned by the client (native ``request_id``, ``X-Request-Id``) or generated; unique per request."""
+    prompt: str | None
+    """Raw prompt text; exactly one of ``prompt`` / ``messages`` is set."""
+    messages: list[dict[str, str]] | None
+    """Chat messages normalised to ``{"role": str, "content": str}`` (text parts joined); the backend applies
+    the model's chat template."""
+    max_tokens: int
+    """Upper bound on generated tokens, 1 <= max_tokens <= backend.max_tokens_limit."""
+    temperature: float = 1.0
+    """0 means greedy."""
+    top_p: float = 1.0
+    """Nucleus mass in (0, 1]; 1 disables."""
+    top_k: int = 0
+    """0 disables."""
+    seed: int | None = None
+    """Fixes the request's sampling seed when set (see DESIGN §4)."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings: the conductor cuts the text at the first one and ends the request (finish reason "stop");
+    the client never sees the stop string or anything after it."""
+    stream: bool = False
+    """Whether the client streams; informational (the backend yields deltas either way)."""
+    max_tokens_given: bool = True
+    """False when the client did not ask for a number: ``max_tokens`` is then the service's default limit and the
+    backend may lower it to what the context leaves after the prompt (instead of rejecting the request)."""
+    model_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Per-request knobs of the model family (``voice``, ``steps``, ``guidance_scale``, ``width``...), JSON
+    values. The family validates them in ``preprocess``: an unknown or out-of-range knob is a 400 naming it."""
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """New text since the previous delta (whole characters: the backend holds back partial UTF-8 bytes)."""
+
+    text: str
+    n_tokens: int
+    """Tokens this delta accounts for (may be > 0 with empty text while a multi-byte character is pending)."""
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The last item of every complete generation."""
+
+    finish_reason: str
+    """One of ``FINISH_REASONS``: "stop" (EOS or stop string), "length" (max_tokens or context), "abort"."""
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class MediaDelta:
+    """A piece of non-text output as it is produced: ``modality`` "audio" (``data`` is little-endian PCM16,
+    ``metadata`` has ``sample_rate`` and ``num_channels``) or "image" (``data`` is a PNG file, ``metadata`` has
+    ``width`` and ``height``). ``n_tokens`` counts the generated tokens this piece accounts for."""
+
+    modality: str
+    data: bytes
+    metadata: dict[str, Any] = field(default_factory=dict)
+    n_tokens: int = 0
+
+
+GenerationEvent = TextDelta | MediaDelta | Finished
+
+
+class BackendError(Exception):
+    """A request-level failure with the HTTP status the client should see.
+
+    4xx: the request is wrong (``BackendError(400, "prompt is 9000 tokens, context is 8192")``).
+    5xx: the service failed this request (503 when not serving, 500 for a model failure naming the rank).
+    """
+
+    def __init__(self, status: int, message: str) -> None:
+        if not 400 <= status <= 599:
+            raise ValueError(f"BackendError status must be a 4xx/5xx HTTP status, got {status}")
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+    def __repr__(self) -> str:
+        return f"BackendError({self.status}, {self.message!r})"
