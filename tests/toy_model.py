@@ -261,3 +261,71 @@ def audio_text(start: int, max_tokens: int, audio: bool = True) -> str:
     full = [sum(streamed[i : i + 3]) for i in range(0, len(streamed) - len(streamed) % 3, 3)]
     final = sum(streamed[len(streamed) - len(streamed) % 3 :])  # the final chunk: the remainder (maybe empty)
     return head + " | audio: " + " ".join(map(str, [*full, final]))
+
+
+class Stepper(Component):
+    """STEP: x -> y, ``width`` copies of x + 1 (``width`` large makes y travel on the pair, not inline), and k, x + 1
+    as a one-element tensor (a small walk output); its stop
+    check fires when x + 1 is a multiple of 100. CHECK: y -> x = y[0], emitted; its stop check fires when x ends
+    in 37. ``run_batch`` of each runs wherever the placement puts it."""
+
+    def __init__(self, name: str, width: int):
+        self.name, self.width = name, width
+
+    def run_batch(self, calls):
+        out = []
+        for call in calls:
+            if self.name == "STEP":
+                x = int(call.inputs["x"].reshape(-1)[0])
+                out.append(NodeResult({"y": torch.full((self.width,), float(x + 1)), "k": torch.tensor([x + 1])},
+                                      stop=(x + 1) % 100 == 0))
+            else:
+                x = int(call.inputs["y"][0])
+                out.append(NodeResult({"x": torch.tensor([x])}, stop=x % 100 == 37))
+        return out
+
+
+class ToySpanModel(ToyModel):
+    """One walk whose loop body has two nodes that a deployment may put on different ranks.
+
+    Walk ``span`` = Loop(STEP -> CHECK, back to STEP), named ``span``, ``outputs=("x",)``,
+    ``accumulated_outputs=("k",)`` (from STEP): each iteration adds 1 and CHECK emits it. The loop stops after
+    ``max_tokens`` iterations, or after the iteration in which STEP (x + 1 a multiple of 100) or CHECK (x ending
+    in 37) raises its stop. The text ends with ``| last: <x> | rows: <iterations> | sum: <sum of k>``, made
+    from the walk's outputs. ``model_kwargs.width`` sets how many floats y carries (default 4).
+    """
+
+    name = "toy_span"
+
+    def graphs(self):
+        from mstar_dist.graph.nodes import Sequential
+
+        body = Sequential(GraphNode("STEP", inputs=("x",), outputs=(Edge("y", "CHECK"), Edge("k"))),
+                          GraphNode("CHECK", inputs=("y",), outputs=(Edge("x", "STEP"), Edge("x", EMIT_TO_CLIENT))))
+        return {"span": Loop(body, max_iters=10_000, outputs=("x",), accumulated_outputs=("k",), name="span")}
+
+    def build_component(self, node: str, *, device: str, walks: set[str]) -> Component:
+        return Stepper(node, int(self.model_kwargs.get("width", 4)))
+
+    def start(self, state):
+        return WalkStep("span", {"x": torch.tensor([state.data["x"]])}, loop_limits={"span": state.max_tokens})
+
+    def after_walk(self, state, walk, outputs):
+        ks = outputs["k"]
+        state.data["tail"] = f"| last: {int(outputs['x'])} | rows: {ks.shape[0]} | sum: {int(ks.sum())}"
+        return None
+
+    def finish_text(self, state):
+        return state.data.get("tail", "")
+
+
+def span_text(start: int, max_tokens: int) -> str:
+    """The text ToySpanModel answers for prompt ``start=<start>`` and ``max_tokens``."""
+    xs = []
+    x = start
+    while len(xs) < max_tokens:
+        x += 1
+        xs.append(x)
+        if x % 100 == 0 or x % 100 == 37:
+            break
+    return "".join(f"{v} " for v in xs) + f"| last: {xs[-1]} | rows: {len(xs)} | sum: {sum(xs)}"

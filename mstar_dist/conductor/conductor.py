@@ -24,6 +24,7 @@ import torch
 from mstar_dist.conductor.metrics import Metrics
 from mstar_dist.control import messages as m
 from mstar_dist.graph.model import CompositeModel, RequestState, WalkStep
+from mstar_dist.graph.io import walk_io
 from mstar_dist.graph.nodes import iter_nodes, node_names
 from mstar_dist.graph.partitions import PartitionTracker, check_partitions
 from mstar_dist.conductor.stop_strings import StopTrimmer
@@ -59,8 +60,9 @@ class _Request:
     state: RequestState
     params: GenerationParams
     sink: Sink
-    ranks: dict[str, int]
-    """Walk -> the global rank that runs it for this request (replica chosen at admission)."""
+    nodes: dict[tuple[str, str], int]
+    """(walk, node) -> the global rank that runs that node of that walk for this request (replicas chosen at
+    admission)."""
     arrived: float
     wire_id: str
     """The id on the wire: the client's id plus an incarnation number, so a pinned id can be reused at once
@@ -73,6 +75,15 @@ class _Request:
     stream_src: dict[str, int] = field(default_factory=dict)
     """Streaming signal -> the rank of the last walk dispatched to produce it."""
     finish_reason: str | None = None
+    pieces: dict[str, tuple[set[int], dict[str, Any]]] = field(default_factory=dict)
+    """Walk -> (ranks whose ``WalkDone`` is still due, outputs gathered so far) for a walk that spans ranks."""
+
+    def walk_ranks(self, walk: str) -> list[int]:
+        """Global ranks running some node of ``walk`` for this request, sorted."""
+        return sorted({rank for (w, _), rank in self.nodes.items() if w == walk})
+
+    def rank_of(self, walk: str, node: str) -> int:
+        return self.nodes[(walk, node)]
 
 
 class Conductor:
@@ -114,6 +125,14 @@ class Conductor:
         for edge in self.streams:
             edge.check({p.name: p for p in self.partitions}, self.graphs)
         self._partition_index = {p.name: i for i, p in enumerate(self.partitions)}
+        self._walk_nodes = [(walk, node) for walk, section in self.graphs.items()
+                            for node in dict.fromkeys(n.name for n in iter_nodes(section))]
+        self._ports = {walk: walk_io(section).external_inputs for walk, section in self.graphs.items()}
+        self._stream_producer = {  # streaming signal -> (walk, node) producing it
+            e.signal: next((w, n.name) for w, sec in self.graphs.items() for n in iter_nodes(sec)
+                           for out in n.outputs if out.stream and out.signal == e.signal)
+            for e in self.streams
+        }
         self._consumer_walk = {  # streaming signal -> the walk holding its consumer node
             e.signal: next(w for p in self.partitions if p.name == e.dst_partition for w in p.walks
                            if e.dst_node in node_names(self.graphs[w]))
@@ -283,13 +302,13 @@ class Conductor:
             log.exception("preprocess failed for %s", params.request_id)
             sink(BackendError(500, f"preprocess failed: {type(exc).__name__}: {exc}"))
             return
-        ranks = self._choose_ranks()
-        if ranks is None:
+        nodes = self._choose_ranks()
+        if nodes is None:
             dead = ", ".join(f"rank {r} ({why})" for r, why in sorted(self.dead_ranks.items()))
             sink(BackendError(503, f"no live replica can serve this request; dead: {dead}"))
             return
         self._incarnation += 1
-        req = _Request(state=state, params=params, sink=sink, ranks=ranks, arrived=time.monotonic(),
+        req = _Request(state=state, params=params, sink=sink, nodes=nodes, arrived=time.monotonic(),
                        wire_id=f"{params.request_id}#{self._incarnation}")
         self._active[params.request_id] = req
         self._by_wire[req.wire_id] = req
@@ -308,13 +327,13 @@ class Conductor:
         if req.partitions.request_done:
             self._finish(req, state.finish_reason or "stop")
 
-    def _choose_ranks(self) -> dict[str, int] | None:
-        """One replica per (walk, node) group; prefer hosts, then ranks the request already uses (DESIGN §5)."""
+    def _choose_ranks(self) -> dict[tuple[str, str], int] | None:
+        """One replica per (walk, node); prefer hosts, then ranks the request already uses (docs/architecture.md,
+        "Placement"). None when some node has no live replica."""
         from mstar_dist.topology.placement import choose_replica
 
-        chosen: dict[str, int] = {}
-        for walk, section in self.graphs.items():
-            node = next(iter_nodes(section)).name
+        chosen: dict[tuple[str, str], int] = {}
+        for walk, node in self._walk_nodes:
             replica = choose_replica(
                 self.placement.replicas(walk, node),
                 live_ranks=set(range(self.world_size)) - set(self.dead_ranks),
@@ -325,49 +344,68 @@ class Conductor:
             )
             if replica is None:
                 return None
-            chosen[walk] = replica.ranks[0]
+            chosen[(walk, node)] = replica.ranks[0]
         return chosen
 
     # ---- walks ----
     def _dispatch(self, req: _Request, step: WalkStep) -> None:
-        rank = req.ranks[step.walk]
+        """Send ``step`` to every rank running a node of its walk for this request (docs/architecture.md,
+        "Walks across ranks"): each gets the inputs its own nodes consume (placeholders for the rest), kept
+        tensors are pushed straight from their producer to the ranks that consume them."""
+        ranks = req.walk_ranks(step.walk)
         partition = req.partitions.partition_of(step.walk)
         walk_index = req.partitions.walks_done(partition)
-        inputs: dict[str, m.Value] = {}
-        release: list[str] = []
+        consumers = self._input_consumers(req, step)
+        inputs: dict[int, dict[str, m.Value]] = {rank: {} for rank in ranks}
+        release: dict[int, list[str]] = {rank: [] for rank in ranks}
         for name, value in step.inputs.items():
+            wanted = consumers.get(name) or ranks[:1]
             if isinstance(value, m.TensorRef):
-                # one persist count per kept tensor: consumed here unless the model keeps it for a later walk
-                last_use = name not in step.keep
-                if value.rank != rank:
-                    self._send(value.rank, m.Push(request_id=req.wire_id, uuid=value.uuid, dst=rank,
-                                                  release=last_use))
-                elif last_use:
-                    release.append(name)
-                inputs[name] = value
+                self._route_kept(req, name, value, wanted, keep=name in step.keep, release=release)
             else:
-                inputs[name] = encode_tensor(value)
-        spans_ranks = len(set(req.ranks.values())) > 1
-        msg = m.RunWalk(
-            request_id=req.wire_id,
-            walk=step.walk,
-            walk_index=walk_index,
-            seed=walk_seed(req.state.seed, self._partition_index[partition], walk_index),
-            inputs=inputs,
-            sampling=m.Sampling(
-                temperature=req.params.temperature, top_p=req.params.top_p, top_k=req.params.top_k
-            ),
-            export=sorted(self.persist_signals[step.walk]) if spans_ranks else [],
-            loop_limits=step.loop_limits,
-            stop_token_ids=self.stop_ids,
-            stream_routes={e.signal: req.ranks[self._consumer_walk[e.signal]] for e in self.streams
-                           if partition == e.src_partition},
-            release=release,
-        )
-        req.touched.add(rank)
-        for signal in msg.stream_routes:
-            req.stream_src[signal] = rank
-        self._send(rank, msg)
+                value = encode_tensor(value)
+            for rank in ranks:
+                inputs[rank][name] = value if rank in wanted else m.Remote()
+        spans = len(ranks) > 1
+        node_ranks = {node: rank for (w, node), rank in req.nodes.items() if w == step.walk} if spans else {}
+        stream_routes = {e.signal: req.rank_of(self._consumer_walk[e.signal], e.dst_node) for e in self.streams
+                         if partition == e.src_partition}
+        if spans:
+            req.pieces[step.walk] = (set(ranks), {})
+        for rank in ranks:
+            msg = m.RunWalk(
+                request_id=req.wire_id, walk=step.walk, walk_index=walk_index,
+                seed=walk_seed(req.state.seed, self._partition_index[partition], walk_index),
+                inputs=inputs[rank],
+                sampling=m.Sampling(temperature=req.params.temperature, top_p=req.params.top_p,
+                                    top_k=req.params.top_k),
+                export=sorted(self.persist_signals[step.walk]) if len(set(req.nodes.values())) > 1 else [],
+                loop_limits=step.loop_limits, stop_token_ids=self.stop_ids, stream_routes=stream_routes,
+                release=release[rank], node_ranks=node_ranks,
+            )
+            req.touched.add(rank)
+            self._send(rank, msg)
+        for signal in stream_routes:
+            req.stream_src[signal] = req.rank_of(*self._stream_producer[signal])
+
+    def _input_consumers(self, req: _Request, step: WalkStep) -> dict[str, list[int]]:
+        """Walk input name -> the ranks whose nodes take it (sorted)."""
+        out: dict[str, set[int]] = collections.defaultdict(set)
+        for port in self._ports[step.walk]:
+            out[port.signal].add(req.rank_of(step.walk, port.node))
+        return {name: sorted(r) for name, r in out.items()}
+
+    def _route_kept(self, req: _Request, name: str, ref: m.TensorRef, ranks: list[int], *, keep: bool,
+                    release: dict[int, list[str]]) -> None:
+        """Push a kept tensor from its producer to each consuming rank; one persist count is consumed per dispatch
+        (by exactly one of them) unless the model keeps the tensor for a later walk."""
+        releaser = None if keep else (ref.rank if ref.rank in ranks else ranks[-1])
+        for rank in ranks:
+            if rank != ref.rank:
+                self._send(ref.rank, m.Push(request_id=req.wire_id, uuid=ref.uuid, dst=rank,
+                                            release=rank == releaser))
+            elif rank == releaser:
+                release[rank].append(name)
 
     def _on_walk_done(self, done: m.WalkDone) -> None:
         req = self._by_wire.get(done.request_id)
@@ -381,6 +419,14 @@ class Conductor:
             k: (v if isinstance(v, m.TensorRef) else decode_tensor(v, torch.device("cpu")))
             for k, v in done.outputs.items()
         }
+        if done.walk in req.pieces:  # a walk across ranks ends when every rank's copy has ended
+            due, gathered = req.pieces[done.walk]
+            due.discard(done.rank)
+            gathered.update(outputs)
+            if due:
+                return
+            del req.pieces[done.walk]
+            outputs = gathered
         partition = req.partitions.partition_of(done.walk)
         req.partitions.walk_done(partition)
         req.finish_reason = done.finish_reason or req.finish_reason
@@ -402,7 +448,7 @@ class Conductor:
         for edge in self.streams:
             if edge.src_partition != partition or req.partitions.is_done(edge.dst_partition):
                 continue
-            dst = req.ranks[self._consumer_walk[edge.signal]]
+            dst = req.rank_of(self._consumer_walk[edge.signal], edge.dst_node)
             src = req.stream_src.get(edge.signal)
             end = m.StreamEnd(request_id=req.wire_id, signal=edge.signal, forward_to=-1 if src is None else dst)
             self._send(dst if src is None else src, end)
@@ -446,7 +492,7 @@ class Conductor:
     def _release(self, req: _Request) -> None:
         self._active.pop(req.state.request_id, None)
         self._by_wire.pop(req.wire_id, None)
-        for rank in sorted(req.touched | set(req.ranks.values())):
+        for rank in sorted(req.touched | set(req.nodes.values())):
             self._send(rank, m.RemoveRequest(request_id=req.wire_id))
         self._admit_queued()
 
@@ -503,7 +549,7 @@ class Conductor:
             self.dead_ranks[rank] = why
             log.error("rank %d declared dead: %s (limits.rank_timeout_s=%g)", rank, why, self.rank_timeout_s)
             for req in list(self._active.values()):
-                if rank in req.touched or rank in req.ranks.values():
+                if rank in req.touched or rank in req.nodes.values():
                     self._finish_error(req, 503, f"rank {rank} on host {host} died ({why}); retry the request")
 
     def log_stats(self, now: float) -> None:
@@ -519,8 +565,8 @@ class Conductor:
     def unservable_walks(self) -> list[str]:
         """Walks with no live replica left (the service is down for them)."""
         live = set(range(self.world_size)) - set(self.dead_ranks)
-        return [walk for walk, section in self.graphs.items()
-                if not any(set(r.ranks) <= live for r in self.placement.replicas(walk, next(iter_nodes(section)).name))]
+        return sorted({walk for walk, node in self._walk_nodes
+                       if not any(set(r.ranks) <= live for r in self.placement.replicas(walk, node))})
 
     def _fail_all(self, status: int, message: str) -> None:
         for req in list(self._active.values()):

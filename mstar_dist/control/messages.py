@@ -27,7 +27,26 @@ class TensorRef(msgspec.Struct, frozen=True, tag=True):
     nbytes: int
 
 
-Value = Union[InlineTensor, TensorRef]
+class WireTensor(msgspec.Struct, frozen=True, tag=True):
+    """A tensor that follows the message carrying this descriptor on the sender -> receiver pair (p2p, NCCL
+    device to device for CUDA tensors, gloo for host ones). The sender posts its sends in the order of the
+    descriptors it sends; the receiver posts a receive for each descriptor when the message arrives, in
+    message order (FIFO per sender), so sends and receives pair up without ids (docs/architecture.md)."""
+
+    shape: list[int]
+    dtype: str
+    host: bool = False
+    """A host (CPU) tensor: it travels on the pair's gloo half and is received into host memory."""
+
+
+class Remote(msgspec.Struct, frozen=True, tag=True):
+    """A walk input that only nodes on other ranks consume: the receiving rank's copy of the walk needs to
+    know it is there, not its value."""
+
+
+Value = Union[InlineTensor, TensorRef, Remote]
+Carried = Union[InlineTensor, WireTensor]
+"""A value moving between two workers: inline when small, else on the pair right after the message."""
 
 
 class Sampling(msgspec.Struct, frozen=True):
@@ -60,6 +79,11 @@ class RunWalk(msgspec.Struct, tag=True):
     """Streaming signals this walk produces -> global rank of the consuming walk (another partition)."""
     release: list[str] = []
     """Inputs that are tensors kept on the receiving rank itself and consumed by this walk: unpersist once read."""
+    node_ranks: dict[str, int] = {}
+    """For a walk whose nodes run on several ranks: node -> global rank running it for this request. Every one
+    of those ranks gets this ``RunWalk`` and runs a copy of the whole walk in lockstep, executing its own nodes
+    and taking the others' results from their :class:`NodeDone` (see ``mstar_dist/worker/spans.py``). Empty
+    when the whole walk runs on the receiving rank."""
 
 
 class Push(msgspec.Struct, tag=True):
@@ -125,12 +149,34 @@ class TensorDesc(msgspec.Struct, tag=True):
     """A host (CPU) tensor: it travels on the pair's gloo half and is received into host memory."""
 
 
+class NodeDone(msgspec.Struct, tag=True):
+    """A node of a walk that spans ranks finished one run on the sender; sent to every other rank of the walk.
+
+    ``seq`` counts the node's runs in this walk (0, 1, ... one per loop iteration), so a receiver applies the
+    result to the same run of the node in its copy of the walk. ``signals`` are every output the run produced;
+    ``values`` carries those that nodes on the receiver consume (the others are placeholders there). ``stop``
+    is the node's dynamic stop (its innermost loop ends after this iteration on every rank); ``stop_loops``
+    are named loops to stop, applied just before this result on every rank, so all copies stop in the same
+    iteration.
+    """
+
+    request_id: str
+    walk: str
+    node: str
+    seq: int
+    signals: list[str]
+    values: dict[str, Carried] = {}
+    stop: bool = False
+    stop_loops: list[str] = []
+
+
 class StreamItems(msgspec.Struct, tag=True):
-    """Values a producer walk emitted on a streaming edge, for the consumer's buffer (FIFO per sender)."""
+    """Values a producer walk emitted on a streaming edge, for the consumer's buffer (FIFO per sender); large
+    ones follow on the pair (:class:`WireTensor`) and join the buffer in order once they arrived."""
 
     request_id: str
     signal: str
-    values: list[InlineTensor]
+    values: list[Carried]
 
 
 class StreamEnd(msgspec.Struct, tag=True):
@@ -195,8 +241,8 @@ class Stats(msgspec.Struct, tag=True):
 
 
 Message = Union[
-    RunWalk, Push, StopLoops, RemoveRequest, Shutdown, Heartbeat, AbortPair, TensorDesc, StreamItems, StreamEnd, Emit, WalkDone, Ready,
-    LoadFailed, Stats,
+    RunWalk, Push, StopLoops, RemoveRequest, Shutdown, Heartbeat, AbortPair, TensorDesc, NodeDone, StreamItems,
+    StreamEnd, Emit, WalkDone, Ready, LoadFailed, Stats,
 ]
 
 

@@ -16,6 +16,30 @@ from mstar_dist.graph.nodes import Section
 from mstar_dist.graph.partitions import Partition, StreamingEdge
 
 
+@dataclass(frozen=True)
+class Layout:
+    """Where a deployment places the model's nodes, as its config says, before any walk exists: node name ->
+    the global ranks that run it (any walk). A family whose walks depend on the deployment reads this in
+    :meth:`CompositeModel.configure` (e.g. a parallel-guidance walk only when the guidance branches have ranks
+    of their own). Every rank gets the same layout from the same config."""
+
+    node_ranks: dict[str, frozenset[int]] = field(default_factory=dict)
+
+    @classmethod
+    def from_node_groups(cls, node_groups) -> "Layout":
+        ranks: dict[str, set[int]] = {}
+        for group in node_groups:
+            for node in group.node_names:
+                ranks.setdefault(node, set()).update(group.ranks)
+        return cls({node: frozenset(r) for node, r in ranks.items()})
+
+    def placed(self, node: str) -> bool:
+        return node in self.node_ranks
+
+    def ranks(self, node: str) -> frozenset[int]:
+        return self.node_ranks.get(node, frozenset())
+
+
 @dataclass
 class WalkStep:
     """The next walk of a request: its name, its inputs (tensors or store references) and loop limits."""
@@ -57,10 +81,17 @@ class CompositeModel(ABC):
     def __init__(self, weights_dir: str | None, **model_kwargs: Any):
         self.weights_dir = weights_dir
         self.model_kwargs = model_kwargs
+        self.layout = Layout()
+
+    def configure(self, layout: Layout) -> None:
+        """Called once, before :meth:`graphs`, with the deployment's layout (on every rank alike). Default: keep
+        it in ``self.layout``; a family whose walks depend on the placement builds them from it."""
+        self.layout = layout
 
     @abstractmethod
     def graphs(self) -> dict[str, Section]:
-        """Walk name -> section. Pure: the same on every rank."""
+        """Walk name -> section. Pure: a function of the model's kwargs and ``self.layout``, the same on every rank
+        (ranks compare a digest of it at startup)."""
 
     def partitions(self) -> list[Partition]:
         """Groups of walks that run concurrently for one request. Default: one partition with every walk."""

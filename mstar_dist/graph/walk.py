@@ -250,6 +250,9 @@ class WalkRun:
     streamed_inputs: Collection[str] = frozenset()
     """Input signals that arrive through :meth:`deliver` during the walk: a node missing only these waits for them
     instead of failing the walk as stalled."""
+    emitting_nodes: Collection[str] | None = None
+    """Nodes whose edges to :data:`EMIT_TO_CLIENT` and streaming edges this run performs (``None``: every node).
+    A copy of a walk that spans ranks emits only for its own nodes; the rank that ran a node emits its values."""
 
     def __post_init__(self):
         self.outputs: dict[str, Any] = {}
@@ -379,10 +382,9 @@ class WalkRun:
             value = result.outputs[e.signal]
             for loop in frame.loops:
                 loop.record(e.signal, value)
-            if e.stream:
-                self.on_stream(e.signal, value)
-            elif e.dst == EMIT_TO_CLIENT:
-                self.on_emit(e.signal, value)
+            if e.stream or e.dst == EMIT_TO_CLIENT:
+                if self.emitting_nodes is None or node.name in self.emitting_nodes:
+                    (self.on_stream if e.stream else self.on_emit)(e.signal, value)
             elif e.dst is None:
                 self.outputs[e.signal] = value
             else:

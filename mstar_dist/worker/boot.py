@@ -35,7 +35,7 @@ from mstar_dist.config.cluster import ClusterSpec, RankInfo, device_for, identif
 from mstar_dist.config.deployment import DeploymentConfig, load_config
 from mstar_dist.control import messages as m
 from mstar_dist.control.channel import ControlChannel, default_store, lookup_endpoint, publish_endpoint
-from mstar_dist.graph.model import CompositeModel
+from mstar_dist.graph.model import CompositeModel, Layout
 from mstar_dist.graph.nodes import iter_nodes, node_names
 from mstar_dist.topology.placement import Placement
 from mstar_dist.worker.worker import CONDUCTOR, Worker, rank_name
@@ -59,6 +59,7 @@ class Deployment:
 
         cluster = config.resolve_cluster(world_size, local_world_size)
         model = get_model_class(config.model)(config.weights, **dict(config.model_kwargs))
+        model.configure(Layout.from_node_groups(config.node_groups))
         walks = {walk: node_names(section) for walk, section in model.graphs().items()}
         placement = Placement.build(config, walks, cluster.world_size)
         for key in ("intra_host", "inter_host"):
@@ -68,10 +69,6 @@ class Deployment:
         for group in config.node_groups:
             if group.tp_size != 1:
                 raise ValueError(f"node_groups: tp_size={group.tp_size} is not supported by this runtime yet (use 1)")
-        for walk, nodes in walks.items():
-            if len({r.ranks for n in nodes for r in placement.replicas(walk, n)}) > 1 and len(nodes) > 1:
-                raise ValueError(f"walk {walk!r}: its nodes are on different ranks; this runtime runs a walk's "
-                                 f"nodes on one rank (place {sorted(nodes)} together)")
         graphs = model.graphs()
         for edge in model.streaming_edges():
             producers = [w for w, sec in graphs.items()
@@ -83,6 +80,44 @@ class Deployment:
         seed += f"|{os.environ.get('TORCHELASTIC_RUN_ID', '')}"
         token = hashlib.sha256(seed.encode()).hexdigest()[:32]
         return cls(config=config, cluster=cluster, model=model, placement=placement, token=token)
+
+
+    def describe(self) -> str:
+        """The placement table, cross-host rank pairs and every cut edge (the dry run and startup report)."""
+        from mstar_dist.topology.cuts import cut_signals, describe_cuts
+
+        cuts = cut_signals(self.model.graphs(), self.model.streaming_edges(), self.placement)
+        return self.placement.describe(self.cluster, self.config.transport) + "\n" + describe_cuts(cuts)
+
+    def walks_digest(self) -> str:
+        """A digest of the model's walks: ranks compare it at startup (a family must build the same walks
+        everywhere)."""
+        graphs = self.model.graphs()
+        return hashlib.sha256(repr(sorted(graphs.items(), key=lambda kv: kv[0])).encode()).hexdigest()[:16]
+
+
+def _world_from_config(config: DeploymentConfig) -> int:
+    """The world a dry run checks without torchrun: the cluster spec's, else the highest placed rank + 1."""
+    if config.cluster is not None:
+        return config.cluster.world_size
+    return 1 + max(r for g in config.node_groups for r in g.ranks)
+
+
+def check_same_walks(store: Any, rank: int, world_size: int, digest: str, timeout_s: float) -> None:
+    """Publish this rank's walks digest and compare it with every other rank's (rank 0 reads all, the others read
+    rank 0's); a ``RuntimeError`` names both ranks when they differ. Blocks up to ``timeout_s`` per key."""
+    import datetime
+
+    store.set(f"mstar_dist/walks/{rank}", digest)
+    peers = range(world_size) if rank == 0 else [0]
+    for peer in peers:
+        key = f"mstar_dist/walks/{peer}"
+        store.wait([key], datetime.timedelta(seconds=timeout_s))
+        theirs = store.get(key).decode()
+        if theirs != digest:
+            raise RuntimeError(f"rank {rank} and rank {peer} derive different walks from the same config "
+                               f"(digests {digest} and {theirs}): a model family must build its walks from the "
+                               f"config alone (model_kwargs, layout); check both hosts run the same code")
 
 
 def configure_logging(level: str, label: str) -> None:
@@ -147,11 +182,11 @@ def serve(args: argparse.Namespace) -> int:
         request_timeout_s=args.request_timeout,
     )
     env = os.environ
-    world_size = int(env.get("WORLD_SIZE", "1"))
+    world_size = int(env.get("WORLD_SIZE", "0")) or (_world_from_config(config) if args.dry_run else 1)
     local_ws = int(env["LOCAL_WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in env else None
     dep = Deployment.build(config, world_size, local_ws)
     if args.dry_run:
-        print(dep.placement.describe(dep.cluster))
+        print(dep.describe())
         return 0
     info = identify(dep.cluster, env, _hostnames())
     rank = info.global_rank
@@ -173,6 +208,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         init_distributed(global_rank=rank, world_size=world_size, device=device, timeout_s=args.startup_timeout)
         store = default_store()
+        check_same_walks(store, rank, world_size, dep.walks_digest(), args.startup_timeout)
         pairs = create_pair_groups(dep.placement.edge_pairs, global_rank=rank, backend=backend_for_device(device),
                                    timeout_s=args.startup_timeout)
         warm_pairs(pairs, rank, device)
@@ -259,7 +295,7 @@ def _start_conductor(dep: Deployment, channel: ControlChannel, timeout_s: float,
         rank_timeout_s=cfg.limits.rank_timeout_s, log_stats_s=log_stats_s,
     )
     conductor.wait_ready(timeout_s)
-    print(dep.placement.describe(dep.cluster), flush=True)
+    print(dep.describe(), flush=True)
     conductor.thread = threading.Thread(target=conductor.run, name="conductor", daemon=True)
     conductor.thread.start()
     return conductor

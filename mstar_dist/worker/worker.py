@@ -35,6 +35,7 @@ from mstar_dist.graph.partitions import StreamingEdge
 from mstar_dist.graph.streaming import StreamBuffer
 from mstar_dist.graph.walk import GraphError, NodeCall, WalkRun
 from mstar_dist.transport.inline import decode_tensor, encode_tensor
+from mstar_dist.worker.spans import REMOTE, Arrived, Span, carry, is_remote, receive
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +108,11 @@ class Worker:
         self._stream_out: dict[str, list[tuple[str, torch.Tensor]]] = collections.defaultdict(list)
         self._streams: dict[tuple[str, str], StreamBuffer] = {}  # (request, signal) -> consumer-side buffer
         self._chunks: dict[tuple[str, str], collections.deque] = collections.defaultdict(collections.deque)
+        self._stream_in: dict[tuple[str, str], collections.deque] = collections.defaultdict(collections.deque)
+        """(request, signal) -> received stream items (tensors or transfers in flight) and ends, in order."""
+        self._spans: dict[tuple[str, str], Span] = {}  # (request, walk) -> this rank's copy of a spanning walk
+        self._arrivals: dict[tuple[str, str], dict] = collections.defaultdict(dict)  # NodeDone by (node, seq)
+        self._draining: list[Any] = []  # receives of removed requests, kept until they complete
         self._last_stats = 0.0
         self.stopping = False
         self.failed_reason: str | None = None
@@ -121,7 +127,7 @@ class Worker:
             # Never spin: poll at once only when a node call can run; wait briefly while transfers are in flight.
             if self._collect() and not self._deferred_only:
                 timeout_ms = 0
-            elif self._incoming or self._outgoing or self._waiting or self._chunks:
+            elif self._incoming or self._outgoing or self._waiting or self._chunks or self._in_flight():
                 timeout_ms = 1
             else:
                 timeout_ms = 20
@@ -160,18 +166,24 @@ class Worker:
             self._on_tensor_desc(body)
         elif isinstance(body, m.Push):
             self._on_push(body)
+        elif isinstance(body, m.NodeDone):
+            self._on_node_done(body, int(sender[4:]))
         elif isinstance(body, m.AbortPair):
             self._abort_pair(body.src, body.dst, f"peer rank{body.src if body.dst == self.global_rank else body.dst}: "
                                                  f"{body.reason}", tell_peer=False)
         elif isinstance(body, (m.StreamItems, m.StreamEnd)):
             try:
-                self._on_stream(body)
+                self._on_stream(body, sender)
             except Exception as exc:  # a malformed or out-of-order stream fails its request, not the rank
                 self._fail_request(body.request_id, f"stream {body.signal!r}: {type(exc).__name__}: {exc}")
         elif isinstance(body, m.StopLoops):
             runs = self._runs_of(body.request_id)
             for run in runs:
-                run.stop_loop(body.loop)
+                span = self._spans.get((run.request_id, run.walk))
+                if span is not None:
+                    span.pending_stops.append(body.loop)  # every copy must stop in the same iteration
+                else:
+                    run.stop_loop(body.loop)
             if not runs and body.request_id not in self._removed:
                 self._early_stops[body.request_id].append(body.loop)  # overtook its RunWalk: replay then
         elif isinstance(body, m.RemoveRequest):
@@ -252,6 +264,7 @@ class Worker:
         self._emits.pop(request_id, None)
         self._early_stops.pop(request_id, None)
         self._drop_streams(request_id)
+        self._drop_spans(request_id)
         for component in self.components.values():
             component.release(request_id)
         self.store.drop_tag(request_id)
@@ -338,6 +351,9 @@ class Worker:
             )
             emits = self._emits[msg.request_id]
             streamed = self._stream_out[msg.request_id]
+            key = (msg.request_id, msg.walk)
+            span = Span(section, dict(msg.node_ranks), self.global_rank, arrived=self._arrivals[key]) \
+                if msg.node_ranks else None
             run = WalkRun(
                 request_id=msg.request_id,
                 walk=msg.walk,
@@ -347,6 +363,7 @@ class Worker:
                 loop_limits=dict(msg.loop_limits),
                 on_emit=lambda signal, value: emits.append((signal, value)),
                 on_stream=lambda signal, value: streamed.append((signal, value)),
+                emitting_nodes=None if span is None else {n for n, r in span.node_ranks.items() if r == span.me},
                 streamed_inputs=frozenset(e.signal for e in self._stream_edges.values()
                                           if e.dst_node in node_names(section)),
             )
@@ -356,7 +373,9 @@ class Worker:
             self._fail(msg, f"{type(exc).__name__}: {exc}")
             return
         run.inputs = dict.fromkeys(run.inputs)  # delivered at construction; keep names only, free big tensors
-        self._runs[(msg.request_id, msg.walk)] = run
+        self._runs[key] = run
+        if span is not None:
+            self._spans[key] = span
         for loop in self._early_stops.pop(msg.request_id, ()):
             run.stop_loop(loop)
         if run.done:
@@ -365,19 +384,23 @@ class Worker:
     def _resolve(self, value: m.Value, received: torch.Tensor | None) -> torch.Tensor:
         if isinstance(value, m.TensorRef):
             return received if received is not None else self.store.get(value.uuid)
+        if isinstance(value, m.Remote):
+            return REMOTE
         return decode_tensor(value, self.device)
 
     def _collect(self) -> dict[str, list[NodeCall]]:
         """Every runnable call (new ones and ones a component asked to retry), grouped by component."""
         by_component: dict[str, list[NodeCall]] = collections.defaultdict(list)
-        for run in self._runs.values():
+        for key, run in self._runs.items():
             run.ready()
+            span = self._spans.get(key)
             for call in run.outstanding:
-                by_component[call.node].append(call)
+                if span is None or span.is_local(call.node):  # another rank runs it: its NodeDone completes it
+                    by_component[call.node].append(call)
         return by_component
 
     def _step(self) -> None:
-        finished: list[WalkRun] = []
+        finished: list[WalkRun] = self._advance_spans()
         progressed = False
         for node, calls in self._collect().items():
             component = self.components.get(node)
@@ -399,6 +422,9 @@ class Worker:
                     self._fail_run(run, result)
                     continue
                 try:
+                    span = self._spans.get((run.request_id, run.walk))
+                    if span is not None:
+                        self._announce(span, run, call, result)
                     run.complete(call, result)
                 except Exception as exc:
                     self._fail_run(run, exc)
@@ -426,19 +452,29 @@ class Worker:
                 self._send(CONDUCTOR, m.Emit(request_id=request_id, walk="", signal=signal, values=values))
             items.clear()
         for request_id, items in list(self._stream_out.items()):
-            if not items:
+            if items:
+                try:
+                    self._flush_stream(request_id, items)
+                except Exception as exc:  # a streamed value that cannot travel fails its request
+                    self._fail_request(request_id, f"streamed value: {type(exc).__name__}: {exc}")
+                items.clear()
+
+    def _flush_stream(self, request_id: str, items: list[tuple[str, torch.Tensor]]) -> None:
+        """Send a request's streamed values to their consumers' ranks: one message per signal, small values
+        inline, large ones on the pair right after it (device to device on GPUs)."""
+        routes = self._stream_routes.get(request_id, {})
+        by_signal: dict[str, list] = collections.defaultdict(list)
+        for signal, value in items:
+            by_signal[signal].append(value)
+        for signal, values in by_signal.items():
+            if signal not in routes:
+                log.error("%s: request %s streamed %r with no consumer route", self.name, request_id, signal)
                 continue
-            routes = self._stream_routes.get(request_id, {})
-            by_signal = collections.defaultdict(list)
-            for signal, value in items:
-                by_signal[signal].append(encode_tensor(value.detach().to("cpu")))
-            for signal, values in by_signal.items():
-                if signal not in routes:
-                    log.error("%s: request %s streamed %r with no consumer route", self.name, request_id, signal)
-                    continue
-                self._send(rank_name(routes[signal]), m.StreamItems(request_id=request_id, signal=signal,
-                                                                    values=values))
-            items.clear()
+            dst = routes[signal]
+            carried = [carry(v, inline_max_bytes=self.inline_max_bytes, what=f"streamed {signal!r}") for v in values]
+            self._send(rank_name(dst), m.StreamItems(request_id=request_id, signal=signal,
+                                                     values=[c for c, _ in carried]))
+            self._post_sends([t for _, t in carried if t is not None], dst)
 
     def _finish(self, run: WalkRun) -> None:
         self._flush_emits()
@@ -446,8 +482,14 @@ class Worker:
         if not self._runs_of(run.request_id):
             self._emits.pop(run.request_id, None)
         self._drop_streams(run.request_id, consumer=run)
+        self._spans.pop((run.request_id, run.walk), None)
+        self._arrivals.pop((run.request_id, run.walk), None)
         outputs: dict[str, m.Value] = {}
         for signal, value in run.outputs.items():
+            if is_remote(value):
+                continue  # the rank that produced it reports it
+            if isinstance(value, list):  # accumulated loop output: one row per iteration
+                value = torch.stack(value) if value else torch.empty(0)
             if not isinstance(value, torch.Tensor):
                 continue
             nbytes = value.numel() * value.element_size()
@@ -469,6 +511,7 @@ class Worker:
         log.error("%s: request %s failed in walk %s:\n%s", self.name, run.request_id, run.walk,
                   "".join(traceback.format_exception(exc)))
         self._runs.pop((run.request_id, run.walk), None)
+        self._spans.pop((run.request_id, run.walk), None)
         self._emits.pop(run.request_id, None)
         for component in self.components.values():
             component.release(run.request_id)
@@ -503,8 +546,95 @@ class Worker:
         self._send(CONDUCTOR, m.WalkDone(request_id=msg.request_id, walk=msg.walk, rank=self.global_rank,
                                          outputs={}, error=error))
 
+    # ---- walks across ranks (see mstar_dist/worker/spans.py) ----
+    def _announce(self, span: Span, run: WalkRun, call: NodeCall, result: Any) -> None:
+        """Tell every other rank of the walk that ``call`` (a node of ours) finished: its outputs, real values for
+        the signals their nodes consume, and the loop stops every copy must apply with it."""
+        stops = span.take_stops()
+        for loop in stops:
+            run.stop_loop(loop)
+        produced = list(dict.fromkeys(e.signal for e in span.nodes[call.node].outputs if e.signal in result.outputs))
+        seq = span.seq(call)
+        span.forget(call)
+        for peer in span.peers:
+            carried = {s: carry(result.outputs[s], inline_max_bytes=self.inline_max_bytes,
+                                what=f"output {s!r} of node {call.node!r}")
+                       for s in span.consumed_on(call.node, peer) if s in result.outputs}
+            self._send(rank_name(peer), m.NodeDone(
+                request_id=run.request_id, walk=run.walk, node=call.node, seq=seq, signals=produced,
+                values={s: c for s, (c, _) in carried.items()}, stop=bool(result.stop), stop_loops=stops,
+            ))
+            self._post_sends([t for _, t in carried.values() if t is not None], peer)
+
+    def _post_sends(self, tensors: list[torch.Tensor], dst: int) -> None:
+        """Post p2p sends to global rank ``dst`` in descriptor order (the descriptors already left)."""
+        for tensor in tensors:
+            if self._pair_dead(self.global_rank, dst):
+                raise RuntimeError(f"the pair to rank {dst} is dead")
+            try:
+                self._outgoing.append(_Outgoing(self.transport.send(tensor, dst), "", False, dst))
+            except Exception as exc:  # the descriptor is out: the peer posted a receive nothing will match
+                self._abort_pair(self.global_rank, dst, f"posting a send failed: {exc}")
+                raise
+
+    def _on_node_done(self, msg: m.NodeDone, src: int) -> None:
+        values: dict[str, Any] = {}
+        for signal, value in msg.values.items():  # receives in message order: the sender sends in this order
+            try:
+                values[signal] = receive(value, src=src, transport=self.transport, device=self.device)
+            except Exception as exc:
+                values[signal] = _Failed(f"{type(exc).__name__}: {exc}")
+                self._abort_pair(src, self.global_rank, f"posting a receive failed: {exc}")
+        if msg.request_id in self._removed:
+            self._draining.extend(v for v in values.values() if not isinstance(v, torch.Tensor))
+            return
+        self._arrivals[(msg.request_id, msg.walk)][(msg.node, msg.seq)] = Arrived(msg, values)
+
+    def _advance_spans(self) -> list[WalkRun]:
+        """Complete other ranks' node calls in this rank's copies whose results arrived; the runs that ended."""
+        finished = []
+        for key, span in list(self._spans.items()):
+            run = self._runs.get(key)
+            for call, arrived in span.arrivals(run) if run is not None else ():
+                states = [_state(v) for v in arrived.values.values() if not isinstance(v, torch.Tensor)]
+                broken = [st for st in states if st not in ("done", "pending")]
+                if broken or ("pending" in states and time.monotonic() - arrived.since > self.transfer_timeout_s):
+                    why = broken[0] if broken else f"not complete within {self.transfer_timeout_s:.0f} s"
+                    self._abort_pair(span.node_ranks[call.node], self.global_rank, f"a receive: {why}")
+                    self._fail_run(run, RuntimeError(f"output of node {call.node!r} from rank "
+                                                     f"{span.node_ranks[call.node]}: {why}"))
+                    break
+                if "pending" in states:
+                    break  # results apply in call order
+                del span.arrived[(call.node, span.seq(call))]
+                span.forget(call)
+                try:
+                    for loop in arrived.msg.stop_loops:
+                        run.stop_loop(loop)
+                    run.complete(call, span.result_of(arrived))
+                except Exception as exc:
+                    self._fail_run(run, exc)
+                    break
+                if run.done:
+                    finished.append(run)
+                    break
+        return finished
+
+    def _in_flight(self) -> bool:
+        """Receives this loop must poll soon: values of other ranks' nodes, streamed items, drained ones."""
+        if self._draining:
+            self._draining = [t for t in self._draining if _state(t) == "pending"]
+        return bool(self._draining or self._stream_in or any(self._arrivals.values()))
+
+    def _drop_spans(self, request_id: str) -> None:
+        for key in [k for k in self._arrivals if k[0] == request_id]:
+            for arrived in self._arrivals.pop(key).values():
+                self._draining.extend(v for v in arrived.values.values() if not isinstance(v, torch.Tensor))
+        for key in [k for k in self._spans if k[0] == request_id]:
+            del self._spans[key]
+
     # ---- streaming edges (consumer side) ----
-    def _on_stream(self, msg: m.StreamItems | m.StreamEnd) -> None:
+    def _on_stream(self, msg: m.StreamItems | m.StreamEnd, sender: str) -> None:
         if msg.request_id in self._removed:
             return
         if isinstance(msg, m.StreamEnd) and msg.forward_to >= 0:  # we produced it: end it after our items
@@ -517,17 +647,46 @@ class Worker:
                         msg.request_id)
             return
         key = (msg.request_id, msg.signal)
-        buffer = self._streams.get(key)
-        if buffer is None:  # items may arrive before the consuming walk: buffered until it starts
-            buffer = self._streams[key] = StreamBuffer(edge.policy)
+        if key not in self._streams:  # items may arrive before the consuming walk: buffered until it starts
+            self._streams[key] = StreamBuffer(edge.policy)
         if isinstance(msg, m.StreamEnd):
-            buffer.producer_done()
-        elif msg.values:
-            buffer.push(torch.cat([decode_tensor(v, self.device) for v in msg.values]))
+            self._stream_in[key].append(None)
+        else:  # post the receives now, in message order: the producer is already sending
+            src = int(sender.removeprefix("rank"))
+            self._stream_in[key].extend(receive(v, src=src, transport=self.transport, device=self.device)
+                                        for v in msg.values)
+        self._take_stream_items(key)
+
+    def _take_stream_items(self, key: tuple[str, str]) -> None:
+        """Move received items (in order; a transfer still in flight holds back the ones after it) into the
+        stream's buffer, and its ready chunks into the consumer's queue."""
+        pending, buffer = self._stream_in[key], self._streams[key]
+        while pending:
+            head = pending[0]
+            if head is None:
+                buffer.producer_done()
+            elif isinstance(head, torch.Tensor):
+                buffer.push(head)
+            else:
+                state = _state(head)
+                if state == "pending":
+                    break
+                if state != "done":
+                    raise RuntimeError(f"a streamed item did not arrive: {state}")
+                buffer.push(head.tensor)
+            pending.popleft()
+        if not pending:
+            del self._stream_in[key]
         self._chunks[key].extend(buffer.pop_ready())
 
     def _feed_streams(self) -> None:
         """Deliver buffered chunks to consuming walks, oldest first; a walk takes at most what its loop can queue."""
+        for key in list(self._stream_in):
+            try:
+                self._take_stream_items(key)
+            except Exception as exc:
+                self._drop_streams(key[0])
+                self._fail_request(key[0], f"stream {key[1]!r}: {type(exc).__name__}: {exc}")
         for key in [k for k, q in self._chunks.items() if q]:
             request_id, signal = key
             edge = self._stream_edges[signal]
@@ -564,6 +723,8 @@ class Worker:
             if consumer is None or self._stream_edges[key[1]].dst_node in node_names(consumer.section):
                 del self._streams[key]
                 self._chunks.pop(key, None)
+                self._draining.extend(t for t in self._stream_in.pop(key, ()) if t is not None
+                                      and not isinstance(t, torch.Tensor))
         if consumer is None:
             self._stream_routes.pop(request_id, None)
             self._stream_out.pop(request_id, None)

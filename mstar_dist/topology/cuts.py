@@ -1,0 +1,68 @@
+"""Where the model's edges cross ranks for a placement: the cut edges the dry run and the startup report list.
+
+Pure: from the model's walks (sections), its streaming edges and a :class:`~mstar_dist.topology.placement.Placement`.
+An edge is cut when its consumer may run on another rank than its producer for some choice of replicas: such a
+value goes straight from the producing rank to the consuming one (docs/architecture.md, "Walks across ranks").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mstar_dist.graph.nodes import EMIT_TO_CLIENT, Section, iter_nodes
+from mstar_dist.graph.partitions import StreamingEdge
+from mstar_dist.topology.placement import Placement
+
+
+@dataclass(frozen=True)
+class CutSignal:
+    """One edge of one walk whose producer and consumer nodes are placed on different ranks."""
+
+    walk: str
+    signal: str
+    src_node: str
+    dst_node: str
+    src_ranks: tuple[int, ...]
+    """Global ranks that may produce it (every replica of the producer)."""
+    dst_ranks: tuple[int, ...]
+    """Global ranks that may consume it."""
+    streaming: bool = False
+    """A streaming edge into another partition's walk (``walk`` is the producing walk)."""
+
+
+def cut_signals(graphs: dict[str, Section], streams: list[StreamingEdge], placement: Placement) -> list[CutSignal]:
+    """Every edge whose two ends are not always on the same rank, sorted by walk, signal and nodes."""
+    cuts = set()
+    consumer_walk = {e.signal: _walk_of(graphs, e.dst_node) for e in streams}
+    for walk, section in graphs.items():
+        for node in iter_nodes(section):
+            for edge in node.outputs:
+                if edge.dst in (None, EMIT_TO_CLIENT):
+                    continue
+                dst_walk = consumer_walk.get(edge.signal, walk) if edge.stream else walk
+                if placement.replicas(walk, node.name) == placement.replicas(dst_walk, edge.dst):
+                    continue  # the same replicas: a request keeps both ends on one rank (replica choice prefers it)
+                cuts.add(CutSignal(walk, edge.signal, node.name, edge.dst, _ranks(placement, walk, node.name),
+                                   _ranks(placement, dst_walk, edge.dst), edge.stream))
+    return sorted(cuts, key=lambda c: (c.walk, c.signal, c.src_node, c.dst_node))
+
+
+def describe_cuts(cuts: list[CutSignal]) -> str:
+    lines = [f"cut edges: {len(cuts)} (values that go straight from the producing rank to the consuming rank)"]
+    for c in cuts:
+        kind = " (stream)" if c.streaming else ""
+        lines.append(f"  {c.walk}: {c.signal}{kind}  {c.src_node}@{_ranks_text(c.src_ranks)} -> "
+                     f"{c.dst_node}@{_ranks_text(c.dst_ranks)}")
+    return "\n".join(lines)
+
+
+def _ranks(placement: Placement, walk: str, node: str) -> tuple[int, ...]:
+    return tuple(sorted(r for rep in placement.replicas(walk, node) for r in rep.ranks))
+
+
+def _walk_of(graphs: dict[str, Section], node: str) -> str:
+    return next(w for w, sec in graphs.items() if any(n.name == node for n in iter_nodes(sec)))
+
+
+def _ranks_text(ranks: tuple[int, ...]) -> str:
+    return "rank " + str(ranks[0]) if len(ranks) == 1 else "ranks " + ",".join(map(str, ranks))

@@ -1,0 +1,76 @@
+"""Walks whose nodes run on different ranks (mstar_dist/worker/spans.py), conductor and workers in one process
+(tests/inproc.py): a Loop whose body spans two ranks gives the same emitted values, loop outputs and accumulated
+outputs as colocated, and a dynamic stop raised on either rank ends the loop on both. A failure here points at
+the lockstep protocol (NodeDone, placeholders, per-node run numbers), not at sockets or process groups.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from mstar_dist.server.backend import Finished, GenerationParams, TextDelta
+from tests.inproc import InProcDeployment
+from tests.toy_model import ToySpanModel, span_text
+
+CASES = [  # (start, max_tokens): length-bound, STEP's stop (x -> 100), CHECK's stop (x -> 137), one iteration
+    (5, 8), (95, 20), (130, 20), (0, 1), (236, 3),
+]
+PLACEMENTS = {
+    "colocated": ([{"node_names": ["STEP", "CHECK"], "ranks": [0], "graph_walks": ["span"]}], 1),
+    "split": ([{"node_names": ["STEP"], "ranks": [0], "graph_walks": ["span"]},
+               {"node_names": ["CHECK"], "ranks": [1], "graph_walks": ["span"]}], 2),
+    "split_replicas": ([{"node_names": ["STEP"], "ranks": [0, 1], "graph_walks": ["span"]},
+                        {"node_names": ["CHECK"], "ranks": [2, 3], "graph_walks": ["span"]}], 4),
+}
+
+
+def deployment(name: str, width: int) -> InProcDeployment:
+    groups, world = PLACEMENTS[name]
+    cfg = {"model": "tests.toy_model:ToySpanModel", "node_groups": groups,
+           "transport": {"inline_max_bytes": 64}}
+    return InProcDeployment(ToySpanModel(None, width=width), cfg, world)
+
+
+def text_of(events) -> str:
+    return "".join(e.text for e in events if isinstance(e, TextDelta))
+
+
+@pytest.mark.parametrize("width", [2, 1000], ids=["inline", "p2p"])
+@pytest.mark.parametrize("name", sorted(PLACEMENTS))
+def test_a_loop_across_ranks_equals_colocated(name, width):
+    dep = deployment(name, width)
+    events = dep.run([GenerationParams(request_id=f"r{i}", prompt=f"start={s}", messages=None, max_tokens=n)
+                      for i, (s, n) in enumerate(CASES)])
+    assert [text_of(ev) for ev in events] == [span_text(s, n) for s, n in CASES]
+    assert all(isinstance(ev[-1], Finished) for ev in events)
+    for worker in dep.workers:  # every copy of every walk ended, nothing is left behind
+        assert worker._runs == {} and worker._spans == {} and worker.store.live_tensors == 0
+        assert not any(worker._arrivals.values())
+
+
+def test_stop_on_either_rank_ends_the_loop_on_both():
+    dep = deployment("split", 1000)
+    step_stop, check_stop = dep.run([
+        GenerationParams(request_id="a", prompt="start=97", messages=None, max_tokens=50),  # STEP (rank 0) stops
+        GenerationParams(request_id="b", prompt="start=133", messages=None, max_tokens=50),  # CHECK (rank 1) stops
+    ])
+    assert text_of(step_stop) == "98 99 100 | last: 100 | rows: 3 | sum: 297"
+    assert text_of(check_stop) == "134 135 136 137 | last: 137 | rows: 4 | sum: 542"
+    assert step_stop[-1].finish_reason == check_stop[-1].finish_reason == "stop"
+
+
+def test_a_node_call_crosses_ranks_only_between_the_two_ranks():
+    """Values between the loop's nodes go worker to worker: the conductor sees only walk messages."""
+    dep = deployment("split", 1000)
+    seen = []
+    original = dep.conductor._handle
+
+    def spy(sender, payload):
+        from mstar_dist.control import messages as m
+        seen.append(type(m.decode(payload).body).__name__)
+        original(sender, payload)
+
+    dep.conductor._handle = spy
+    (events,) = dep.run([GenerationParams(request_id="a", prompt="start=1", messages=None, max_tokens=6)])
+    assert text_of(events) == span_text(1, 6)
+    assert "NodeDone" not in seen and seen.count("WalkDone") == 2  # one per rank's copy of the walk
