@@ -36,7 +36,7 @@ class GenerationParams:
     top_k: int = 0
     """0 disables."""
     seed: int | None = None
-    """Fixes the request's sampling seed when set (see DESIGN §4)."""
+    """Fixes the request's sampling seed when set (see docs/architecture.md §4)."""
     stop: list[str] = field(default_factory=list)
     """Stop strings: the conductor cuts the text at the first one and ends the request (finish reason "stop");
     the client never sees the stop string or anything after it."""

@@ -1,4 +1,4 @@
-"""``python -m mstar_dist.serve CFG.yaml [flags]`` — the torchrun entry point (DESIGN §2).
+"""``python -m mstar_dist.serve CFG.yaml [flags]`` — the torchrun entry point (docs/architecture.md §2).
 
 Thin: parse flags, then :func:`mstar_dist.worker.boot.serve` does parse -> identify -> init -> control plane ->
 load -> serve, with unconditional teardown. Exit status: 0 after a clean shutdown (SIGTERM), non-zero after any

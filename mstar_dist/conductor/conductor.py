@@ -1,4 +1,4 @@
-"""The conductor (rank 0): request lifecycle, walk transitions, admission, replica choice, stop strings (DESIGN §4–§6).
+"""The conductor (rank 0): request lifecycle, walk transitions, admission, replica choice, stop strings (docs/architecture.md §4–§6).
 
 Threading: the conductor owns one thread (``Conductor.run``) and its control channel ``"conductor"``; all request
 state lives on that thread. The HTTP loop talks to it through :class:`ConductorBackend`: commands go into a
@@ -38,7 +38,7 @@ Sink = Callable[[Any], None]
 
 
 def walk_seed(request_seed: int, partition_index: int, walk_index: int) -> int:
-    """The seed of a walk: the request's seed advanced by one per completed walk of its partition (DESIGN §4).
+    """The seed of a walk: the request's seed advanced by one per completed walk of its partition (docs/architecture.md §4).
 
     Counting per partition keeps the seeds independent of how concurrent partitions interleave; partitions after
     the first are offset so that their walks never share a seed with the first partition's.
@@ -47,7 +47,7 @@ def walk_seed(request_seed: int, partition_index: int, walk_index: int) -> int:
 
 
 def request_seed(params: GenerationParams, pinned_id: bool) -> int:
-    """The pinned ``seed``, else a hash of a pinned request id, else random (DESIGN §4)."""
+    """The pinned ``seed``, else a hash of a pinned request id, else random (docs/architecture.md §4)."""
     if params.seed is not None:
         return int(params.seed)
     if pinned_id:
@@ -379,7 +379,7 @@ class Conductor:
                 inputs=inputs[rank],
                 sampling=m.Sampling(temperature=req.params.temperature, top_p=req.params.top_p,
                                     top_k=req.params.top_k),
-                export=sorted(self.persist_signals[step.walk]) if len(set(req.nodes.values())) > 1 else [],
+                export=sorted(self.persist_signals[step.walk]) if self._exports(req, step.walk) else [],
                 loop_limits=step.loop_limits, stop_token_ids=self.stop_ids, stream_routes=stream_routes,
                 release=release[rank], node_ranks=node_ranks,
             )
@@ -387,6 +387,14 @@ class Conductor:
             self._send(rank, msg)
         for signal in stream_routes:
             req.stream_src[signal] = req.rank_of(*self._stream_producer[signal])
+
+    def _exports(self, req: _Request, walk: str) -> bool:
+        """Whether a walk's persisted outputs must be materialised for another rank: some other walk of its
+        partition runs on a rank this walk does not (e.g. decode on another rank than prefill)."""
+        mine = set(req.walk_ranks(walk))
+        partition = req.partitions.partition_of(walk)
+        return any(set(req.walk_ranks(w)) - mine for p in self.partitions if p.name == partition
+                   for w in p.walks if w != walk)
 
     def _input_consumers(self, req: _Request, step: WalkStep) -> dict[str, list[int]]:
         """Walk input name -> the ranks whose nodes take it (sorted)."""
@@ -535,7 +543,7 @@ class Conductor:
                                              f"(limits.request_timeout_s)")
 
     def _check_ranks(self, now: float) -> None:
-        """Declare ranks that went silent dead (DESIGN §10) and fail every request that touches them."""
+        """Declare ranks that went silent dead (docs/architecture.md §10) and fail every request that touches them."""
         if not self.serving:
             return
         for rank in range(self.world_size):

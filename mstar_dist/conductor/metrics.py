@@ -1,4 +1,4 @@
-"""Conductor-side metrics in Prometheus text format (DESIGN §7: per-rank live tensors are the leak canary)."""
+"""Conductor-side metrics in Prometheus text format (docs/architecture.md §7: per-rank live tensors are the leak canary)."""
 
 from __future__ import annotations
 

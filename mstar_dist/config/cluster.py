@@ -201,7 +201,7 @@ def _parse_host(data: Any, key: str) -> HostSpec:
 def default_cluster(world_size: int, local_world_size: int | None = None) -> ClusterSpec:
     """The cluster for a config without ``cluster:``: one host ``localhost`` (127.0.0.1), devices 0..N-1.
 
-    A missing ``cluster:`` section means one host (DESIGN §3). If torchrun runs several nodes
+    A missing ``cluster:`` section means one host (docs/architecture.md §3). If torchrun runs several nodes
     (``local_world_size != world_size``), that is a ValueError asking for a ``cluster:`` section.
     """
     read_int(world_size, "WORLD_SIZE", minimum=1)

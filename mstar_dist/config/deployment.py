@@ -1,4 +1,4 @@
-"""Deployment config: the YAML file (DESIGN §3) as one immutable, checked `DeploymentConfig`.
+"""Deployment config: the YAML file (docs/architecture.md §3) as one immutable, checked `DeploymentConfig`.
 
 Every rank parses the same file into an equal object. Mistakes are `ConfigError` (a ValueError) naming the
 full key path (``node_groups[1].tp_size``), the value and the file. Placement against the model's walks is
@@ -84,7 +84,7 @@ class NodeGroup:
 
 @dataclass(frozen=True)
 class TransportConfig:
-    """How tensors move between ranks (DESIGN §7)."""
+    """How tensors move between ranks (docs/architecture.md §7)."""
 
     intra_host: str = "p2p"
     """Transport when every consumer is on the producer's host: p2p | mooncake."""

@@ -3,7 +3,7 @@
 Topology: every participant ("rank0", "rank3", "conductor", ...) binds one ROUTER on its host address with an
 ephemeral port and publishes the endpoint in the torchrun store; to talk to a peer it connects a DEALER whose
 ZMQ identity is its own name, so the receiver learns the sender's name from the ROUTER envelope. One TCP
-connection per sender->receiver direction keeps that direction FIFO (DESIGN §6).
+connection per sender->receiver direction keeps that direction FIFO (docs/architecture.md §6).
 
 Bytes only: serialisation is the caller's (msgspec msgpack; never pickle on a socket).
 

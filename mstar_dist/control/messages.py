@@ -1,4 +1,4 @@
-"""Every message that crosses a control socket, in one place (DESIGN §6).
+"""Every message that crosses a control socket, in one place (docs/architecture.md §6).
 
 Messages are msgspec structs encoded as msgpack inside an :class:`Envelope` that carries the deployment token
 and the sender's name; a receiver drops (and logs) envelopes whose token is not its own. Never pickle.
@@ -130,7 +130,7 @@ class Heartbeat(msgspec.Struct, tag=True):
 
 class AbortPair(msgspec.Struct, tag=True):
     """The sender gave up on the directed pair (src, dst) (a post failed, a transfer timed out): the receiver
-    marks it dead too, so no later send or receive on it is matched against the wrong partner (DESIGN §7)."""
+    marks it dead too, so no later send or receive on it is matched against the wrong partner (docs/architecture.md §7)."""
 
     src: int
     dst: int

@@ -1,4 +1,4 @@
-"""Process-group init and teardown for one torchrun rank (DESIGN §2 step 3, §7 hazards).
+"""Process-group init and teardown for one torchrun rank (docs/architecture.md §2 step 3, §7 hazards).
 
 CPU deployments use gloo alone. CUDA deployments use `cuda:nccl,cpu:gloo`: one process group per set of ranks
 with an NCCL backend for CUDA tensors and a gloo backend for host tensors; torch routes each op by the tensor's

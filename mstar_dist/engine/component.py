@@ -1,4 +1,4 @@
-"""Component interface: what a worker runs for a graph node (DESIGN §8).
+"""Component interface: what a worker runs for a graph node (docs/architecture.md §8).
 
 The worker hands a component every ready call for it at once, across requests, so an engine batches what it can
 (decode steps of many requests in one forward). ``run_batch`` returns one entry per call: a ``NodeResult``, an
@@ -25,7 +25,7 @@ class WalkContext:
     walk: str
     walk_index: int
     seed: int
-    """Seed of this walk: the request's seed advanced by one per completed walk (DESIGN §4)."""
+    """Seed of this walk: the request's seed advanced by one per completed walk (docs/architecture.md §4)."""
     sampling: Any
     export: frozenset[str] = frozenset()
     """Persisted outputs a consumer on another rank needs: the producer must materialise them."""

@@ -1,4 +1,4 @@
-"""CUDA-graph replay of one decode step (DESIGN §8: an eager decode step is host-launch-bound on our GPUs).
+"""CUDA-graph replay of one decode step (docs/architecture.md §8: an eager decode step is host-launch-bound on our GPUs).
 
 One graph per batch-size bucket (1, 2, 4, ... up to the engine's batch), captured at warm-up over static input
 tensors: tokens (B, 1), positions (B,), slots (B,) -> last-token logits (B, 1, V). A step of n rows replays the

@@ -1,4 +1,4 @@
-"""KV-cache engine for an autoregressive node (DESIGN §8): slots, continuous batching, sampling, stop checks.
+"""KV-cache engine for an autoregressive node (docs/architecture.md §8): slots, continuous batching, sampling, stop checks.
 
 Inputs a call may carry:
 - ``input_ids`` (T,) int64: a prefill. Takes a KV slot, runs the prompt, samples the first token.
@@ -34,10 +34,12 @@ class _Seq:
 
 class KVCacheEngine(Component):
     def __init__(self, name: str, model: torch.nn.Module, cache: StaticKVCache, device: torch.device,
-                 cuda_graphs: bool = False):
+                 cuda_graphs: bool = False, logit_bias: torch.Tensor | None = None):
         """With ``cuda_graphs`` (CUDA only) decode steps replay captured graphs; the cache must hold one slot
-        more than the batch: it is kept as the padding rows' scratch slot."""
+        more than the batch: it is kept as the padding rows' scratch slot. ``logit_bias`` (V,) is added to every
+        row's logits before sampling (``-inf`` forbids a token: e.g. a speech LLM restricted to audio codes)."""
         self.name = name
+        self.logit_bias = None if logit_bias is None else logit_bias.to(device, torch.float32)
         self.model = model
         self.cache = cache
         self.device = device
@@ -120,12 +122,15 @@ class KVCacheEngine(Component):
         self._seqs[call.request_id] = seq
         self.cache.bind([slot], [0], n)
         logits = self.model(ids[None], torch.arange(n, device=self.device)[None], self.cache, last_only=True)
-        token = sample(logits[:, -1], [ctx.sampling], [ctx.generator(self.device)])
+        token = sample(self._biased(logits[:, -1]), [ctx.sampling], [ctx.generator(self.device)])
         outputs = {"token": token.reshape(1)}
         if "kv" in ctx.export:
             outputs["kv"] = self.cache.export(slot, n)
             self.release(call.request_id)
         return NodeResult(outputs=outputs, stop=int(token) in ctx.stop_token_ids)
+
+    def _biased(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits if self.logit_bias is None else logits.float() + self.logit_bias
 
     def _ensure_seq(self, call: NodeCall) -> bool:
         """Make sure the request has a slot holding its KV; False when it must wait for a free slot."""
@@ -167,7 +172,8 @@ class KVCacheEngine(Component):
             self.cache.bind([s.slot for s in seqs], [s.length for s in seqs], 1)
             logits = self.model(tokens[:, None], positions[:, None], self.cache, last_only=True)
         ctxs: list[WalkContext] = [c.ctx for c in calls]
-        sampled = sample(logits[:, -1], [x.sampling for x in ctxs], [x.generator(self.device) for x in ctxs])
+        sampled = sample(self._biased(logits[:, -1]), [x.sampling for x in ctxs],
+                         [x.generator(self.device) for x in ctxs])
         self.steps += 1
         self.decode_rows += len(calls)
         results: list[NodeResult | BaseException] = []

@@ -1,4 +1,4 @@
-"""Graph I/O derivation (DESIGN §4): which inputs a walk takes from outside, which edges stay inside an iteration,
+"""Graph I/O derivation (docs/architecture.md §4): which inputs a walk takes from outside, which edges stay inside an iteration,
 which feed the next one, and which signals are walk outputs. Pure; the structure alone decides.
 
 Edge classification, by the innermost section holding both ends: inside a :class:`Sequential` an edge to a later

@@ -1,4 +1,4 @@
-"""The contract between the runtime and a model family (DESIGN §4).
+"""The contract between the runtime and a model family (docs/architecture.md §4).
 
 A model declares its walks (``graphs``), builds the components placed on a rank (``build_component``), and drives
 a request on the conductor: ``preprocess`` (tokenize), ``start`` (first walk), ``after_walk`` (next walk or done),

@@ -1,4 +1,4 @@
-"""Graph primitives (DESIGN §4): nodes, edges, composition, loops.
+"""Graph primitives (docs/architecture.md §4): nodes, edges, composition, loops.
 
 A walk is one :data:`Section`. A node runs when all its required inputs are present; an output edge names the
 signal, where it goes (a node name, :data:`EMIT_TO_CLIENT`, or ``None`` for a walk output) and whether the value is

@@ -1,4 +1,4 @@
-"""Partitions and streaming edges (DESIGN §4): which walks of a request run concurrently, and what flows between them.
+"""Partitions and streaming edges (docs/architecture.md §4): which walks of a request run concurrently, and what flows between them.
 
 A request is a sequence of walks; its walks are grouped in partitions that run concurrently (producer and
 consumer, e.g. an LLM decode walk that produces audio codes and a codec walk that consumes them). Inside a

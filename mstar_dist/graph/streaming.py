@@ -1,4 +1,4 @@
-"""Streaming edges, consumer side (DESIGN §4): a buffer that turns a producer's items into the consumer's chunks.
+"""Streaming edges, consumer side (docs/architecture.md §4): a buffer that turns a producer's items into the consumer's chunks.
 
 The producer partition emits values on a streaming edge; each value lands in the consumer's :class:`StreamBuffer`
 as one or more *items* (rows along dim 0 of a tensor). A chunk policy decides when a chunk is ready; a chunk is

@@ -1,4 +1,4 @@
-"""Static checks of one walk's graph (DESIGN §4). Run once per walk when a model's graphs are loaded; ``WalkRun``
+"""Static checks of one walk's graph (docs/architecture.md §4). Run once per walk when a model's graphs are loaded; ``WalkRun``
 runs them too (cached per section), so a bad graph fails with names instead of stalling a request."""
 
 from __future__ import annotations

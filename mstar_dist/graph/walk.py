@@ -1,4 +1,4 @@
-"""Executes one request's walk on one rank, so the worker can batch node calls across requests (DESIGN §4).
+"""Executes one request's walk on one rank, so the worker can batch node calls across requests (docs/architecture.md §4).
 
 A :class:`WalkRun` is a state machine with no threads and no I/O. :meth:`WalkRun.ready` hands out the node calls that
 became runnable (several at once inside a ``Parallel``); the worker runs them, batched with other requests' calls to

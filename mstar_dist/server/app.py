@@ -1,7 +1,7 @@
 """The HTTP front end on rank 0: native ``/generate``, OpenAI ``/v1`` routes, ``/health``, ``/metrics``.
 
 The app validates requests, turns them into :class:`GenerationParams` and relays the backend's events. It
-owns three guarantees (DESIGN §9, §10):
+owns three guarantees (docs/architecture.md §9, §10):
   * bad input is a 4xx saying what to fix, never a 500, and never affects other requests or ``/health``;
   * a backend failure is a 5xx (or the ``BackendError``'s status) for that request only;
   * the backend generator is always closed; when the client goes away before the end it is closed early,

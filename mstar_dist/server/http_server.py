@@ -1,7 +1,7 @@
 """Running an ASGI app under uvicorn on a background thread with its own asyncio loop (rank 0 only).
 
 The conductor shares this loop: it schedules coroutines on ``HttpServer.loop`` with
-``asyncio.run_coroutine_threadsafe``. The worker loop keeps the main thread (DESIGN §2, threads).
+``asyncio.run_coroutine_threadsafe``. The worker loop keeps the main thread (docs/architecture.md §2, threads).
 """
 
 from __future__ import annotations

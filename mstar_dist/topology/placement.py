@@ -1,4 +1,4 @@
-"""Placement (DESIGN §5): which rank runs which component for which walk, replicas, TP groups, edge pairs.
+"""Placement (docs/architecture.md §5): which rank runs which component for which walk, replicas, TP groups, edge pairs.
 
 Pure: built from the deployment config and the model's walks (walk -> node names), checked at once with every
 number in the message, identical on every rank, testable with no process group. Ranks here are logical global
@@ -269,7 +269,7 @@ def choose_replica(
     rank_host: Mapping[int, str],
     rng: random.Random,
 ) -> Replica | None:
-    """The replica a request should use for one (walk, node) (DESIGN §5), or None when none is live.
+    """The replica a request should use for one (walk, node) (docs/architecture.md §5), or None when none is live.
 
     Only replicas whose every rank is in `live_ranks` count. Among them prefer the most ranks on hosts the
     request already uses (`hosts_used`), then the most ranks it already uses (`ranks_used`); ties are broken

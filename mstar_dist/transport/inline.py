@@ -1,7 +1,7 @@
 """Inline transport: a tensor encoded as bytes inside a control message.
 
 Small tensors (token ids, short chunks, scalars) ride inside the INPUTS message instead of going over a pair
-group: one eager NCCL/gloo op costs ~50 µs, a few hundred bytes of msgpack cost far less (DESIGN §7).
+group: one eager NCCL/gloo op costs ~50 µs, a few hundred bytes of msgpack cost far less (docs/architecture.md §7).
 
 `InlineTensor` is the wire type the control messages embed. The bytes are the tensor's raw memory in row-major
 order and the host's byte order (little-endian on every machine we run on), so encode/decode is one copy each

@@ -1,4 +1,4 @@
-"""Point-to-point transport: tensors over the directed pair groups (DESIGN §7, "p2p").
+"""Point-to-point transport: tensors over the directed pair groups (docs/architecture.md §7, "p2p").
 
 Protocol (the caller's side of it):
 1. The producer sends the descriptor (shape, dtype, ...) on the control plane, THEN calls `send`.
@@ -23,7 +23,7 @@ current stream; it is ready once `done()` is true or `wait()` returned, or for G
 a host sync, after `ready_on(stream)`. No host staging: CUDA tensors go device to device
 (`stats()["host_staging_copies"]` stays 0; any host copy this module made would be counted there).
 
-Failure (DESIGN §7): a pair that timed out or broke is dead for good. `Transfer.wait` timing out aborts the pair;
+Failure (docs/architecture.md §7): a pair that timed out or broke is dead for good. `Transfer.wait` timing out aborts the pair;
 `abort_pair` does it explicitly. Later sends/recvs on a dead pair raise `PairDeadError` naming the pair.
 
 Threads: every op is issued from the calling thread (the rank's worker thread); nothing here is thread-safe.
@@ -133,7 +133,7 @@ class Transfer:
         """Block the host until the transfer completes; return `tensor`.
 
         TimeoutError (naming pair, shape, dtype and bytes) after `timeout_s`: the pair is then aborted for
-        good (DESIGN §7). After a CUDA recv returns, the tensor is ready on every stream.
+        good (docs/architecture.md §7). After a CUDA recv returns, the tensor is ready on every stream.
         """
         if self._complete:
             return self._result

@@ -1,4 +1,4 @@
-"""Per-rank tensor store: uuid -> tensor with a reference count and a persist count (DESIGN §7).
+"""Per-rank tensor store: uuid -> tensor with a reference count and a persist count (docs/architecture.md §7).
 
 Lifetime rules:
 - `put` stores a tensor with `refs` references (one per pending consumer or in-flight send).
@@ -9,7 +9,7 @@ Lifetime rules:
   disconnects).
 `live_tensors` / `live_bytes` are the leak canary: both are 0 on an idle rank.
 
-Not thread-safe, by design: the store belongs to the rank's one worker thread (DESIGN §2), the same thread that
+Not thread-safe, by design: the store belongs to the rank's one worker thread (docs/architecture.md §2), the same thread that
 issues its transfers, so there is no lock to take on the hot path. Callers on other threads (the HTTP thread on
 rank 0) must hand work to the worker thread instead of touching the store.
 """

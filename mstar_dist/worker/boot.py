@@ -1,4 +1,4 @@
-"""Startup and teardown of one rank (DESIGN §2): parse, identify, init, control plane, load, serve.
+"""Startup and teardown of one rank (docs/architecture.md §2): parse, identify, init, control plane, load, serve.
 
 Every rank runs :func:`serve`. The steps and who they wait for:
 1. parse the YAML into the immutable deployment (pure; identical on every rank);
@@ -283,7 +283,7 @@ def _broadcast_shutdown(dep: Deployment, channel: ControlChannel, world_size: in
 
 
 def _start_conductor(dep: Deployment, channel: ControlChannel, timeout_s: float, log_stats_s: float | None):
-    """Rank 0: wait for every READY, then start the conductor thread (DESIGN §2 step 6)."""
+    """Rank 0: wait for every READY, then start the conductor thread (docs/architecture.md §2 step 6)."""
     from mstar_dist.conductor.conductor import Conductor
 
     cfg = dep.config
@@ -302,7 +302,7 @@ def _start_conductor(dep: Deployment, channel: ControlChannel, timeout_s: float,
 
 
 def _start_http(dep: Deployment, conductor):
-    """Rank 0: bind HTTP only now that every rank serves (DESIGN §2 step 6)."""
+    """Rank 0: bind HTTP only now that every rank serves (docs/architecture.md §2 step 6)."""
     from mstar_dist.conductor.backend import ConductorBackend
     from mstar_dist.server.app import build_app
     from mstar_dist.server.http_server import HttpServer

@@ -1,4 +1,4 @@
-"""The rank's event loop (DESIGN §2, §7): control messages in, data-plane transfers, batched node calls, results out.
+"""The rank's event loop (docs/architecture.md §2, §7): control messages in, data-plane transfers, batched node calls, results out.
 
 Runs on the main thread and issues *all* of this rank's torch.distributed work (sends and receives on the pair
 groups), so NCCL ops of a rank are never issued from two threads. Each turn of the loop:
@@ -285,7 +285,7 @@ class Worker:
                     except KeyError:
                         pass  # the request was removed meanwhile
             elif now - out.since > self.transfer_timeout_s:
-                # a send that never completes: the pair is dead for good (DESIGN §7); the consumer's input wait
+                # a send that never completes: the pair is dead for good (docs/architecture.md §7); the consumer's input wait
                 # times out and fails its request
                 log.error("%s: send of %s to rank %d did not complete within %.0f s; aborting the pair",
                           self.name, out.uuid, out.dst, self.transfer_timeout_s)

@@ -1,4 +1,4 @@
-"""Pair and TP subgroups over gloo with real processes (DESIGN §2 step 3, §7 hazards). A failure means ranks
+"""Pair and TP subgroups over gloo with real processes (docs/architecture.md §2 step 3, §7 hazards). A failure means ranks
 disagree on which group is which pair (mis-wired or hung boot), warm-up hangs, a mismatched placement hangs
 instead of failing, or one timed-out pair takes other pairs down with it."""
 

@@ -1,4 +1,4 @@
-"""P2P transport over gloo with real processes (DESIGN §7). A failure means tensors on graph edges between
+"""P2P transport over gloo with real processes (docs/architecture.md §7). A failure means tensors on graph edges between
 ranks arrive wrong (values, dtype, shape), out of order on a pair, or that a dead pair hangs instead of raising.
 
 Every test follows the runtime's protocol: the descriptor goes over the ControlChannel first, the consumer

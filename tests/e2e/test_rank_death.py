@@ -1,4 +1,4 @@
-"""A host dies under load (DESIGN §10): two hosts on loopback, each with a SmolLM2 prefill and a decode replica
+"""A host dies under load (docs/architecture.md §10): two hosts on loopback, each with a SmolLM2 prefill and a decode replica
 (host A: ranks 0, 1; host B: ranks 2, 3; a request stays on one host); host B's torchrun is killed. A failure means requests on the dead host hang
 instead of failing fast with a 5xx naming the rank, new requests still go to it, or the service does not stay up
 on the surviving replica.

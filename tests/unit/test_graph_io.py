@@ -1,4 +1,4 @@
-"""Graph I/O derivation and validation (DESIGN §4). A failure here means the runtime asks for the wrong walk inputs,
+"""Graph I/O derivation and validation (docs/architecture.md §4). A failure here means the runtime asks for the wrong walk inputs,
 treats a same-iteration edge as a loop-back (or the reverse), misses a walk output, or accepts a graph that would
 stall or lose values at run time instead of naming the mistake when the model loads."""
 

@@ -1,4 +1,4 @@
-"""Loops in depth (DESIGN §4): nested loops, per-run limits, dynamic and named stops, last/accumulated outputs, edges
+"""Loops in depth (docs/architecture.md §4): nested loops, per-run limits, dynamic and named stops, last/accumulated outputs, edges
 that leave a loop. A failure here means a multi-level generation (e.g. tokens x codec frames) runs the wrong number
 of steps, reuses a stale value from the previous outer iteration, ignores a stop, or reports the wrong finish
 reason."""

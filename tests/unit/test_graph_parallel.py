@@ -1,4 +1,4 @@
-"""Parallel sections, outside deliveries and stall detection of a walk (DESIGN §4). A failure here means concurrent
+"""Parallel sections, outside deliveries and stall detection of a walk (docs/architecture.md §4). A failure here means concurrent
 nodes run serially or too early, a streamed chunk or loop-back value is lost, overwritten or used in the wrong
 iteration, or a request whose input can never arrive hangs instead of failing with the node's name."""
 

@@ -1,4 +1,4 @@
-"""Partitions and streaming-edge declarations (DESIGN §4). A failure here means a request finishes while a
+"""Partitions and streaming-edge declarations (docs/architecture.md §4). A failure here means a request finishes while a
 partition (e.g. the audio codec) still runs, never finishes because a partition that was not requested waits
 forever, or a model with a misdeclared streaming edge is accepted and hangs at run time."""
 

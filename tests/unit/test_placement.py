@@ -163,7 +163,7 @@ def test_describe_shows_replicas_hosts_devices_and_cut():
     assert "0 -> 4  [prefill/ENC prefill/LLM] -> [decode/LLM speech/LLM]" in text
 
 
-# -- replica choice (DESIGN §5) ------------------------------------------------------------------------------
+# -- replica choice (docs/architecture.md §5) ------------------------------------------------------------------------------
 
 HOST = {0: "a", 1: "a", 2: "b", 3: "b", 4: "c", 5: "c"}
 SINGLE = tuple(Replica(i, (r,)) for i, r in enumerate([1, 2, 3, 4]))

@@ -1,4 +1,4 @@
-"""The HTTP app over a fake backend (DESIGN §9, §10), no processes, no sockets.
+"""The HTTP app over a fake backend (docs/architecture.md §9, §10), no processes, no sockets.
 
 A failure here means clients see the wrong wire format (NDJSON/SSE framing, base64 text, usage), a bad
 request turns into a 500 or poisons /health, a model failure leaks beyond its request, or a client that goes

@@ -1,4 +1,4 @@
-"""TensorStore lifetime rules (DESIGN §7). A failure here means tensors leak (live_* not back to 0 at idle) or
+"""TensorStore lifetime rules (docs/architecture.md §7). A failure here means tensors leak (live_* not back to 0 at idle) or
 are freed while a consumer or the conductor still counts on them."""
 
 import pytest

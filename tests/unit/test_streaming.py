@@ -1,4 +1,4 @@
-"""Streaming-edge chunk policies (DESIGN §4). A failure here means a consumer (e.g. an audio codec fed by an LLM)
+"""Streaming-edge chunk policies (docs/architecture.md §4). A failure here means a consumer (e.g. an audio codec fed by an LLM)
 gets items twice, misses items, gets the wrong overlap, never sees its final iteration or sees it twice: audible
 glitches, truncated or hung streams."""
 

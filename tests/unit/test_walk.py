@@ -1,4 +1,4 @@
-"""Walk execution rules (DESIGN §4). A failure here means requests run the wrong number of steps, lose the token
+"""Walk execution rules (docs/architecture.md §4). A failure here means requests run the wrong number of steps, lose the token
 fed back by a loop, never stop at EOS / max_tokens, or stream the wrong values to the client."""
 
 import pytest

@@ -1,0 +1,234 @@
+"""Streaming text-to-speech of the Orpheus shape: a Llama-family LLM writes audio-code tokens, a SNAC 24 kHz codec
+decoder turns them into PCM while the LLM is still writing.
+
+Two partitions of one request, joined by a streaming edge:
+
+- ``speech`` (walks ``prefill`` then ``decode``, node ``LLM``): the prompt is Orpheus's
+  ``[start_of_human] <|begin_of_text|> "{voice}: {text}" <|eot_id|> [end_of_human, start_of_ai, start_of_speech]``.
+  The prefill runs it without its last token; the ``decode`` loop starts from that token, so every audio code
+  comes from one walk. Each step's token is emitted (counted as a completion token, no text) and streamed to
+  ``CODEC``. Sampling is restricted to the audio codes and ``end_of_speech`` (which stops the loop).
+- ``audio`` (walk ``codec``, node ``CODEC``): a loop over chunks of the token stream with
+  ``SlidingWindow(28, 7)``: the first chunk after 4 frames (28 codes), then one per frame (7 new codes), and
+  exactly one final chunk when the LLM is done. Each chunk decodes the frames completed since the last one
+  with up to 3 earlier frames as left context and emits their PCM16 samples (``frame_samples`` per frame:
+  2048 at 24 kHz); a trailing incomplete frame is dropped. Total samples = complete frames x frame_samples.
+
+Token -> code: ``(id - audio_offset) mod codebook_size`` (Orpheus writes frame position ``p`` in the range
+``audio_offset + p * codebook_size``; the modulo also accepts a code written in another position's range).
+Frame layout and decoding: :mod:`models.snac.model`.
+
+Weights: ``weights`` is the LLM's HF directory (config.json, safetensors, tokenizer); the codec's directory is
+``model_kwargs.codec_weights`` (default ``<weights>/snac``). The default path is prepared on first start with a
+tiny random checkpoint of both layouts (``scripts/make_speech_checkpoint.py``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mstar_dist.engine.component import Component
+from mstar_dist.events import MediaDelta
+from mstar_dist.graph.model import RequestState, WalkStep
+from mstar_dist.graph.nodes import EMIT_TO_CLIENT, Edge, GraphNode, Loop, Section
+from mstar_dist.graph.partitions import Partition, StreamingEdge
+from mstar_dist.graph.streaming import SlidingWindow
+from mstar_dist.graph.walk import NodeCall, NodeResult
+from models.llama.chat import DECODE_LOOP, LLM, MAX_DECODE_ITERS, LlamaChat
+
+CODEC = "CODEC"
+VOICES = ("tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe")
+"""The speaker names Orpheus was fine-tuned with (its prompt starts with ``"{voice}: "``)."""
+CODES_PER_FRAME = 7
+WINDOW = 28
+"""Codes per codec chunk: 4 frames."""
+STRIDE = 7
+"""New codes between chunks: one frame."""
+CONTEXT_FRAMES = 3
+"""Earlier frames decoded with the new ones (their samples are not emitted again)."""
+DEFAULT_SPEECH_DIR = "~/.cache/mstar_dist/orpheus-tiny"
+
+
+class SpeechCodec(Component):
+    """The ``CODEC`` node: chunks of code tokens -> PCM16 of the frames they complete (see the module docstring).
+
+    Per request it keeps the codes seen so far and the frames already emitted; ``release`` forgets them."""
+
+    name = CODEC
+
+    def __init__(self, decoder: torch.nn.Module, *, audio_offset: int, codebook_size: int, device: torch.device):
+        from models.snac.model import decode_frames, to_pcm16
+
+        self.decoder, self.device = decoder, device
+        self.audio_offset, self.codebook_size = audio_offset, codebook_size
+        self._decode_frames, self._to_pcm16 = decode_frames, to_pcm16
+        self._codes: dict[str, list[int]] = {}
+        self._frames_done: dict[str, int] = {}
+        self.chunks = 0
+        self.samples = 0
+
+    @torch.inference_mode()
+    def run_batch(self, calls: list[NodeCall]) -> list[NodeResult | BaseException | None]:
+        out: list[NodeResult | BaseException | None] = []
+        for call in calls:
+            try:
+                out.append(self._chunk(call))
+            except Exception as exc:  # one request's bad chunk fails that request only
+                out.append(exc)
+        return out
+
+    def _chunk(self, call: NodeCall) -> NodeResult:
+        rid = call.request_id
+        tokens = call.inputs["token"].reshape(-1).tolist()
+        n_context = int(call.inputs["token_context"]) if "token_context" in call.inputs else 0
+        final = bool(call.inputs["token_final"]) if "token_final" in call.inputs else False
+        codes = self._codes.setdefault(rid, [])
+        span = CODES_PER_FRAME * self.codebook_size
+        codes.extend((t - self.audio_offset) % self.codebook_size for t in tokens[n_context:]
+                     if self.audio_offset <= t < self.audio_offset + span)
+        frames, done = len(codes) // CODES_PER_FRAME, self._frames_done.get(rid, 0)
+        self.chunks += 1
+        if final:
+            self.release(rid)
+        else:
+            self._frames_done[rid] = frames
+        if frames == done:
+            return NodeResult(outputs={}, stop=final)
+        first = max(0, done - CONTEXT_FRAMES)
+        window = torch.tensor(codes[first * CODES_PER_FRAME: frames * CODES_PER_FRAME], dtype=torch.long)
+        audio = self._decode_frames(self.decoder, window.view(-1, CODES_PER_FRAME).to(self.device), frames - done)
+        pcm = self._to_pcm16(audio).reshape(-1)
+        self.samples += pcm.numel()
+        return NodeResult(outputs={"audio": pcm}, stop=final)
+
+    def release(self, request_id: str) -> None:
+        self._codes.pop(request_id, None)
+        self._frames_done.pop(request_id, None)
+
+    def stats(self) -> dict[str, int]:
+        return {"codec_chunks_total": self.chunks, "codec_samples_total": self.samples}
+
+
+class OrpheusSpeech(LlamaChat):
+    """``model_kwargs``: those of :class:`LlamaChat` plus ``codec_weights`` (the SNAC directory). Request knobs:
+    ``voice`` (one of :data:`VOICES`, default ``tara``)."""
+
+    name = "orpheus"
+    output_modality = "audio"
+
+    def __init__(self, weights_dir: str | None, **model_kwargs: Any):
+        codec = model_kwargs.pop("codec_weights", None)
+        super().__init__(weights_dir or DEFAULT_SPEECH_DIR, **model_kwargs)
+        self.weights_dir = str(Path(self.weights_dir).expanduser())
+        self.codec_dir = str(Path(codec).expanduser()) if codec else str(Path(self.weights_dir) / "snac")
+        self.tokens = None
+
+    def graphs(self) -> dict[str, Section]:
+        prefill = GraphNode(LLM, inputs=("input_ids",), outputs=(Edge("kv", persist=True),))
+        decode = Loop(
+            GraphNode(LLM, inputs=("token",), optional_inputs=("kv",), outputs=(
+                Edge("token", LLM), Edge("token", EMIT_TO_CLIENT), Edge("token", CODEC, stream=True))),
+            max_iters=MAX_DECODE_ITERS, name=DECODE_LOOP,
+        )
+        codec = Loop(GraphNode(CODEC, inputs=("token",), optional_inputs=("token_final", "token_context"),
+                               outputs=(Edge("audio", EMIT_TO_CLIENT),)),
+                     max_iters=MAX_DECODE_ITERS, name="codec")
+        return {"prefill": prefill, "decode": decode, "codec": codec}
+
+    def partitions(self) -> list[Partition]:
+        return [Partition("speech", ("prefill", "decode")), Partition("audio", ("codec",))]
+
+    def streaming_edges(self) -> list[StreamingEdge]:
+        return [StreamingEdge("token", "speech", "audio", CODEC, SlidingWindow(WINDOW, STRIDE))]
+
+    def prepare_weights(self) -> None:
+        if Path(self.weights_dir).is_dir():
+            return
+        if Path(self.weights_dir) != Path(DEFAULT_SPEECH_DIR).expanduser():
+            raise FileNotFoundError(f"weights: {self.weights_dir} does not exist (only the default "
+                                    f"{DEFAULT_SPEECH_DIR} is prepared automatically)")
+        from models.speech.checkpoint import write_tiny_speech_checkpoint
+
+        write_tiny_speech_checkpoint(Path(self.weights_dir))
+
+    # ---- rank side ----
+    def build_component(self, node: str, *, device: str, walks: set[str]) -> Component:
+        tokens = self._speech_tokens()
+        if node == CODEC:
+            from models.snac.model import load_snac
+
+            decoder = load_snac(self.codec_dir, device=device, dtype=torch.float32)
+            return SpeechCodec(decoder, audio_offset=tokens.audio_offset, codebook_size=tokens.codebook_size,
+                               device=torch.device(device))
+        engine = super().build_component(node, device=device, walks=walks)
+        vocab = engine.model.embed.weight.shape[0]
+        bias = torch.full((vocab,), float("-inf"))
+        bias[tokens.audio_offset: tokens.audio_offset + CODES_PER_FRAME * tokens.codebook_size] = 0.0
+        bias[tokens.end_of_speech] = 0.0
+        engine.logit_bias = bias.to(engine.device)
+        return engine
+
+    def _speech_tokens(self):
+        if self.tokens is None:
+            from models.llama.speech_tokens import SpeechTokens
+            from models.snac.model import SnacConfig
+            import json
+
+            cfg = SnacConfig.from_json(json.loads((Path(self.codec_dir) / "config.json").read_text()))
+            self.tokens = SpeechTokens.from_tokenizer_dir(self.weights_dir, cfg.codebook_size)
+            self.frame_samples, self.sample_rate = cfg.frame_samples, cfg.sampling_rate
+        return self.tokens
+
+    # ---- conductor side ----
+    def load_frontend(self) -> None:
+        super().load_frontend()
+        self._speech_tokens()
+
+    def stop_token_ids(self) -> list[int]:
+        return [self.tokens.end_of_speech]
+
+    def preprocess(self, state: RequestState, prompt: str | None, messages: list[dict] | None) -> None:
+        knobs = dict(state.knobs)
+        voice = knobs.pop("voice", "tara")
+        if unknown := sorted(knobs):
+            raise ValueError(f"model_kwargs: unknown knob(s) {unknown} for a speech model (known: voice)")
+        if voice not in VOICES:
+            raise ValueError(f"voice {voice!r} is not one of this model's voices: {', '.join(VOICES)}")
+        text = prompt if prompt is not None else "\n".join(m["content"] for m in messages or [] if m["role"] == "user")
+        if not text.strip():
+            raise ValueError("input is empty: send the text to speak")
+        ids = self.tokens.prompt_ids(voice, text)
+        if len(ids) + state.max_tokens > self._context:
+            if state.max_tokens_given or len(ids) >= self._context:
+                raise ValueError(f"the input is {len(ids)} tokens and max_tokens is {state.max_tokens}: together "
+                                 f"they exceed the context of {self._context} tokens; shorten the input")
+            state.max_tokens = self._context - len(ids)
+        state.prompt_tokens = len(ids)
+        state.data["input_ids"] = torch.tensor(ids, dtype=torch.long)
+
+    def start(self, state: RequestState) -> list[WalkStep]:
+        ids = state.data.pop("input_ids")
+        state.data["last"] = ids[-1:].clone()
+        return [WalkStep("prefill", {"input_ids": ids[:-1]}), WalkStep("codec", {})]
+
+    def after_walk(self, state: RequestState, walk: str, outputs: dict[str, Any]) -> WalkStep | None:
+        if walk == "prefill":
+            inputs = {"token": state.data.pop("last")}
+            if "kv" in outputs:  # decode runs on another rank: the prefill's KV moves there
+                inputs["kv"] = outputs["kv"]
+            return WalkStep("decode", inputs, loop_limits={DECODE_LOOP: state.max_tokens})
+        return None
+
+    def postprocess(self, state: RequestState, signal: str, values: list[Any]) -> Any:
+        if signal == "token":
+            state.completion_tokens += sum(v.numel() for v in values)
+            return ""
+        pcm = torch.cat([v.reshape(-1) for v in values]).to(torch.int16)
+        meta = {"sample_rate": self.sample_rate, "num_channels": 1, "tokens_so_far": state.completion_tokens}
+        return MediaDelta("audio", pcm.numpy().tobytes(), meta)
+
+    def finish_text(self, state: RequestState) -> str:
+        return ""
