@@ -32,6 +32,16 @@ ATOL = 1e-5
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_intra_op_thread():
+    """The tensors here are small: with other processes on a 2-core machine, two intra-op threads mostly wait
+    on each other (measured under load: 65 s for this module with 2 threads, 12 s with 1)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def reference_model(config: SnacConfig, seed: int = 0) -> torch.nn.Module:
     """snac.SNAC with every parameter scaled by a random factor, so Snake's alpha is not 1 and the weight-norm
     magnitude g is not |v| (both are at init)."""
