@@ -75,8 +75,11 @@ class DenoiserConfig:
         file = Path(path).expanduser() / "config.json"
         if not file.is_file():
             raise FileNotFoundError(f"{file} is missing: not a denoiser checkpoint directory")
-        raw = json.loads(file.read_text())
-        return cls(**{k: v for k, v in raw.items() if not k.startswith("_")})
+        fields = {k: v for k, v in json.loads(file.read_text()).items() if not k.startswith("_")}
+        unknown = sorted(set(fields) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"{file}: unknown denoiser config keys {unknown}")
+        return cls(**fields)
 
     def to_json(self) -> str:
         return json.dumps({"_class_name": "MstarDenoiser", **asdict(self)}, indent=2) + "\n"
@@ -238,8 +241,8 @@ class Denoiser(nn.Module):
             return ctx, None
         if text_mask.shape != text.shape[:2]:
             raise ValueError(f"text_mask must be {tuple(text.shape[:2])}, got {tuple(text_mask.shape)}")
-        keep_null = torch.ones(batch, 1, dtype=torch.bool, device=text_mask.device)
-        return ctx, torch.cat([keep_null, text_mask.bool()], dim=1)  # (B, 1 + T)
+        keep_null = torch.ones(batch, 1, dtype=torch.bool, device=ctx.device)
+        return ctx, torch.cat([keep_null, text_mask.to(device=ctx.device, dtype=torch.bool)], dim=1)  # (B, 1+T)
 
     def forward(self, x: torch.Tensor, t: torch.Tensor | float, text: torch.Tensor | None = None,
                 text_mask: torch.Tensor | None = None) -> torch.Tensor:
