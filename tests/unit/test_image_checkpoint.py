@@ -17,6 +17,8 @@ from models.image.png import encode_png, to_uint8
 from models.image.scheduler import FlowMatchEuler, cfg_combine
 from models.image.weights import load_denoiser, load_vae_decoder
 
+pytestmark = pytest.mark.usefixtures("one_intraop_thread")
+
 TEXT_DIM = 48
 
 

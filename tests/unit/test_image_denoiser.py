@@ -13,6 +13,8 @@ import torch
 from models.image.checkpoint import randomize_
 from models.image.denoiser import Denoiser, preset, sincos_pos_embed_2d, timestep_embedding
 
+pytestmark = pytest.mark.usefixtures("one_intraop_thread")
+
 TOL = dict(rtol=1e-4, atol=1e-5)
 
 

@@ -15,6 +15,8 @@ from models.image.weights import load_vae_decoder
 
 diffusers = pytest.importorskip("diffusers")
 
+pytestmark = pytest.mark.usefixtures("one_intraop_thread")
+
 SD_LIKE = dict(block_out_channels=(32, 64), layers_per_block=1, latent_channels=4, norm_num_groups=8,
                scaling_factor=0.5)
 FLUX_LIKE = dict(block_out_channels=(16, 32, 32), layers_per_block=2, latent_channels=8, norm_num_groups=8,
