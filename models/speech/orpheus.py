@@ -60,7 +60,7 @@ class SpeechCodec(Component):
     name = CODEC
 
     def __init__(self, decoder: torch.nn.Module, *, audio_offset: int, codebook_size: int, device: torch.device):
-        from models.snac.model import decode_frames, to_pcm16
+        from models.snac import decode_frames, to_pcm16
 
         self.decoder, self.device = decoder, device
         self.audio_offset, self.codebook_size = audio_offset, codebook_size
@@ -99,7 +99,11 @@ class SpeechCodec(Component):
             return NodeResult(outputs={}, stop=final)
         first = max(0, done - CONTEXT_FRAMES)
         window = torch.tensor(codes[first * CODES_PER_FRAME: frames * CODES_PER_FRAME], dtype=torch.long)
-        audio = self._decode_frames(self.decoder, window.view(-1, CODES_PER_FRAME).to(self.device), frames - done)
+        # the decoder's noise blocks draw from a generator seeded by the walk and the frame: the same audio on
+        # every placement for a pinned request
+        gen = torch.Generator(self.device).manual_seed((call.ctx.seed + done) & 0x7FFF_FFFF_FFFF_FFFF)
+        audio = self._decode_frames(self.decoder, window.view(-1, CODES_PER_FRAME).to(self.device), frames - done,
+                                    generator=gen)
         pcm = self._to_pcm16(audio).reshape(-1)
         self.samples += pcm.numel()
         return NodeResult(outputs={"audio": pcm}, stop=final)
@@ -158,7 +162,7 @@ class OrpheusSpeech(LlamaChat):
     def build_component(self, node: str, *, device: str, walks: set[str]) -> Component:
         tokens = self._speech_tokens()
         if node == CODEC:
-            from models.snac.model import load_snac
+            from models.snac import load_snac
 
             decoder = load_snac(self.codec_dir, device=device, dtype=torch.float32)
             return SpeechCodec(decoder, audio_offset=tokens.audio_offset, codebook_size=tokens.codebook_size,
@@ -174,10 +178,9 @@ class OrpheusSpeech(LlamaChat):
     def _speech_tokens(self):
         if self.tokens is None:
             from models.llama.speech_tokens import SpeechTokens
-            from models.snac.model import SnacConfig
-            import json
+            from models.snac import read_snac_config
 
-            cfg = SnacConfig.from_json(json.loads((Path(self.codec_dir) / "config.json").read_text()))
+            cfg = read_snac_config(self.codec_dir)
             self.tokens = SpeechTokens.from_tokenizer_dir(self.weights_dir, cfg.codebook_size)
             self.frame_samples, self.sample_rate = cfg.frame_samples, cfg.sampling_rate
         return self.tokens
