@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3 shapes, SmolLM2): RoPE (HF rotate-half layout), GQA, RMSNorm, SwiGLU.
+"""Llama-family decoder (Llama 2/3/3.x shapes, SmolLM2): RoPE (HF rotate-half layout, optionally
+llama3-scaled), GQA, RMSNorm, SwiGLU.
 
 The model knows nothing about batching or cache layout: every attention layer hands its q/k/v to
 `cache.attend(layer_idx, q, k, v)` (see mstar_dist.engine.kv_cache.AttentionCache).
@@ -10,13 +11,14 @@ Shape legend: B batch, T new tokens, d hidden, nh/nkv query/KV heads, hd head di
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.llama.config import LlamaConfig
+from models.llama.config import Llama3RopeScaling, LlamaConfig
 
 if TYPE_CHECKING:
     from mstar_dist.engine.kv_cache import AttentionCache
@@ -58,17 +60,34 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
+def llama3_inv_freq(inv_freq: torch.Tensor, scaling: Llama3RopeScaling) -> torch.Tensor:
+    """Llama 3.1's adjustment of RoPE inverse frequencies (fp32 in, fp32 out, same shape).
+
+    With r = original_max_position_embeddings / wavelength (how many turns a frequency makes over the
+    pretraining context) and s = (r - low_freq_factor) / (high_freq_factor - low_freq_factor) clamped to
+    [0, 1], the new frequency is (1 - s) * f / factor + s * f: slow frequencies (s = 0) are divided by
+    `factor`, fast ones (s = 1) are kept, and those between are blended. Same values as transformers'
+    `_compute_llama3_parameters`.
+    """
+    wavelength = 2 * math.pi / inv_freq
+    turns = scaling.original_max_position_embeddings / wavelength
+    s = ((turns - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)).clamp(0.0, 1.0)
+    return (1 - s) * inv_freq / scaling.factor + s * inv_freq
+
+
 def rope_tables(config: LlamaConfig, dtype: torch.dtype, device: torch.device | str | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and signed sin, each (max_pos, hd), for `apply_rope`.
 
     HF rotate-half: out = x * cos + rotate_half(x) * sin with rotate_half(x) = [-x2, x1]. We fold the
     minus sign into the table (sin_signed = [-sin, sin]) so the rotation is a roll: [x2, x1] * sin_signed.
-    Frequencies are computed in fp32 exactly as HF does, then cast.
+    Frequencies are computed in fp32 exactly as HF does (config.rope_scaling adjusts them), then cast.
     """
     hd = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64, device=device)
                                            .float() / hd))  # (hd/2,)
+    if config.rope_scaling is not None:
+        inv_freq = llama3_inv_freq(inv_freq, config.rope_scaling)
     pos = torch.arange(config.max_position_embeddings, dtype=torch.float32, device=device)
     freqs = torch.outer(pos, inv_freq)  # (max_pos, hd/2)
     cos = torch.cat((freqs.cos(), freqs.cos()), dim=-1)
