@@ -16,9 +16,11 @@ def get_model_class(name: str):
             return getattr(importlib.import_module(module_name), attr)
         except (ImportError, AttributeError) as exc:
             raise ValueError(f"model: cannot load {name!r} ({type(exc).__name__}: {exc})") from None
+    from models.image.family import BagelImage
     from models.llama.chat import LlamaChat, SmolLM2Chat
+    from models.speech.orpheus import OrpheusSpeech
 
-    registry = {"llama": LlamaChat, "smollm2": SmolLM2Chat}
+    registry = {"llama": LlamaChat, "smollm2": SmolLM2Chat, "orpheus": OrpheusSpeech, "bagel": BagelImage}
     try:
         return registry[name]
     except KeyError:

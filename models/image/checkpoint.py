@@ -122,3 +122,25 @@ def write_image_checkpoint(out: str | Path, size: str = "tiny", seed: int = 0, t
     (out / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
     return out
 
+
+
+def write_tiny_image_family(out: Path) -> Path:
+    """The default image weights prepared on first start: the tiny image checkpoint plus a tiny Llama text encoder
+    (with its tokenizer) in ``out/text_encoder`` whose hidden size is the denoiser's text_dim; written
+    atomically."""
+    import shutil
+    import tempfile
+
+    from models.speech.checkpoint import make_speech_checkpoint
+
+    out = Path(out).expanduser()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
+    try:
+        make_speech_checkpoint(tmp / "text_encoder", "tiny", seed=0, codebook_size=1)
+        text_dim = json.loads((tmp / "text_encoder" / "config.json").read_text())["hidden_size"]
+        write_image_checkpoint(tmp, size="tiny", seed=0, text_dim=text_dim)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out

@@ -301,6 +301,7 @@ class BagelImage(CompositeModel):
 
     def after_walk(self, state: RequestState, walk: str, outputs: dict[str, Any]) -> WalkStep | None:
         if walk != "encode":
+            state.finish_reason = "stop"  # the picture is complete (the loop always runs its steps)
             return None
         plan = torch.tensor([state.data["steps"], state.data["guidance_scale"]], dtype=torch.float64)
         inputs = {"latents": state.data.pop("noise"), "text": outputs["text"], "plan": plan}

@@ -179,11 +179,21 @@ class Llama(nn.Module):
 
         The caller has bound the cache for this pass (e.g. StaticKVCache.bind); positions index RoPE.
         """
+        h = self._blocks(input_ids, positions, cache)
+        if last_only:
+            h = h[:, -1:]  # (B, 1, d)
+        return self.lm_head(self.norm(h)).float()
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: AttentionCache
+                      ) -> torch.Tensor:
+        """input_ids, positions (B, T) -> the final normed hidden states (B, T, d): a prefill without the LM head
+        (text conditioning for another model). The cache is bound by the caller, as for ``forward``."""
+        return self.norm(self._blocks(input_ids, positions, cache))
+
+    def _blocks(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: AttentionCache) -> torch.Tensor:
         h = self.embed(input_ids)  # (B, T, d)
         cos = self.rope_cos[positions].unsqueeze(2)  # (B, T, 1, hd)
         sin = self.rope_sin[positions].unsqueeze(2)
         for layer in self.layers:
             h = layer(h, cos, sin, cache)
-        if last_only:
-            h = h[:, -1:]  # (B, 1, d)
-        return self.lm_head(self.norm(h)).float()
+        return h

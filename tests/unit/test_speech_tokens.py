@@ -1,4 +1,4 @@
-"""The tiny Orpheus-layout speech checkpoint of scripts/make_speech_checkpoint.py and models/llama/speech_tokens.py.
+"""The tiny Orpheus-layout speech checkpoint of models/speech/checkpoint.py and models/llama/speech_tokens.py.
 
 A failure here points to: the script (files, tokenizer layout, the hand-written safetensors, determinism) if HF
 or our loader cannot read its output or the ids move; `SpeechTokens` (name lookup, prompt format, the
@@ -8,7 +8,6 @@ if it cannot load a speech tokenizer or does not stop on end_of_speech.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -20,15 +19,13 @@ from models.llama.tokenizer import ChatTokenizer
 from models.llama.weights import load_llama
 from mstar_dist.engine.kv_cache import StaticKVCache
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "make_speech_checkpoint.py"
 CODEBOOK = 64  # the tiny default
 VOICE, TEXT = "tara", "Hello there, how are you today? <laugh> Fine."
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("make_speech_checkpoint", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    import models.speech.checkpoint as module
+
     return module
 
 
