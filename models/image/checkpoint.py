@@ -125,9 +125,14 @@ def write_image_checkpoint(out: str | Path, size: str = "tiny", seed: int = 0, t
 
 
 def write_tiny_image_family(out: Path) -> Path:
-    """The default image weights prepared on first start: the tiny image checkpoint plus a tiny Llama text encoder
-    (with its tokenizer) in ``out/text_encoder`` whose hidden size is the denoiser's text_dim; written
-    atomically."""
+    """The default image weights prepared on first start (see :func:`write_image_family`)."""
+    return write_image_family(out, "tiny")
+
+
+def write_image_family(out: Path, size: str = "tiny") -> Path:
+    """The directory the image family (models/image/family.py) serves from: the image checkpoint of ``size``
+    (``1b`` in bfloat16) plus a tiny Llama text encoder (with its tokenizer) in ``out/text_encoder`` whose hidden
+    size is the denoiser's text_dim; written atomically (a new directory renamed into place)."""
     import shutil
     import tempfile
 
@@ -139,7 +144,8 @@ def write_tiny_image_family(out: Path) -> Path:
     try:
         make_speech_checkpoint(tmp / "text_encoder", "tiny", seed=0, codebook_size=1)
         text_dim = json.loads((tmp / "text_encoder" / "config.json").read_text())["hidden_size"]
-        write_image_checkpoint(tmp, size="tiny", seed=0, text_dim=text_dim)
+        write_image_checkpoint(tmp, size=size, seed=0, text_dim=text_dim,
+                               dtype=torch.float32 if size == "tiny" else torch.bfloat16)
         tmp.rename(out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
