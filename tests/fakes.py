@@ -1,19 +1,113 @@
 """Test doubles shared by unit tests.
 
-FakeBackend implements ``GenerationBackend`` with scripted text deltas. It records every request it saw and
-whether each generator was closed and whether it was aborted (closed before its Finished). The flags are
-``threading.Event``s because the app may run on a server thread while the test waits on the main thread.
+FakeBackend implements ``GenerationBackend`` the way the conductor does, over a scripted model: text, audio or
+image deltas; stop strings applied once, before the app sees the text (the conductor's ``StopTrimmer``); model
+knobs (``model_kwargs``) validated like a family's ``preprocess`` (an unknown knob or value is a 400 naming it).
+It records every request it saw and whether each generator was closed and whether it was aborted (closed before
+its Finished). The flags are ``threading.Event``s because the app may run on a server thread while the test
+waits on the main thread. ``parse_wav`` and ``png_size`` read back what clients receive.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import io
+import struct
 import threading
+import wave
+import zlib
+from collections.abc import Callable
+from typing import Any
 
-from mstar_dist.server.backend import BackendError, Finished, GenerationParams, TextDelta
+from mstar_dist.conductor.stop_strings import StopTrimmer
+from mstar_dist.server.backend import BackendError, Finished, GenerationParams, MediaDelta, TextDelta
 
 UNICODE_DELTAS = ["hé", "llo → ", "東", "京 ", "🚀"]
 UNICODE_TEXT = "".join(UNICODE_DELTAS)  # "héllo → 東京 🚀"
+
+SAMPLE_RATE = 16000
+VOICES = ("alice", "bob")
+IMAGE_SIZES = ((32, 32), (64, 64))
+
+
+def pcm_chunk(i: int, n_samples: int = 160) -> bytes:
+    """``n_samples`` mono PCM16 samples, different for every ``i`` (and including negative values)."""
+    return struct.pack(f"<{n_samples}h", *(((i * 7919 + k * 31) % 65536) - 32768 for k in range(n_samples)))
+
+
+def audio_delta(pcm: bytes, sample_rate: int = SAMPLE_RATE) -> MediaDelta:
+    return MediaDelta("audio", pcm, {"sample_rate": sample_rate, "num_channels": 1}, n_tokens=1)
+
+
+AUDIO_DELTAS = [audio_delta(pcm_chunk(i)) for i in range(3)]
+AUDIO_PCM = b"".join(d.data for d in AUDIO_DELTAS)
+
+
+def tiny_png(width: int, height: int, seed: int) -> bytes:
+    """A valid 8-bit greyscale PNG whose pixels depend on ``seed``."""
+    rows = b"".join(b"\x00" + bytes((seed + x * 3 + y * 5) % 256 for x in range(width)) for y in range(height))
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b"")
+
+
+def png_size(data: bytes) -> tuple[int, int]:
+    """(width, height) of a PNG file; asserts it is one."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR", data[:16]
+    return struct.unpack(">II", data[16:24])
+
+
+def parse_wav(data: bytes) -> tuple[int, int, bytes]:
+    """(sample rate, channels, PCM) as Python's ``wave`` module reads a 16-bit WAV file."""
+    with wave.open(io.BytesIO(data)) as w:
+        assert w.getsampwidth() == 2
+        return w.getframerate(), w.getnchannels(), w.readframes(1 << 30)
+
+
+def image_seed(params: GenerationParams) -> int:
+    """The request's seed, else a hash of its request id (as the conductor seeds a pinned id)."""
+    if params.seed is not None:
+        return params.seed
+    return int.from_bytes(hashlib.sha256(params.request_id.encode()).digest()[:4], "little")
+
+
+def fake_image(params: GenerationParams) -> MediaDelta:
+    """One PNG of the requested size (default 64x64) drawn from the request's seed."""
+    width, height = params.model_kwargs.get("width", 64), params.model_kwargs.get("height", 64)
+    png = tiny_png(width, height, image_seed(params))
+    return MediaDelta("image", png, {"width": width, "height": height}, n_tokens=1)
+
+
+def _check_voice(value: Any) -> str | None:
+    return None if value in VOICES else f"voice {value!r} is not one of this model's voices: {', '.join(VOICES)}"
+
+
+def _check_range(name: str, kind: type, lo: float, hi: float) -> Callable[[Any], str | None]:
+    def check(value: Any) -> str | None:
+        ok = isinstance(value, kind) and not isinstance(value, bool) and lo <= value <= hi
+        return None if ok else f"{name} must be a {kind.__name__} in [{lo}, {hi}], got {value!r}"
+    return check
+
+
+def _check_side(name: str, value: Any) -> str | None:
+    sides = sorted({w for w, _ in IMAGE_SIZES})
+    return None if value in sides else f"{name} {value!r} is not supported; this model draws {sides} pixels"
+
+
+KNOBS: dict[str, dict[str, Callable[[Any], str | None]]] = {
+    "text": {},
+    "audio": {"voice": _check_voice},
+    "image": {"width": lambda v: _check_side("width", v), "height": lambda v: _check_side("height", v),
+              "steps": _check_range("steps", int, 1, 50),
+              "guidance_scale": _check_range("guidance_scale", float, 0, 20)},
+}
+"""The knobs each fake family takes, with their checks (a message for the client, or None when valid)."""
+
+Script = list[str | MediaDelta | Callable[[GenerationParams], MediaDelta]]
 
 
 class FakeBackend:
@@ -21,22 +115,32 @@ class FakeBackend:
     max_context_tokens = 64
     max_tokens_limit = 32
 
-    def __init__(self, deltas: list[str] | None = None, *, fail_at: int | None = None,
-                 error: BaseException | None = None, hang_at: int | None = None) -> None:
-        self.deltas = list(UNICODE_DELTAS if deltas is None else deltas)
+    def __init__(self, deltas: Script | None = None, *, output_modality: str = "text", fail_at: int | None = None,
+                 error: BaseException | None = None, hang_at: int | None = None, gate_at: int | None = None) -> None:
+        self.output_modality = output_modality
+        default = {"text": UNICODE_DELTAS, "audio": AUDIO_DELTAS, "image": [fake_image]}[output_modality]
+        self.deltas: Script = list(default if deltas is None else deltas)
+        """What each request yields, one token an item: text, a media delta, or a function of the request's
+        params returning a media delta."""
         self.fail_at = fail_at
         """Raise ``error`` (default RuntimeError) before yielding delta number ``fail_at`` (0 = before any)."""
         self.error = error
         self.hang_at = hang_at
         """Block forever before yielding delta number ``hang_at`` (until the app closes the generator)."""
+        self.gate_at = gate_at
+        """Wait before yielding delta number ``gate_at`` until ``open_gate()`` is called (every request)."""
         self.serving = True
         self.calls: list[GenerationParams] = []
         self.started = threading.Event()
         self.hanging = threading.Event()
+        self.gated = threading.Event()
         self.closed = threading.Event()
         self.aborted = threading.Event()
         self.n_closed = 0
         self.n_aborted = 0
+        self.n_yielded = 0
+        self.n_gated = 0
+        self._gates: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
 
     def health(self) -> tuple[bool, str]:
         return (True, "ok") if self.serving else (False, "rank 1 is not ready")
@@ -44,42 +148,74 @@ class FakeBackend:
     def metrics_text(self) -> str:
         return "# TYPE fake_requests_total counter\nfake_requests_total %d\n" % len(self.calls)
 
+    def open_gate(self) -> None:
+        """Lets the requests waiting at ``gate_at`` go on; callable from any thread, once they are ``gated``."""
+        for loop, event in self._gates:
+            loop.call_soon_threadsafe(event.set)
+
     @staticmethod
     def count_tokens(params: GenerationParams) -> int:
         """One token per whitespace-separated word of the prompt (or of every message)."""
         texts = [params.prompt] if params.prompt is not None else [m["content"] for m in params.messages or []]
         return sum(len(t.split()) for t in texts)
 
-    async def generate(self, params: GenerationParams):
-        self.calls.append(params)
+    def _check(self, params: GenerationParams) -> int:
+        """Like a family's preprocess: the prompt's token count, or BackendError naming what is wrong."""
         if not self.serving:
             raise BackendError(503, "not serving: rank 1 is not ready")
+        knobs = KNOBS[self.output_modality]
+        for name, value in params.model_kwargs.items():
+            if name not in knobs:
+                raise BackendError(400, f"unknown model_kwargs key {name!r}; this model takes {sorted(knobs)}")
+            problem = knobs[name](value)
+            if problem:
+                raise BackendError(400, problem)
         prompt_tokens = self.count_tokens(params)
         if prompt_tokens > self.max_context_tokens:
             raise BackendError(400, f"prompt is {prompt_tokens} tokens, context is {self.max_context_tokens}")
+        return prompt_tokens
+
+    async def _pause(self, i: int) -> None:
+        if i == self.fail_at:
+            raise self.error or RuntimeError("boom in the fake model")
+        if i == self.hang_at:
+            self.hanging.set()
+            await asyncio.Event().wait()
+        if i == self.gate_at:
+            gate = asyncio.Event()
+            self._gates.append((asyncio.get_running_loop(), gate))
+            self.n_gated += 1
+            self.gated.set()
+            await gate.wait()
+        await asyncio.sleep(0)
+
+    async def generate(self, params: GenerationParams):
+        self.calls.append(params)
+        prompt_tokens = self._check(params)
         self.started.set()
         finished = False
-        text = ""
+        stops = StopTrimmer(params.stop)  # the conductor's job: the app relays text as it comes
         try:
             n = 0
-            for i, delta in enumerate(self.deltas):
-                if i == self.fail_at:
-                    raise self.error or RuntimeError("boom in the fake model")
-                if i == self.hang_at:
-                    self.hanging.set()
-                    await asyncio.Event().wait()
+            for i, item in enumerate(self.deltas):
+                await self._pause(i)
                 if n == params.max_tokens:
                     break
-                await asyncio.sleep(0)
                 n += 1
-                text += delta
-                yield TextDelta(text=delta, n_tokens=1)
-                if any(s in text for s in params.stop):  # like the engine: stop once a stop string appeared
-                    finished = True
-                    yield Finished("stop", prompt_tokens, n)
-                    return
+                self.n_yielded += 1
+                if isinstance(item, str):
+                    yield TextDelta(text=stops.feed(item), n_tokens=1)
+                    if stops.stopped:
+                        finished = True
+                        yield Finished("stop", prompt_tokens, n)
+                        return
+                else:
+                    yield item(params) if callable(item) else item
             if self.fail_at is not None and self.fail_at >= len(self.deltas):
                 raise self.error or RuntimeError("boom in the fake model")
+            tail = stops.flush()
+            if tail:
+                yield TextDelta(text=tail, n_tokens=0)
             finished = True
             yield Finished("length" if n == params.max_tokens else "stop", prompt_tokens, n)
         finally:

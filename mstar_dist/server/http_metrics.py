@@ -6,7 +6,8 @@ from __future__ import annotations
 class HttpStats:
     """Counters the app itself exports on /metrics, after the backend's."""
 
-    ROUTES = ("/generate", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+    ROUTES = ("/generate", "/v1/chat/completions", "/v1/audio/speech", "/v1/images/generations", "/v1/models",
+              "/health", "/metrics")
 
     def __init__(self) -> None:
         self.requests: dict[tuple[str, int], int] = {}

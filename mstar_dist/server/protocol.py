@@ -1,18 +1,28 @@
-"""HTTP protocol types: the OpenAI chat-completions subset we serve and the native ``/generate`` API.
+"""HTTP protocol types: the OpenAI subset we serve (chat completions, speech, image generations) and the native
+``/generate`` API.
 
 Requests are strict (``"5"`` is not an int, ``"yes"`` is not a bool) so a typo fails with a message instead of
-being coerced. OpenAI requests ignore unknown fields (clients send many optional ones); native requests reject
-them, so a misspelt ``model_kwargs`` key is reported rather than silently dropped.
+being coerced. OpenAI requests ignore unknown fields (clients send many optional ones). Native requests reject
+unknown top-level fields; inside ``model_kwargs`` the sampling knobs are typed here and every other key is the
+model family's knob, passed through as JSON and validated by the family (an unknown or out-of-range knob is a 400
+naming it).
 
-Native streaming format (NDJSON, ``Content-Type: application/x-ndjson; charset=utf-8``), one JSON object a line:
+Native streaming format (NDJSON, ``Content-Type: application/x-ndjson; charset=utf-8``), one JSON object a line,
+one line per delta as the model produces it:
     {"modality": "text", "data": <base64 of the UTF-8 text delta>, "metadata": {"request_id", "n_tokens"}}
+    {"modality": "audio", "data": <base64 of PCM16 LE>, "metadata": {"sample_rate", "num_channels", ...,
+     "request_id", "n_tokens"}}
+    {"modality": "image", "data": <base64 of a PNG file>, "metadata": {"width", "height", ..., "request_id",
+     "n_tokens"}}
     ... then exactly one final line, either
     {"modality": "text", "data": "", "metadata": {"request_id", "finish_reason", "usage": {...}}}
     or {"modality": "error", "data": "", "metadata": {"request_id", "status", "message"}}
+Media metadata is the model's (``mstar_dist.events.MediaDelta``) plus ``request_id`` and ``n_tokens``.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -69,15 +79,7 @@ def normalize_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
     return [{"role": m.role, "content": m.text()} for m in messages]
 
 
-class _Sampling(BaseModel):
-    """Sampling fields shared by both APIs (validated the same way)."""
-
-    temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 = greedy; at most 2")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus mass in (0, 1]")
-    top_k: int = Field(0, ge=-1, description="0 or -1 disables")
-    seed: int | None = None
-    stop: str | list[str] | None = None
-
+class _NullMeansDefault(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _null_means_default(cls, data: Any) -> Any:
@@ -85,6 +87,24 @@ class _Sampling(BaseModel):
         if isinstance(data, dict):
             return {k: v for k, v in data.items() if v is not None}
         return data
+
+
+class _SamplingKnobs(_NullMeansDefault):
+    """Token sampling fields shared by every route (validated the same way)."""
+
+    temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 = greedy; at most 2")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus mass in (0, 1]")
+    top_k: int = Field(0, ge=-1, description="0 or -1 disables")
+    seed: int | None = None
+
+    def top_k_value(self) -> int:
+        return max(self.top_k, 0)
+
+
+class _Sampling(_SamplingKnobs):
+    """Sampling fields of the text routes: the knobs plus stop strings."""
+
+    stop: str | list[str] | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -100,9 +120,6 @@ class _Sampling(BaseModel):
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
-
-    def top_k_value(self) -> int:
-        return max(self.top_k, 0)
 
 
 # ------------------------------------------------------------------------------------------------ OpenAI
@@ -211,11 +228,150 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
+# ------------------------------------------------------------------------------------------ OpenAI media
+
+SPEECH_FORMATS = ("wav", "pcm")
+"""``response_format`` values of ``/v1/audio/speech``: a WAV file, or raw little-endian PCM16."""
+SIZE_PATTERN = re.compile(r"^([1-9][0-9]{0,4})x([1-9][0-9]{0,4})$")
+
+
+def _one_of(value: Any, allowed: tuple[str, ...]) -> Any:
+    if value not in allowed:
+        raise ValueError(f"{value!r} is not supported; use " + " or ".join(repr(a) for a in allowed))
+    return value
+
+
+class SpeechRequest(_SamplingKnobs, _Lenient):
+    """``POST /v1/audio/speech``: OpenAI's fields, plus ``stream``, ``seed`` and the sampling knobs.
+
+    ``voice`` goes to the model family (``model_kwargs["voice"]``), which rejects an unknown voice with a 400
+    listing its voices; left out, the family's default voice speaks. ``instructions`` is rejected when non-empty
+    (no family here takes free-text voice directions, and ignoring them would silently give another voice).
+    ``stream_format`` may be "audio" (raw bytes, what we always send); "sse" is rejected. Streaming is asked for
+    with ``stream: true``.
+    """
+
+    model: str | None = None
+    input: str = Field(min_length=1)
+    voice: str | None = None
+    response_format: str = "wav"
+    speed: float = 1.0
+    instructions: str | None = None
+    stream_format: str | None = None
+    stream: bool = False
+
+    @field_validator("response_format")
+    @classmethod
+    def _check_format(cls, value: str) -> str:
+        return _one_of(value, SPEECH_FORMATS)
+
+    @field_validator("speed")
+    @classmethod
+    def _check_speed(cls, value: float) -> float:
+        if value != 1.0:
+            raise ValueError(f"{value} is not supported: only 1.0 (the model speaks at its own rate)")
+        return value
+
+    @field_validator("instructions")
+    @classmethod
+    def _check_instructions(cls, value: str | None) -> str | None:
+        if value:
+            raise ValueError("not supported by this server: choose the voice with 'voice' and leave instructions out")
+        return value
+
+    @field_validator("stream_format")
+    @classmethod
+    def _check_stream_format(cls, value: str | None) -> str | None:
+        if value not in (None, "audio"):
+            raise ValueError(f"{value!r} is not supported: audio is sent as raw bytes (\"audio\"); "
+                             "set \"stream\": true to receive it as it is generated")
+        return value
+
+
+class ImageGenerationRequest(_NullMeansDefault, _Lenient):
+    """``POST /v1/images/generations``: OpenAI's fields plus ``seed``, ``steps`` and ``guidance_scale``.
+
+    ``size`` "WIDTHxHEIGHT" becomes the family's ``width`` / ``height`` knobs ("auto" or left out: the family's
+    default); the family checks which sizes, step counts and guidance scales it supports (a 400 naming the knob).
+    Images come back inline as base64 PNG only.
+    """
+
+    model: str | None = None
+    prompt: str = Field(min_length=1)
+    n: int = Field(1, ge=1, le=4, description="images to generate, 1 to 4")
+    size: str | None = None
+    response_format: str = "b64_json"
+    output_format: str = "png"
+    stream: bool = False
+    seed: int | None = None
+    steps: int | None = None
+    guidance_scale: float | None = None
+
+    @field_validator("size")
+    @classmethod
+    def _check_size(cls, value: str | None) -> str | None:
+        if value not in (None, "auto") and not SIZE_PATTERN.match(value):
+            raise ValueError(f"{value!r} is not a size: write WIDTHxHEIGHT in pixels, e.g. \"64x64\"")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _check_response_format(cls, value: str) -> str:
+        if value != "b64_json":
+            raise ValueError(f"{value!r} is not supported: only 'b64_json' (images are returned inline as "
+                             "base64 PNG; this server keeps no files to link to)")
+        return value
+
+    @field_validator("output_format")
+    @classmethod
+    def _check_output_format(cls, value: str) -> str:
+        return _one_of(value, ("png",))
+
+    @field_validator("stream")
+    @classmethod
+    def _check_stream(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("streaming images is not supported: leave stream out or false")
+        return value
+
+    def family_knobs(self) -> dict[str, Any]:
+        """``width``, ``height``, ``steps``, ``guidance_scale`` as far as the request gives them."""
+        knobs: dict[str, Any] = {}
+        match = SIZE_PATTERN.match(self.size or "")
+        if match:
+            knobs["width"], knobs["height"] = int(match[1]), int(match[2])
+        if self.steps is not None:
+            knobs["steps"] = self.steps
+        if self.guidance_scale is not None:
+            knobs["guidance_scale"] = self.guidance_scale
+        return knobs
+
+
+class ImageData(BaseModel):
+    b64_json: str
+    """base64 of a PNG file."""
+
+
+class ImagesResponse(BaseModel):
+    created: int
+    data: list[ImageData]
+    output_format: Literal["png"] = "png"
+    size: str | None = None
+
+
 # ------------------------------------------------------------------------------------------------ native
 
 
-class ModelKwargs(_Sampling, _Strict):
+class ModelKwargs(_Sampling):
+    """``model_kwargs`` of ``/generate``: typed sampling fields, and every other key is the family's knob."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
     max_tokens: int | None = Field(None, gt=0)
+
+    def family_knobs(self) -> dict[str, Any]:
+        """The keys beyond sampling, as sent (JSON values; a null value counts as not sent)."""
+        return dict(self.model_extra or {})
 
 
 class GenerateRequest(_Strict):

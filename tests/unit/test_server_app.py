@@ -136,7 +136,8 @@ def test_chat_stream_is_sse_ending_with_done(client, fake, include_usage):
         assert all("usage" not in c for c in chunks)
 
 
-def test_chat_stop_string_is_cut_even_across_deltas(fake, client):
+def test_chat_passes_stop_strings_and_relays_the_cut_text(fake, client):
+    # The backend (the conductor; here the fake, with the same StopTrimmer) cuts the text; the app relays it.
     fake.deltas = ["Hello ", "wor", "ld ST", "OP and more", " never"]
     data = client.post(CHAT, json={"messages": MSGS, "stop": "STOP"}).json()
     assert data["choices"][0]["message"]["content"] == "Hello world "
@@ -148,6 +149,8 @@ def test_chat_stop_string_is_cut_even_across_deltas(fake, client):
     assert not any("ST" in c for c in content)
 
 
+# StopTrimmer is the conductor's (stop strings are applied once, there); its unit tests stay here until the
+# conductor's test module takes them.
 @pytest.mark.parametrize("stops,deltas,shown,stopped", [
     (["STOP"], ["aST", "OPb"], ["a", ""], True),          # split across deltas: "ST" is held, never shown
     (["STOP"], ["aST", "x"], ["a", "STx"], False),        # held text released once it cannot be a stop
@@ -245,10 +248,12 @@ NATIVE_BAD = [
     ({"prompt": ""}, 422, "prompt"),
     ({"prompt": 5}, 422, "prompt: Input should be a valid string"),
     ({"messages": []}, 422, "messages"),
-    ({"prompt": "a", "model_kwargs": {"max_token": 3}}, 422, "model_kwargs.max_token: Extra inputs are not permitted"),
     ({"prompt": "a", "model_kwargs": {"max_tokens": 0}}, 422, "model_kwargs.max_tokens"),
     ({"prompt": "a", "model_kwargs": {"max_tokens": 99}}, 400, "model_kwargs.max_tokens is 99"),
     ({"prompt": "a", "model_kwargs": {"temperature": -1}}, 422, "model_kwargs.temperature"),
+    ({"prompt": "a", "model_kwargs": {"seed": "7"}}, 422, "model_kwargs.seed"),
+    ({"prompt": "a", "model_kwargs": []}, 422, "model_kwargs"),
+    ({"prompt": "a", "stream": True, "modelkwargs": {}}, 422, "modelkwargs: Extra inputs are not permitted"),
     ({"prompt": "a", "request_id": "has space"}, 422, "request_id"),
     ({"prompt": "a", "model": "other"}, 400, "not served here"),
 ]
@@ -279,6 +284,43 @@ def test_bad_generate_request_is_4xx_with_message(client, fake, body, status, ne
     assert needle in resp.json()["error"], resp.json()
     assert fake.calls == []
     assert client.get("/health").status_code == 200
+
+
+def test_generate_passes_family_knobs_through_model_kwargs(client, fake):
+    fake.__init__(output_modality="audio")
+    body = {"prompt": "hi", "model_kwargs": {"voice": "bob", "max_tokens": 3, "temperature": 0, "top_k": None}}
+    assert client.post("/generate", json=body).status_code == 200
+    (params,) = fake.calls
+    assert params.model_kwargs == {"voice": "bob"}  # sampling fields stay typed; null means "not set"
+    assert (params.max_tokens, params.temperature, params.top_k) == (3, 0.0, 0)
+
+
+@pytest.mark.parametrize("knobs,needle", [
+    ({"max_token": 3}, "unknown model_kwargs key 'max_token'"),  # a typo reaches the family, which names it
+    ({"voice": "carol"}, "voice 'carol' is not one of this model's voices: alice, bob"),
+])
+def test_generate_knob_the_family_rejects_is_400_naming_it(client, fake, knobs, needle):
+    fake.__init__(output_modality="audio")
+    for stream in (False, True):
+        resp = client.post("/generate", json={"prompt": "a", "stream": stream, "model_kwargs": knobs})
+        assert resp.status_code == 400 and needle in resp.json()["error"], resp.text
+    assert client.get("/health").status_code == 200
+
+
+def test_chat_on_a_non_text_model_is_400_naming_the_right_route(client, fake):
+    fake.__init__(output_modality="audio")
+    resp = client.post(CHAT, json={"messages": MSGS})
+    assert resp.status_code == 400 and fake.calls == []
+    err = resp.json()["error"]
+    assert "'fake-model' produces audio: use POST /v1/audio/speech or POST /generate" in err["message"], err
+    assert err["type"] == "invalid_request_error"
+
+
+def test_empty_text_deltas_tokens_ride_on_the_next_delta(client, fake):
+    fake.deltas = ["a", "", "", "b"]  # e.g. a multi-byte character still incomplete
+    *deltas, final = ndjson(client.post("/generate", json={"prompt": "x", "stream": True}).content)
+    assert [(base64.b64decode(d["data"]).decode(), d["metadata"]["n_tokens"]) for d in deltas] == [("a", 1), ("b", 3)]
+    assert final["metadata"]["usage"]["completion_tokens"] == 4
 
 
 def test_bad_request_id_header_is_400(client):

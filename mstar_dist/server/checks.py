@@ -1,0 +1,123 @@
+"""Request checking shared by every route: JSON bodies parsed with one readable message, the served model, the
+route's output modality, ``X-Request-Id``. Every failure is an :class:`ApiError` with a 4xx status saying what
+to fix; the app's error handler renders it in the route family's error format.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+
+from mstar_dist.server.backend import GenerationBackend
+
+REQUEST_ID_HEADER = "X-Request-Id"
+MODALITY_ROUTES = {"text": "POST /v1/chat/completions", "audio": "POST /v1/audio/speech",
+                   "image": "POST /v1/images/generations"}
+"""The OpenAI route that serves each output modality (``/generate`` serves them all)."""
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class ApiError(Exception):
+    """A request failure with the status and message the client sees; ``param`` names the offending field."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+async def parse_body(request: Request, model: type[M], *, status: int) -> M:
+    """Parses the JSON body into ``model``; ``status`` is used for schema errors (400 on /v1, 422 native).
+
+    Reads the whole body, so afterwards the next ASGI ``receive()`` only reports a disconnect."""
+    raw = await request.body()
+    if not raw.strip():
+        raise ApiError(400, "request body is empty: send a JSON object (Content-Type: application/json)")
+    try:
+        obj = json.loads(raw)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise ApiError(400, f"request body must be a JSON object, got {_json_type(obj)}")
+    try:
+        return model.model_validate(obj)
+    except ValidationError as exc:
+        first = exc.errors(include_url=False)[0]
+        raise ApiError(status, _describe(exc), _loc(first["loc"]) or None) from None
+
+
+def _describe(exc: ValidationError) -> str:
+    """One readable line per problem: ``messages[0].role: Input should be 'system', ... (got 'robot')``."""
+    problems = []
+    for err in exc.errors(include_url=False):
+        where = _loc(err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "missing":
+            msg = "field required"
+        elif err["type"] not in ("value_error", "extra_forbidden") and not isinstance(err["input"], dict | list):
+            msg += f" (got {json.dumps(err['input'])[:60]})" if _jsonable(err["input"]) else ""
+        problems.append(f"{where}: {msg}" if where else msg)
+    return "invalid request: " + "; ".join(problems)
+
+
+def _loc(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _jsonable(value: Any) -> bool:
+    try:
+        json.dumps(value)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
+def _json_type(value: Any) -> str:
+    names = {list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)
+
+
+def check_model(model: str | None, backend: GenerationBackend) -> None:
+    """A request naming a model must name the served one."""
+    if model is not None and model != backend.model_name:
+        raise ApiError(
+            400,
+            f"model {model!r} is not served here; this server serves {backend.model_name!r} (see GET /v1/models)",
+            "model",
+        )
+
+
+def check_modality(backend: GenerationBackend, needed: str) -> None:
+    """The route serves ``needed`` output; a model of another modality is a 400 naming the route it serves."""
+    have = backend.output_modality
+    if have != needed:
+        served = MODALITY_ROUTES.get(have, "no OpenAI route")
+        raise ApiError(400, f"{MODALITY_ROUTES[needed]} needs a model that produces {needed}; "
+                            f"{backend.model_name!r} produces {have}: use {served} or POST /generate", "model")
+
+
+def max_tokens(requested: int | None, backend: GenerationBackend, param: str) -> int:
+    """The request's token budget: ``requested`` if within the backend's limit, the limit if not given."""
+    limit = backend.max_tokens_limit
+    if requested is None:
+        return limit
+    if requested > limit:
+        raise ApiError(400, f"{param} is {requested}, above this server's limit of {limit}; ask for at most {limit}",
+                       param)
+    return requested
+
+
+def header_request_id(request: Request) -> str | None:
+    """The client's ``X-Request-Id``, if it sent a valid one (1-128 characters of ``[A-Za-z0-9._:-]``)."""
+    value = request.headers.get(REQUEST_ID_HEADER)
+    if value is None:
+        return None
+    if not (0 < len(value) <= 128 and all(c.isascii() and (c.isalnum() or c in "._:-") for c in value)):
+        raise ApiError(400, f"{REQUEST_ID_HEADER} must be 1-128 characters of [A-Za-z0-9._:-]")
+    return value

@@ -1,0 +1,215 @@
+"""The OpenAI media routes: ``POST /v1/audio/speech`` and ``POST /v1/images/generations``.
+
+Speech needs a backend whose ``output_modality`` is "audio": the response is a WAV file or raw PCM16, whole, or
+streamed as the audio deltas arrive (``"stream": true``). Images need "image": ``n`` backend requests run
+concurrently and come back as base64 PNG. Both keep OpenAI's error body; request checking and the relay
+guarantees (abort on disconnect, errors per request) are the app's (``checks``, ``relay``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from mstar_dist.media import wav_bytes, wav_header
+from mstar_dist.server.backend import Finished, GenerationBackend, GenerationEvent, GenerationParams, MediaDelta
+from mstar_dist.server.checks import (
+    REQUEST_ID_HEADER, ApiError, check_modality, check_model, header_request_id, parse_body,
+)
+from mstar_dist.server.http_metrics import HttpStats
+from mstar_dist.server.protocol import ImageData, ImageGenerationRequest, ImagesResponse, SpeechRequest
+from mstar_dist.server.relay import (
+    ClosingStreamingResponse, StreamAborted, collect, events, start_stream, until_disconnect,
+)
+
+logger = logging.getLogger(__name__)
+
+SPEECH_MEDIA_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm"}
+DEFAULT_SAMPLE_RATE = 24000
+"""Sample rate written in the (empty) WAV header when a model yields no audio at all: there is no delta to take
+it from, and with no samples it changes nothing audible (24 kHz is OpenAI's PCM rate)."""
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+@dataclass(frozen=True)
+class AudioFormat:
+    sample_rate: int
+    num_channels: int
+
+    @classmethod
+    def of(cls, delta: MediaDelta, request_id: str) -> AudioFormat:
+        """The format an audio delta's metadata declares; missing or invalid metadata is the model's fault (500)."""
+        rate, channels = delta.metadata.get("sample_rate"), delta.metadata.get("num_channels", 1)
+        if not (isinstance(rate, int) and rate > 0 and isinstance(channels, int) and channels > 0):
+            raise ApiError(500, f"request {request_id}: the model's audio has no valid sample_rate/num_channels "
+                                f"metadata ({delta.metadata!r:.120})")
+        return cls(rate, channels)
+
+    def headers(self) -> dict[str, str]:
+        """Response headers telling raw-PCM clients how to play the body."""
+        return {"X-Sample-Rate": str(self.sample_rate), "X-Num-Channels": str(self.num_channels)}
+
+
+def _is_audio(event: GenerationEvent) -> bool:
+    return isinstance(event, MediaDelta) and event.modality == "audio"
+
+
+def join_audio(media: list[MediaDelta], request_id: str = "") -> tuple[bytes, AudioFormat | None]:
+    """All audio deltas' PCM, concatenated in order, and their format (None when there is no audio). Deltas
+    that disagree on the format are a model bug (500)."""
+    audio = [m for m in media if m.modality == "audio"]
+    if not audio:
+        return b"", None
+    fmt = AudioFormat.of(audio[0], request_id)
+    for delta in audio[1:]:
+        _check_same_format(fmt, delta, request_id)
+    return b"".join(m.data for m in audio), fmt
+
+
+def _check_same_format(fmt: AudioFormat, delta: MediaDelta, request_id: str) -> None:
+    other = AudioFormat.of(delta, request_id)
+    if other != fmt:
+        raise ApiError(500, f"request {request_id}: the model changed audio format mid-request ({fmt} then {other})")
+
+
+def add_media_routes(app: FastAPI, backend: GenerationBackend, stats: HttpStats) -> None:
+    """Registers the speech and image routes on ``app`` (runs on the HTTP server's loop, like the app)."""
+
+    @app.post("/v1/audio/speech")
+    async def speech(request: Request) -> Response:
+        check_modality(backend, "audio")
+        req = await parse_body(request, SpeechRequest, status=400)
+        check_model(req.model, backend)
+        request_id = header_request_id(request) or uuid.uuid4().hex
+        params = _speech_params(req, request_id, backend)
+        headers = {REQUEST_ID_HEADER: request_id}
+        media_type = SPEECH_MEDIA_TYPES[req.response_format]
+        if req.stream:
+            stream, first = await start_stream(request, backend, params, stats, first=_is_audio)
+            try:
+                fmt = AudioFormat.of(first, request_id) if _is_audio(first) else AudioFormat(DEFAULT_SAMPLE_RATE, 1)
+            except ApiError:
+                await stream.aclose()
+                raise
+            body = _speech_body(stream, first, fmt, wav=req.response_format == "wav", request_id=request_id)
+            return ClosingStreamingResponse(body, stats=stats, media_type=media_type, headers=headers | fmt.headers())
+        outcome = await until_disconnect(request, collect(events(backend, params)), stats)
+        pcm, fmt = join_audio(outcome.media, request_id)
+        fmt = fmt or AudioFormat(DEFAULT_SAMPLE_RATE, 1)
+        content = _wav(pcm, fmt, request_id) if req.response_format == "wav" else pcm
+        return Response(content, media_type=media_type, headers=headers | fmt.headers())
+
+    @app.post("/v1/images/generations")
+    async def images(request: Request) -> JSONResponse:
+        check_modality(backend, "image")
+        req = await parse_body(request, ImageGenerationRequest, status=400)
+        check_model(req.model, backend)
+        request_id = header_request_id(request) or uuid.uuid4().hex
+        batch = [_image_params(req, request_id, i, backend) for i in range(req.n)]
+        pngs = await until_disconnect(request, _run_all(backend, batch), stats)
+        data = [ImageData(b64_json=base64.b64encode(png).decode("ascii")) for png in pngs]
+        size = req.size if req.size not in (None, "auto") else None
+        body = ImagesResponse(created=int(time.time()), data=data, size=size)
+        return JSONResponse(body.model_dump(exclude_none=True), headers={REQUEST_ID_HEADER: request_id})
+
+
+# ------------------------------------------------------------------------------------------------ speech
+
+
+def _speech_params(req: SpeechRequest, request_id: str, backend: GenerationBackend) -> GenerationParams:
+    """The text to speak as the prompt; ``voice`` as the family's knob; the token budget is the service's limit
+    (``max_tokens_given=False``: the family bounds the audio length itself)."""
+    return GenerationParams(
+        request_id=request_id, prompt=req.input, messages=None,
+        max_tokens=backend.max_tokens_limit, max_tokens_given=False,
+        temperature=req.temperature, top_p=req.top_p, top_k=req.top_k_value(), seed=req.seed, stream=req.stream,
+        model_kwargs={"voice": req.voice} if req.voice is not None else {},
+    )
+
+
+def _wav(pcm: bytes, fmt: AudioFormat, request_id: str) -> bytes:
+    try:
+        return wav_bytes(pcm, fmt.sample_rate, fmt.num_channels)
+    except ValueError as exc:
+        raise ApiError(500, f"request {request_id}: the model's audio cannot be written as WAV: {exc}") from exc
+
+
+async def _speech_body(stream: AsyncIterator[GenerationEvent], first: GenerationEvent, fmt: AudioFormat, *,
+                       wav: bool, request_id: str) -> AsyncIterator[bytes]:
+    """A streamed speech body: for WAV the streaming-form header (sizes unknown), then each audio delta's PCM
+    as it arrives; text deltas are left out. With no audio at all, an exact empty WAV (or nothing, for PCM).
+
+    A failure after the 200 went out is logged and raises :class:`StreamAborted`: the connection is dropped
+    before the last chunk, so the client sees a truncated transfer rather than a complete-looking file.
+    """
+    try:
+        if isinstance(first, Finished):
+            if wav:
+                yield wav_header(fmt.sample_rate, fmt.num_channels, 0)
+            return
+        if wav:
+            yield wav_header(fmt.sample_rate, fmt.num_channels, None)
+        event = first
+        while not isinstance(event, Finished):
+            if _is_audio(event):
+                _check_same_format(fmt, event, request_id)
+                yield event.data
+            event = await stream.__anext__()
+    except ApiError as exc:
+        logger.error("speech request %s failed after its audio started streaming: [%d] %s", request_id,
+                     exc.status, exc.message)
+        raise StreamAborted(exc.message) from exc
+    finally:
+        await stream.aclose()
+
+
+# ------------------------------------------------------------------------------------------------ images
+
+
+def _image_params(req: ImageGenerationRequest, request_id: str, i: int,
+                  backend: GenerationBackend) -> GenerationParams:
+    """Image ``i`` of the request: id ``<request_id>-<i>``, seed ``seed + i`` when a seed is given (so the n
+    images differ but the whole batch is reproducible), the family's knobs from size/steps/guidance_scale."""
+    return GenerationParams(
+        request_id=f"{request_id}-{i}", prompt=req.prompt, messages=None,
+        max_tokens=backend.max_tokens_limit, max_tokens_given=False,
+        seed=None if req.seed is None else req.seed + i, model_kwargs=req.family_knobs(),
+    )
+
+
+async def _run_all(backend: GenerationBackend, batch: list[GenerationParams]) -> list[bytes]:
+    """Runs the requests concurrently and returns their PNGs in order. The first failure cancels (aborts) the
+    others and is raised; cancelling this coroutine cancels them all and waits until they are closed."""
+    tasks = [asyncio.ensure_future(_one_image(backend, params)) for params in batch]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    finally:
+        for task in tasks:
+            task.cancel()  # no-op for the finished ones
+        with anyio.CancelScope(shield=True):
+            await asyncio.wait(tasks)
+    errors = [task.exception() for task in tasks if not task.cancelled() and task.exception() is not None]
+    if errors:
+        raise errors[0]
+    return [task.result() for task in tasks]
+
+
+async def _one_image(backend: GenerationBackend, params: GenerationParams) -> bytes:
+    """The PNG of one request: its last image delta (a family may send previews first)."""
+    outcome = await collect(events(backend, params))
+    images = [m for m in outcome.media if m.modality == "image"]
+    if not images:
+        raise ApiError(500, f"request {params.request_id} finished ({outcome.finish.finish_reason}) without "
+                            "producing an image")
+    if not images[-1].data.startswith(PNG_SIGNATURE):
+        raise ApiError(500, f"request {params.request_id} produced an image that is not a PNG file")
+    return images[-1].data

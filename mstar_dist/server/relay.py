@@ -1,0 +1,183 @@
+"""Relaying one backend generation to one HTTP response, for every route.
+
+Owns the app's per-request guarantees (docs/architecture.md §9, §10): a backend failure becomes an :class:`ApiError` for that
+request only; the backend generator is always closed, and closed early (which aborts the request in the
+backend) when the client goes away first. Everything here runs on the HTTP server's loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import anyio
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from starlette.requests import ClientDisconnect
+
+from mstar_dist.server.backend import (
+    BackendError, Finished, GenerationBackend, GenerationEvent, GenerationParams, MediaDelta, TextDelta,
+)
+from mstar_dist.server.checks import ApiError
+from mstar_dist.server.http_metrics import HttpStats
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The client disconnected before the response was ready."""
+
+
+class StreamAborted(Exception):
+    """Raised by a streamed body that cannot go on (a failure after the 200 went out, in a format with no way
+    to say so in-band): the response ends without its terminating chunk, so the client sees a truncated
+    transfer instead of a well-formed but incomplete file."""
+
+
+@dataclass
+class Outcome:
+    """A whole generation: its text, its media deltas in order, and how it ended."""
+
+    text: str
+    finish: Finished
+    media: list[MediaDelta] = field(default_factory=list)
+
+
+async def events(backend: GenerationBackend, params: GenerationParams) -> AsyncIterator[GenerationEvent]:
+    """The backend's events with failures turned into :class:`ApiError`.
+
+    Yields text deltas with non-empty text and media deltas, as produced, then one ``Finished``; the tokens of
+    empty text deltas ride on the next delta yielded. Stop strings are the backend's business (the conductor
+    applies them once, ``conductor/stop_strings.py``): text is relayed as is. Closing this generator closes the
+    backend's.
+    """
+    gen = backend.generate(params)
+    tokens = 0  # tokens of empty text deltas, reported with the next delta shown
+    try:
+        async for event in gen:
+            if isinstance(event, TextDelta):
+                tokens += event.n_tokens
+                if event.text:
+                    yield TextDelta(text=event.text, n_tokens=tokens)
+                    tokens = 0
+            elif isinstance(event, MediaDelta):
+                yield dataclasses.replace(event, n_tokens=event.n_tokens + tokens)
+                tokens = 0
+            elif isinstance(event, Finished):
+                yield event
+                return
+            else:
+                raise TypeError(f"backend yielded {type(event).__name__}; expected TextDelta, MediaDelta or Finished")
+        raise RuntimeError("backend generator ended without a Finished event")
+    except BackendError as exc:
+        raise ApiError(exc.status, exc.message) from exc
+    except Exception as exc:
+        logger.exception("request %s failed in the backend", params.request_id)
+        raise ApiError(500, f"generation failed: {type(exc).__name__}: {exc}") from exc
+    finally:
+        await gen.aclose()
+
+
+async def collect(stream: AsyncIterator[GenerationEvent]) -> Outcome:
+    """Drains ``stream`` (from :func:`events`) into an :class:`Outcome`; always closes it."""
+    parts: list[str] = []
+    media: list[MediaDelta] = []
+    try:
+        async for event in stream:
+            if isinstance(event, Finished):
+                return Outcome("".join(parts), event, media)
+            if isinstance(event, MediaDelta):
+                media.append(event)
+            else:
+                parts.append(event.text)
+        raise AssertionError("events() ended without Finished")
+    finally:
+        await stream.aclose()
+
+
+async def until_disconnect(request: Request, work: Awaitable[T], stats: HttpStats) -> T:
+    """Awaits ``work`` in a task and cancels it if the client disconnects first (raises ClientGone).
+
+    Requires the request body to be consumed already: the next ASGI ``receive()`` then returns only when the
+    client disconnects (or the response is complete).
+    """
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        stats.disconnects += 1
+        raise ClientGone()
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with anyio.CancelScope(shield=True):
+                await asyncio.wait({task})  # let the backend's cleanup (abort) run to the end
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def start_stream(
+    request: Request, backend: GenerationBackend, params: GenerationParams, stats: HttpStats,
+    *, first: Callable[[GenerationEvent], bool] = lambda event: True,
+) -> tuple[AsyncIterator[GenerationEvent], GenerationEvent]:
+    """Waits for the first event for which ``first`` holds (events before it are dropped) or ``Finished``,
+    before the 200 goes out, so a rejected request (prompt too long, not serving, bad knob) still gets its HTTP
+    status rather than an error inside a stream. Returns the open event stream and that event."""
+    stream = events(backend, params)
+    try:
+        event = await until_disconnect(request, _next_wanted(stream, first), stats)
+    except BaseException:
+        await stream.aclose()
+        raise
+    return stream, event
+
+
+async def _next_wanted(stream: AsyncIterator[GenerationEvent], wanted: Callable[[GenerationEvent], bool]):
+    while True:
+        event = await stream.__anext__()
+        if isinstance(event, Finished) or wanted(event):
+            return event
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """A StreamingResponse that always closes its body generator, whatever ended the response.
+
+    Starlette leaves the body iterator suspended when the client disconnects while a chunk is being sent;
+    closing it here (shielded from the cancellation that ended the response) aborts the backend request. A body
+    that raises :class:`StreamAborted` ends the response without its last chunk (the connection is dropped).
+    """
+
+    def __init__(self, body: AsyncGenerator[bytes, None], *, stats: HttpStats, **kwargs: Any) -> None:
+        super().__init__(self._until_exhausted(body), **kwargs)
+        self._body, self._stats, self._complete = body, stats, False
+
+    async def _until_exhausted(self, body: AsyncGenerator[bytes, None]) -> AsyncGenerator[bytes, None]:
+        async for chunk in body:
+            yield chunk
+        self._complete = True
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except ClientDisconnect:
+            pass  # ASGI spec >= 2.4 servers report a gone client by failing send(); nobody is left to tell
+        except StreamAborted:
+            self._complete = True  # not a disconnect: the body chose to end; the server drops the connection
+        finally:
+            if not self._complete:
+                self._stats.disconnects += 1
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()
+                await self._body.aclose()
