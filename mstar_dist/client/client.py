@@ -1,4 +1,5 @@
-"""MStarClient: a small synchronous SDK for an mstar_dist server (native /generate and OpenAI chat).
+"""MStarClient: a small synchronous SDK for an mstar_dist server (native /generate, OpenAI chat, speech and
+image generations).
 
 Streamed NDJSON is split on b"\\n" and each line decoded as UTF-8 whatever the response's Content-Type says
 (a missing charset must not turn "東京" into mojibake), and a partial line or multi-byte character split
@@ -10,12 +11,16 @@ from __future__ import annotations
 import base64
 import json
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
 SAMPLING_KEYS = frozenset({"max_tokens", "temperature", "top_p", "top_k", "seed", "stop"})
+SPEECH_KEYS = frozenset({"model", "temperature", "top_p", "top_k", "speed"})
+"""Optional ``speech`` / ``speech_stream`` arguments beyond input, voice, response_format and seed."""
+WAV_HEADER_BYTES = 44
 
 
 class MStarError(Exception):
@@ -67,8 +72,10 @@ class GenerateResult:
 
 @dataclass(frozen=True)
 class StreamChunk:
-    """One streamed NDJSON line. ``text`` is ``data`` decoded as UTF-8 for modality "text", else None.
-    The last chunk of a stream has empty data and ``finish_reason`` / ``usage`` set."""
+    """One streamed NDJSON line: ``modality`` "text", "audio" (``data`` is PCM16, ``metadata`` has
+    ``sample_rate`` / ``num_channels``) or "image" (``data`` is a PNG file, ``metadata`` has ``width`` /
+    ``height``). ``text`` is ``data`` decoded as UTF-8 for modality "text", else None. The last chunk of a stream
+    has empty data and ``finish_reason`` / ``usage`` set."""
 
     modality: str
     data: bytes
@@ -138,33 +145,72 @@ class MStarClient:
                           usage=Usage.from_dict(data.get("usage")), id=data.get("id", ""))
 
     def generate(self, prompt: str | None = None, messages: list[dict[str, Any]] | None = None, *,
-                 request_id: str | None = None, **sampling: Any) -> GenerateResult:
-        """Native ``POST /generate`` (non-streaming); give exactly one of ``prompt`` / ``messages``."""
-        body = _generate_body(prompt, messages, request_id, sampling, stream=False)
+                 request_id: str | None = None, model_kwargs: dict[str, Any] | None = None,
+                 **sampling: Any) -> GenerateResult:
+        """Native ``POST /generate`` (non-streaming); give exactly one of ``prompt`` / ``messages``.
+        ``model_kwargs``: the model family's knobs (e.g. ``{"voice": "alice"}``), sent with the sampling ones.
+        ``outputs`` holds the text, all audio as one PCM16 entry, and one PNG entry per image."""
+        body = _generate_body(prompt, messages, request_id, sampling, model_kwargs, stream=False)
         data = self._request("POST", "/generate", json=body).json()
         outputs = [Output(o["modality"], base64.b64decode(o["data"]), o.get("metadata", {})) for o in data["outputs"]]
         return GenerateResult(request_id=data["request_id"], text=data["text"], finish_reason=data["finish_reason"],
                               usage=Usage.from_dict(data.get("usage")), outputs=outputs)
 
     def stream(self, text: str | None = None, messages: list[dict[str, Any]] | None = None, *,
-               request_id: str | None = None, **sampling: Any) -> Iterator[StreamChunk]:
-        """Native streaming ``/generate``: yields chunks as they arrive; raises MStarError on an HTTP error or
-        an error line. Breaking out of the loop (closing the iterator) closes the connection, which aborts the
-        request on the server."""
-        body = _generate_body(text, messages, request_id, sampling, stream=True)
+               request_id: str | None = None, model_kwargs: dict[str, Any] | None = None,
+               **sampling: Any) -> Iterator[StreamChunk]:
+        """Native streaming ``/generate``: yields chunks (text, audio or image) as they arrive; raises MStarError
+        on an HTTP error or an error line. Breaking out of the loop (closing the iterator) closes the connection,
+        which aborts the request on the server."""
+        body = _generate_body(text, messages, request_id, sampling, model_kwargs, stream=True)
+        with self._open_stream("/generate", body) as resp:
+            for line in _ndjson_lines(resp.iter_bytes()):
+                chunk = _chunk(line)
+                if chunk.modality == "error":
+                    raise MStarError(int(chunk.metadata.get("status", 500)),
+                                     str(chunk.metadata.get("message", "error line without a message")))
+                yield chunk
+
+    def speech(self, input: str, voice: str | None, *, response_format: str = "wav", seed: int | None = None,
+               **kw: Any) -> bytes:
+        """``POST /v1/audio/speech``: the whole audio as a WAV file (``response_format="wav"``) or raw PCM16
+        (``"pcm"``; the server sends its rate in the ``X-Sample-Rate`` header). ``voice=None``: the model's default
+        voice. ``kw``: some of ``SPEECH_KEYS`` (model, temperature, top_p, top_k, speed)."""
+        body = _speech_body(input, voice, response_format, seed, kw, stream=False)
+        return self._request("POST", "/v1/audio/speech", json=body).content
+
+    def speech_stream(self, input: str, voice: str | None, *, response_format: str = "wav",
+                      seed: int | None = None, **kw: Any) -> Iterator[bytes]:
+        """Streamed speech: for WAV first the 44-byte header (streaming form: sizes 0xFFFFFFFF, sample rate from the
+        model), then PCM bytes as they arrive (pieces follow network reads, not model deltas; joined they are the
+        whole PCM). Raises MStarError on an HTTP error, and with status 0 when the transfer breaks off (the server
+        failed mid-stream and logged why). Closing the iterator aborts the request on the server."""
+        body = _speech_body(input, voice, response_format, seed, kw, stream=True)
+        with self._open_stream("/v1/audio/speech", body) as resp:
+            yield from _header_first(resp.iter_bytes(), WAV_HEADER_BYTES if response_format == "wav" else 0)
+
+    def images(self, prompt: str, *, n: int = 1, size: str = "64x64", steps: int | None = None,
+               guidance_scale: float | None = None, seed: int | None = None) -> list[bytes]:
+        """``POST /v1/images/generations``: ``n`` images as PNG files. With ``seed``, image ``i`` uses
+        ``seed + i``; ``size`` is "WIDTHxHEIGHT" (the model says which sizes it draws)."""
+        body = {"prompt": prompt, "n": n, "size": size, "response_format": "b64_json", "steps": steps,
+                "guidance_scale": guidance_scale, "seed": seed}
+        data = self._request("POST", "/v1/images/generations",
+                             json={k: v for k, v in body.items() if v is not None}).json()
+        return [base64.b64decode(item["b64_json"]) for item in data["data"]]
+
+    @contextmanager
+    def _open_stream(self, path: str, body: dict[str, Any]) -> Iterator[httpx.Response]:
+        """A streamed POST whose status is checked (MStarError on >= 400); a network failure while it is open,
+        including a transfer that breaks off, is MStarError with status 0. Leaving the block closes it."""
         try:
-            with self._http.stream("POST", "/generate", json=body) as resp:
+            with self._http.stream("POST", path, json=body) as resp:
                 if resp.status_code >= 400:
                     resp.read()
                     raise MStarError(resp.status_code, _error_message(resp))
-                for line in _ndjson_lines(resp.iter_bytes()):
-                    chunk = _chunk(line)
-                    if chunk.modality == "error":
-                        raise MStarError(int(chunk.metadata.get("status", 500)),
-                                         str(chunk.metadata.get("message", "error line without a message")))
-                    yield chunk
+                yield resp
         except httpx.HTTPError as exc:
-            raise MStarError(0, f"request to {self.base_url}/generate failed: {exc!r}") from exc
+            raise MStarError(0, f"request to {self.base_url}{path} failed: {exc!r}") from exc
 
     def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         try:
@@ -184,14 +230,44 @@ def _sampling(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 def _generate_body(prompt: str | None, messages: list[dict[str, Any]] | None, request_id: str | None,
-                   sampling: dict[str, Any], *, stream: bool) -> dict[str, Any]:
+                   sampling: dict[str, Any], model_kwargs: dict[str, Any] | None, *, stream: bool) -> dict[str, Any]:
     if (prompt is None) == (messages is None):
         raise ValueError("give exactly one of prompt/text or messages")
-    body: dict[str, Any] = {"stream": stream, "model_kwargs": _sampling(sampling)}
+    knobs = dict(model_kwargs or {})
+    both = sorted(set(knobs) & set(sampling))
+    if both:
+        raise TypeError(f"{both} given both as argument(s) and in model_kwargs; give each once")
+    body: dict[str, Any] = {"stream": stream, "model_kwargs": {**_sampling(sampling), **knobs}}
     body["prompt" if prompt is not None else "messages"] = prompt if prompt is not None else messages
     if request_id is not None:
         body["request_id"] = request_id
     return body
+
+
+def _speech_body(input: str, voice: str | None, response_format: str, seed: int | None, kw: dict[str, Any], *,
+                 stream: bool) -> dict[str, Any]:
+    unknown = sorted(set(kw) - SPEECH_KEYS)
+    if unknown:
+        raise TypeError(f"unknown speech argument(s) {unknown}; expected some of {sorted(SPEECH_KEYS)}")
+    body = {"input": input, "voice": voice, "response_format": response_format, "seed": seed, "stream": stream, **kw}
+    return {k: v for k, v in body.items() if v is not None}
+
+
+def _header_first(chunks: Iterator[bytes], n_header: int) -> Iterator[bytes]:
+    """The first ``n_header`` bytes as one piece (nothing when 0), then the rest as it arrives."""
+    pieces = iter(chunks)
+    buf = b""
+    for piece in pieces:
+        buf += piece
+        if len(buf) >= n_header:
+            break
+    if len(buf) < n_header:
+        raise MStarError(0, f"the audio stream ended after {len(buf)} bytes, inside its {n_header}-byte header")
+    if n_header:
+        yield buf[:n_header]
+    if buf[n_header:]:
+        yield buf[n_header:]
+    yield from pieces
 
 
 def _ndjson_lines(chunks: Iterator[bytes]) -> Iterator[bytes]:

@@ -1,9 +1,10 @@
 """MStarClient and the official openai client against a real HttpServer (127.0.0.1, free port) over the fake
 backend, plus HttpServer's own contract.
 
-A failure here means SDK users get mojibake or split characters from streams, errors that do not raise,
-requests that keep running after the client gave up, an OpenAI-compatible route that the openai package cannot
-parse, or a server thread that cannot be started, reached, or stopped cleanly.
+A failure here means SDK users get mojibake or split characters from streams, audio or images they cannot
+decode, audio that arrives only once it is all made, errors that do not raise, requests that keep running after
+the client gave up, an OpenAI-compatible route (chat, speech, images) that the openai package cannot parse, or a
+server thread that cannot be started, reached, or stopped cleanly.
 """
 
 from __future__ import annotations
@@ -23,7 +24,10 @@ from openai import OpenAI
 from mstar_dist.client import MStarClient, MStarError
 from mstar_dist.server.app import build_app
 from mstar_dist.server.http_server import HttpServer
-from tests.fakes import UNICODE_DELTAS, UNICODE_TEXT, FakeBackend
+from mstar_dist.media import wav_header
+from tests.fakes import (
+    AUDIO_DELTAS, AUDIO_PCM, SAMPLE_RATE, UNICODE_DELTAS, UNICODE_TEXT, FakeBackend, parse_wav, png_size,
+)
 
 
 @pytest.fixture(scope="module")
@@ -163,6 +167,70 @@ def test_giving_up_on_a_whole_response_aborts_the_request(served, fake):
     assert fake.aborted.wait(5)
 
 
+# ------------------------------------------------------------------------------------- MStarClient media
+
+
+def test_speech_returns_wav_or_pcm(client, fake):
+    fake.__init__(output_modality="audio")
+    assert parse_wav(client.speech("hello", "alice", seed=4, temperature=0.3)) == (SAMPLE_RATE, 1, AUDIO_PCM)
+    assert (fake.calls[0].seed, fake.calls[0].temperature, fake.calls[0].model_kwargs) == (4, 0.3, {"voice": "alice"})
+    assert client.speech("hello", None, response_format="pcm") == AUDIO_PCM
+    with pytest.raises(TypeError, match="speeed"):
+        client.speech("hello", "alice", speeed=1.0)
+
+
+def test_speech_stream_yields_the_header_then_pcm_as_it_is_made(client, fake):
+    fake.__init__(output_modality="audio", gate_at=len(AUDIO_DELTAS) - 1)
+    pieces = client.speech_stream("hello", "bob")
+    assert next(pieces) == wav_header(SAMPLE_RATE, 1, None)
+    first = next(pieces)
+    assert AUDIO_DELTAS[0].data.startswith(first)
+    assert fake.gated.wait(5) and fake.n_yielded == len(AUDIO_DELTAS) - 1  # the last delta is not made yet
+    fake.open_gate()
+    assert first + b"".join(pieces) == AUDIO_PCM
+    fake.gate_at = None
+    assert b"".join(client.speech_stream("hello", "bob", response_format="pcm")) == AUDIO_PCM
+
+
+def test_speech_errors_raise(client, fake):
+    fake.__init__(output_modality="audio")
+    with pytest.raises(MStarError) as err:
+        client.speech("hello", "carol")
+    assert err.value.status == 400 and "alice, bob" in err.value.message
+    with pytest.raises(MStarError) as err:
+        list(client.speech_stream("hello", "alice", response_format="mp3"))
+    assert err.value.status == 400 and "'wav' or 'pcm'" in err.value.message
+    fake.fail_at = 2
+    with pytest.raises(MStarError) as err:
+        list(client.speech_stream("hello", "alice"))
+    assert err.value.status == 0  # the transfer broke off mid-stream
+    assert client.health().ok
+
+
+def test_images_returns_pngs(client, fake):
+    fake.__init__(output_modality="image")
+    pngs = client.images("a cat", n=2, size="32x32", steps=3, guidance_scale=2.0, seed=10)
+    assert [png_size(p) for p in pngs] == [(32, 32)] * 2 and pngs[0] != pngs[1]
+    assert sorted(p.seed for p in fake.calls) == [10, 11]
+    assert fake.calls[0].model_kwargs == {"width": 32, "height": 32, "steps": 3, "guidance_scale": 2.0}
+    with pytest.raises(MStarError) as err:
+        client.images("a cat", n=9)
+    assert err.value.status == 400 and "n:" in err.value.message
+
+
+def test_generate_decodes_media(client, fake):
+    fake.__init__(output_modality="audio")
+    chunks = list(client.stream("hi", model_kwargs={"voice": "bob"}, max_tokens=5))
+    *media, final = chunks
+    assert [(c.modality, c.data, c.text) for c in media] == [("audio", d.data, None) for d in AUDIO_DELTAS]
+    assert media[0].metadata["sample_rate"] == SAMPLE_RATE and final.finish_reason == "stop"
+    assert fake.calls[0].model_kwargs == {"voice": "bob"} and fake.calls[0].max_tokens == 5
+    (out,) = client.generate(prompt="hi").outputs
+    assert (out.modality, out.data, out.metadata["sample_rate"]) == ("audio", AUDIO_PCM, SAMPLE_RATE)
+    with pytest.raises(TypeError, match="seed"):
+        client.generate(prompt="hi", seed=1, model_kwargs={"seed": 2})
+
+
 # ------------------------------------------------------------------------------------------ openai package
 
 
@@ -193,6 +261,33 @@ def test_openai_client_sees_bad_requests_as_400(served, fake):
     oai = OpenAI(base_url=f"{served[1].url}/v1", api_key="x", max_retries=0, timeout=10)
     with pytest.raises(openai.BadRequestError, match="only n=1"):
         oai.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "hi"}], n=2)
+
+
+def test_openai_client_speech(served, fake):
+    import openai
+
+    fake.__init__(output_modality="audio")
+    oai = OpenAI(base_url=f"{served[1].url}/v1", api_key="x", max_retries=0, timeout=10)
+    audio = oai.audio.speech.create(model="fake-model", voice="alice", input="hello", response_format="wav")
+    assert parse_wav(audio.content) == (SAMPLE_RATE, 1, AUDIO_PCM)
+    with oai.audio.speech.with_streaming_response.create(model="fake-model", voice="alice", input="hello",
+                                                          response_format="pcm", extra_body={"stream": True}) as resp:
+        assert b"".join(resp.iter_bytes()) == AUDIO_PCM
+    with pytest.raises(openai.BadRequestError, match="alice, bob"):
+        oai.audio.speech.create(model="fake-model", voice="nova", input="hello")
+
+
+def test_openai_client_images(served, fake):
+    import openai
+
+    fake.__init__(output_modality="image")
+    oai = OpenAI(base_url=f"{served[1].url}/v1", api_key="x", max_retries=0, timeout=10)
+    resp = oai.images.generate(model="fake-model", prompt="a cat", n=2, size="32x32", response_format="b64_json",
+                               extra_body={"seed": 1})
+    pngs = [base64.b64decode(d.b64_json) for d in resp.data]
+    assert [png_size(p) for p in pngs] == [(32, 32)] * 2 and pngs[0] != pngs[1]
+    with pytest.raises(openai.BadRequestError, match="only 'b64_json'"):
+        oai.images.generate(model="fake-model", prompt="a cat", response_format="url")
 
 
 # ---------------------------------------------------------------- NDJSON decoding regression (no charset)
