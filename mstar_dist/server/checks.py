@@ -17,6 +17,7 @@ REQUEST_ID_HEADER = "X-Request-Id"
 MODALITY_ROUTES = {"text": "POST /v1/chat/completions", "audio": "POST /v1/audio/speech",
                    "image": "POST /v1/images/generations"}
 """The OpenAI route that serves each output modality (``/generate`` serves them all)."""
+_OUTPUT = {"text": "text", "audio": "audio", "image": "images"}
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -98,8 +99,9 @@ def check_modality(backend: GenerationBackend, needed: str) -> None:
     have = backend.output_modality
     if have != needed:
         served = MODALITY_ROUTES.get(have, "no OpenAI route")
-        raise ApiError(400, f"{MODALITY_ROUTES[needed]} needs a model that produces {needed}; "
-                            f"{backend.model_name!r} produces {have}: use {served} or POST /generate", "model")
+        raise ApiError(400, f"{MODALITY_ROUTES[needed]} needs a model that produces {_OUTPUT[needed]}; "
+                            f"{backend.model_name!r} produces {_OUTPUT.get(have, have)}: use {served} or "
+                            "POST /generate", "model")
 
 
 def max_tokens(requested: int | None, backend: GenerationBackend, param: str) -> int:

@@ -47,16 +47,22 @@ class AudioFormat:
 
     @classmethod
     def of(cls, delta: MediaDelta, request_id: str) -> AudioFormat:
-        """The format an audio delta's metadata declares; missing or invalid metadata is the model's fault (500)."""
+        """The format an audio delta's metadata declares (``num_channels`` defaults to 1); missing or invalid
+        metadata is the model's fault (500)."""
         rate, channels = delta.metadata.get("sample_rate"), delta.metadata.get("num_channels", 1)
-        if not (isinstance(rate, int) and rate > 0 and isinstance(channels, int) and channels > 0):
+        if not (_positive_whole(rate) and _positive_whole(channels)):
             raise ApiError(500, f"request {request_id}: the model's audio has no valid sample_rate/num_channels "
                                 f"metadata ({delta.metadata!r:.120})")
-        return cls(rate, channels)
+        return cls(int(rate), int(channels))
 
     def headers(self) -> dict[str, str]:
         """Response headers telling raw-PCM clients how to play the body."""
         return {"X-Sample-Rate": str(self.sample_rate), "X-Num-Channels": str(self.num_channels)}
+
+
+def _positive_whole(value: object) -> bool:
+    """An int, or a float with a whole value (24000.0 from a config file), above 0; not a bool."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and value > 0 and float(value).is_integer()
 
 
 def _is_audio(event: GenerationEvent) -> bool:

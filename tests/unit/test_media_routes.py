@@ -211,6 +211,20 @@ def test_closing_a_speech_stream_aborts_the_request(live):
     assert fake.aborted.wait(5)
 
 
+@pytest.mark.parametrize("modality,path,body", [("audio", SPEECH, SAY), ("image", IMAGES, {**DRAW, "n": 3})])
+def test_giving_up_on_a_whole_response_aborts_every_request(live, modality, path, body):
+    fake, url = live
+    fake.__init__(output_modality=modality, hang_at=0)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}{path}", json=body, timeout=0.5)
+    n = body.get("n", 1)
+    for _ in range(500):
+        if fake.n_aborted == n:
+            break
+        fake.aborted.wait(0.01)
+    assert fake.n_aborted == fake.n_closed == n
+
+
 def test_audio_that_changes_format_is_a_500(client, fake):
     fake.deltas = [audio_delta(pcm_chunk(0), 16000), audio_delta(pcm_chunk(1), 24000)]
     openai_error(client.post(SPEECH, json=SAY), 500, "changed audio format")
@@ -219,7 +233,7 @@ def test_audio_that_changes_format_is_a_500(client, fake):
 @pytest.mark.parametrize("path,body,needle", [
     (SPEECH, SAY, "POST /v1/audio/speech needs a model that produces audio; 'fake-model' produces text: use "
                   "POST /v1/chat/completions"),
-    (IMAGES, DRAW, "POST /v1/images/generations needs a model that produces image"),
+    (IMAGES, DRAW, "POST /v1/images/generations needs a model that produces images"),
 ])
 def test_media_route_on_a_text_model_is_400(client, fake, path, body, needle):
     fake.__init__()
@@ -354,7 +368,7 @@ def test_generate_outputs_of_an_audio_model_have_no_empty_text(client):
 
 
 def test_audio_metadata_without_num_channels_is_mono_and_without_rate_is_a_500(client, fake):
-    fake.deltas = [MediaDelta("audio", pcm_chunk(0), {"sample_rate": 8000})]
+    fake.deltas = [MediaDelta("audio", pcm_chunk(0), {"sample_rate": 8000.0})]
     assert parse_wav(client.post(SPEECH, json=SAY).content) == (8000, 1, pcm_chunk(0))
     fake.deltas = [MediaDelta("audio", pcm_chunk(0), {})]
     openai_error(client.post(SPEECH, json=SAY), 500, "no valid sample_rate/num_channels")
