@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU runs on the device machine (torch + NCCL preinstalled, no network). Usage, from the repo root there:
-#   bash scripts/gpu_run.sh STEP...      STEP: tests | serving | pd | edges
+#   bash scripts/gpu_run.sh STEP...      STEP: tests | serving | pd | edges | composite | speech | image
 # Needs, carried from the dev machine (bash scripts/gpu_prepare.sh makes both): .whl/ (wheels the GPU image lacks: fastapi, starlette, pydantic(-core),
 # annotated-types, typing-inspection, opentelemetry-api, uvicorn, pyzmq, msgspec) and .ckpt/smol-shape (config + tokenizer of
 # SmolLM2-135M; a random same-shaped checkpoint is generated there). Results go to $OUT (or bench/results).
@@ -25,6 +25,11 @@ for step in "$@"; do
                --config launch/configs/smollm2_pd.yaml --out "$out/serving_h200x2_pd.json" 2>&1 | tail -30 ;;
     edges)   torchrun --standalone --nproc-per-node 2 scripts/bench_edges.py --device cuda \
                --out "$out/edges_h200x2.json" 2>&1 | tail -20 ;;
+    composite) python3 -m pytest -q -p no:cacheprovider tests/gpu/test_composite_cuda.py 2>&1 | tail -15 ;;
+    speech)  python3 scripts/bench_composite.py speech --make 3b --weights /tmp/orpheus-3b --streams 1 8 32 \
+               --max-tokens 560 --out "$out/speech_h200x2.json" 2>&1 | tail -30 ;;
+    image)   python3 scripts/bench_composite.py image --make 1b --weights /tmp/bagel-1b --size 1024 --steps 8 24 \
+               --out "$out/image_h200x2.json" 2>&1 | tail -30 ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done

@@ -437,7 +437,8 @@ class Conductor:
             outputs = gathered
         partition = req.partitions.partition_of(done.walk)
         req.partitions.walk_done(partition)
-        req.finish_reason = done.finish_reason or req.finish_reason
+        if done.finish_reason and (req.finish_reason is None or self._partition_index[partition] == 0):
+            req.finish_reason = done.finish_reason  # the first partition's walks (the text, the codes) say why
         try:
             step = self.model.after_walk(req.state, done.walk, outputs)
         except Exception as exc:
