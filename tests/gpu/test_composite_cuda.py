@@ -7,6 +7,7 @@ to device over NCCL (edge bytes, host staging copies), or that splitting changes
 from __future__ import annotations
 
 import base64
+import time
 
 import httpx
 import pytest
@@ -60,8 +61,14 @@ def run_image(config: str, nproc: int, weights: str) -> tuple[list[bytes], dict]
     try:
         pngs = [media(server.base_url, {"prompt": "a red fox", "model_kwargs": {
             "steps": 6, "seed": s, "width": 64, "height": 64}}, "image")[0] for s in (1, 2)]
-        stats = {name: per_rank(server.base_url, f"mstar_dist_{name}")
-                 for name in ("edge_bytes_sent_total", "host_staging_copies_total", "live_tensors")}
+        deadline = time.monotonic() + 10  # per-rank gauges reach the conductor every 0.5 s
+        while True:
+            stats = {name: per_rank(server.base_url, f"mstar_dist_{name}")
+                     for name in ("edge_bytes_sent_total", "host_staging_copies_total", "live_tensors")}
+            if nproc == 1 or min(stats["edge_bytes_sent_total"].values()) >= 12 * 16384 \
+                    or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
     finally:
         server.stop()
     return pngs, stats
