@@ -81,6 +81,22 @@ def decode_frames(decoder: SnacDecoder, frames: torch.Tensor, n_new: int, *, loo
     return audio[0, 0, end - n_new * frame_samples:end].float()
 
 
+def decode_windows(decoder: SnacDecoder, windows: torch.Tensor, n_new: int,
+                   generators: list[torch.Generator]) -> torch.Tensor:
+    """Batched :func:`decode_frames` (lookahead 0) of B windows of equal length: windows (B, F, 7) -> float32
+    audio (B, n_new * frame_samples), the last ``n_new`` frames of each; row b's noise comes from
+    ``generators[b]`` alone."""
+    B, n_frames, _ = windows.shape
+    if not 1 <= n_new <= n_frames or len(generators) != B:
+        raise ValueError(f"decode_windows: n_new={n_new}, {n_frames} frames, {len(generators)} generators for "
+                         f"{B} windows")
+    device = next(decoder.parameters()).device
+    codes = frames_to_codes(windows.reshape(B * n_frames, FRAME_CODES).to(device))  # rows of one long "frame" run
+    codes = [c.reshape(B, -1) for c in codes]  # (B, F), (B, 2F), (B, 4F)
+    audio = decoder(codes, generators)  # (B, 1, F * frame_samples)
+    return audio[:, 0, -n_new * decoder.config.frame_samples:].float()
+
+
 def to_pcm16(audio: torch.Tensor) -> torch.Tensor:
     """Float audio in [-1, 1] (clamped) -> int16 PCM, scaled by 32767 and rounded to nearest."""
     return (audio.float().clamp(-1.0, 1.0) * 32767).round().to(torch.int16)

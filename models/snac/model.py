@@ -149,9 +149,14 @@ class NoiseBlock(nn.Module):
         super().__init__()
         self.linear = _conv(dim, dim, 1, bias=False)
 
-    def forward(self, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, generator: "torch.Generator | list[torch.Generator] | None" = None
+                ) -> torch.Tensor:
         B, _, T = x.shape
-        noise = torch.randn((B, 1, T), generator=generator, device=x.device, dtype=x.dtype)
+        if isinstance(generator, list):  # one generator per row: a row's noise does not depend on the batch
+            noise = torch.cat([torch.randn((1, 1, T), generator=g, device=x.device, dtype=x.dtype)
+                               for g in generator])
+        else:
+            noise = torch.randn((B, 1, T), generator=generator, device=x.device, dtype=x.dtype)
         return x + noise * self.linear(x)
 
 

@@ -60,11 +60,11 @@ class SpeechCodec(Component):
     name = CODEC
 
     def __init__(self, decoder: torch.nn.Module, *, audio_offset: int, codebook_size: int, device: torch.device):
-        from models.snac import decode_frames, to_pcm16
+        from models.snac.frames import decode_windows, to_pcm16
 
         self.decoder, self.device = decoder, device
         self.audio_offset, self.codebook_size = audio_offset, codebook_size
-        self._decode_frames, self._to_pcm16 = decode_frames, to_pcm16
+        self._decode_windows, self._to_pcm16 = decode_windows, to_pcm16
         self._codes: dict[str, list[int]] = {}
         self._frames_done: dict[str, int] = {}
         self.chunks = 0
@@ -72,15 +72,38 @@ class SpeechCodec(Component):
 
     @torch.inference_mode()
     def run_batch(self, calls: list[NodeCall]) -> list[NodeResult | BaseException | None]:
-        out: list[NodeResult | BaseException | None] = []
-        for call in calls:
+        """Chunks of every request at once: windows of the same length decode as one batch (each row with its
+        own noise generator, so a request's audio does not depend on the batch)."""
+        out: list[NodeResult | BaseException | None] = [None] * len(calls)
+        groups: dict[tuple[int, int], list[tuple[int, torch.Tensor, torch.Generator, bool]]] = {}
+        for i, call in enumerate(calls):
             try:
-                out.append(self._chunk(call))
+                work = self._take_chunk(call)
             except Exception as exc:  # one request's bad chunk fails that request only
-                out.append(exc)
+                out[i] = exc
+                continue
+            if isinstance(work, NodeResult):
+                out[i] = work
+            else:
+                window, n_new, gen, final = work
+                groups.setdefault((window.shape[0], n_new), []).append((i, window, gen, final))
+        for (_, n_new), rows in groups.items():
+            try:
+                audio = self._decode_windows(self.decoder, torch.stack([r[1] for r in rows]).to(self.device),
+                                             n_new, [r[2] for r in rows])
+                pcm = self._to_pcm16(audio)
+            except Exception as exc:  # a broken batch fails exactly its requests
+                for i, *_ in rows:
+                    out[i] = exc
+                continue
+            for row, (i, _, _, final) in enumerate(rows):
+                self.samples += pcm.shape[1]
+                out[i] = NodeResult(outputs={"audio": pcm[row]}, stop=final)
         return out
 
-    def _chunk(self, call: NodeCall) -> NodeResult:
+    def _take_chunk(self, call: NodeCall):
+        """Add a chunk's new codes to its request; a NodeResult when no frame completed, else what to decode:
+        (window (F, 7) of up to CONTEXT_FRAMES earlier frames + the new ones, n_new, generator, final)."""
         rid = call.request_id
         tokens = call.inputs["token"].reshape(-1).tolist()
         n_context = int(call.inputs["token_context"]) if "token_context" in call.inputs else 0
@@ -102,11 +125,7 @@ class SpeechCodec(Component):
         # the decoder's noise blocks draw from a generator seeded by the walk and the frame: the same audio on
         # every placement for a pinned request
         gen = torch.Generator(self.device).manual_seed((call.ctx.seed + done) & 0x7FFF_FFFF_FFFF_FFFF)
-        audio = self._decode_frames(self.decoder, window.view(-1, CODES_PER_FRAME).to(self.device), frames - done,
-                                    generator=gen)
-        pcm = self._to_pcm16(audio).reshape(-1)
-        self.samples += pcm.numel()
-        return NodeResult(outputs={"audio": pcm}, stop=final)
+        return window.view(-1, CODES_PER_FRAME), frames - done, gen, final
 
     def release(self, request_id: str) -> None:
         self._codes.pop(request_id, None)

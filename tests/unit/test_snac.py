@@ -202,3 +202,17 @@ def test_make_snac_checkpoint_writes_what_load_snac_reads(tmp_path, monkeypatch)
         got = loaded(codes, torch.Generator().manual_seed(0))
         want = expected(codes, torch.Generator().manual_seed(0))
     torch.testing.assert_close(got, want, atol=ATOL, rtol=ATOL)
+
+
+def test_batched_windows_equal_one_window_at_a_time(tiny):
+    """The speech codec decodes the chunks of many requests as one batch: each row must be what that request's
+    window alone gives, its noise from its own generator."""
+    from models.snac.frames import decode_windows
+
+    _, ours = tiny
+    windows = torch.randint(0, SNAC_TINY.codebook_size, (3, 4, 7))
+    gens = lambda: [torch.Generator().manual_seed(s) for s in (5, 6, 7)]  # noqa: E731
+    batched = decode_windows(ours, windows, 1, gens())
+    alone = torch.stack([decode_frames(ours, w, 1, generator=g) for w, g in zip(windows, gens())])
+    assert batched.shape == (3, SNAC_TINY.frame_samples)
+    torch.testing.assert_close(batched, alone, rtol=1e-5, atol=1e-5)
