@@ -1,0 +1,120 @@
+"""Streaming speech (Orpheus shape, tiny random weights prepared on first start) through the real launcher:
+launch/configs/speech_split.yaml (LLM on rank 0, codec on rank 1) and, for the comparison, speech_single.yaml.
+
+A failure here means the speech route or SDK breaks the WAV, audio does not start while the LLM is still writing
+codes, splitting the codec onto another rank changes the audio, bad input is not a clear 4xx, or abandoned speech
+requests leave tensors behind on some rank.
+"""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures as cf
+import io
+import json
+import random
+import time
+import wave
+
+import httpx
+import pytest
+
+from mstar_dist.client import MStarClient
+from tests.e2e.server import REPO, Server, per_rank
+
+# the default path (prepared by the family itself); a random tiny model rarely says end_of_speech, so the
+# service's max_tokens bounds every request: 140 codes = 20 frames = 1.7 s of audio
+WEIGHTS = {"weights": "~/.cache/mstar_dist/orpheus-tiny",
+           "limits": {"max_concurrent_requests": 32, "request_timeout_s": 120, "max_tokens": 140}}
+FRAME = 2048
+
+
+@pytest.fixture(scope="module")
+def split():
+    server = Server(REPO / "launch/configs/speech_split.yaml", nproc=2, overrides=WEIGHTS)
+    yield server
+    assert server.stop_clean(2), server.log()
+
+
+def speak(base_url: str, text: str, seed: int, **extra) -> httpx.Response:
+    return httpx.post(f"{base_url}/v1/audio/speech", timeout=120, json={
+        "model": "orpheus", "input": text, "voice": "leo", "seed": seed, "temperature": 0.8, **extra})
+
+
+def test_wav_parses_and_holds_whole_frames(split):
+    r = speak(split.base_url, "Hello there, how are you?", seed=1)
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"].startswith("audio/wav")
+    with wave.open(io.BytesIO(r.content)) as w:
+        assert (w.getnchannels(), w.getsampwidth(), w.getframerate()) == (1, 2, 24000)
+        assert w.getnframes() > 0 and w.getnframes() % FRAME == 0
+    client = MStarClient(split.base_url)
+    assert client.speech("Hello there, how are you?", "leo", seed=1, temperature=0.8) == r.content
+
+
+def test_audio_starts_before_the_llm_has_written_its_last_code(split):
+    body = {"prompt": "A sentence long enough to speak for a while.", "stream": True,
+            "model_kwargs": {"voice": "tara", "max_tokens": 120, "seed": 5, "temperature": 0.8}}
+    first_audio_tokens, total = None, None
+    with httpx.stream("POST", f"{split.base_url}/generate", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            item = json.loads(line) if line.strip() else None
+            if item and item["modality"] == "audio" and first_audio_tokens is None:
+                first_audio_tokens = item["metadata"]["tokens_so_far"]
+                assert len(base64.b64decode(item["data"])) == 2 * 4 * FRAME  # the first window: 4 frames
+            if item and "usage" in item["metadata"]:
+                total = item["metadata"]["usage"]["completion_tokens"]
+    assert first_audio_tokens is not None and total is not None
+    assert 28 <= first_audio_tokens < total  # 4 frames of codes were enough to start; the LLM went on
+
+
+def test_split_codec_gives_the_same_audio_as_one_rank(split):
+    texts = [("One.", 3), ("Two sentences here. And another one.", 4)]
+    on_split = [speak(split.base_url, t, s).content for t, s in texts]
+    single = Server(REPO / "launch/configs/speech_single.yaml", nproc=1, overrides=WEIGHTS)
+    try:
+        on_single = [speak(single.base_url, t, s).content for t, s in texts]
+    finally:
+        assert single.stop_clean(1), single.log()
+    assert on_split == on_single and all(len(a) > 44 for a in on_split)
+
+
+@pytest.mark.parametrize("body, words", [
+    ({"voice": "nobody"}, "tara"), ({"speed": 2.0}, "speed"), ({"response_format": "mp3"}, "wav"),
+    ({"input": ""}, "input"),
+])
+def test_bad_speech_requests_are_4xx_and_the_server_stays_healthy(split, body, words):
+    r = httpx.post(f"{split.base_url}/v1/audio/speech", timeout=60,
+                   json={"model": "orpheus", "input": "Hi.", "voice": "tara", **body})
+    assert 400 <= r.status_code < 500 and words in r.text, r.text
+    assert httpx.get(f"{split.base_url}/health", timeout=10).status_code == 200
+
+
+def one(base_url: str, i: int, abandon: bool) -> str:
+    if i % 3 == 0:  # whole WAV files between the streams
+        return "done" if speak(base_url, f"Number {i}.", i, stream=False).status_code == 200 else "error"
+    body = {"model": "orpheus", "input": f"Streaming number {i}, a little longer.", "voice": "zac", "seed": i,
+            "stream": True}
+    with httpx.stream("POST", f"{base_url}/v1/audio/speech", json=body, timeout=120) as r:
+        if r.status_code != 200:
+            return f"http {r.status_code}"
+        for n, _ in enumerate(r.iter_bytes()):
+            if abandon and n >= 1:
+                return "abandoned"
+    return "done"
+
+
+def test_two_hundred_speech_requests_with_some_abandoned_leave_nothing_behind(split):
+    rng = random.Random(1)
+    plan = [(i, i % 3 != 0 and rng.random() < 0.25) for i in range(200)]
+    with cf.ThreadPoolExecutor(12) as pool:
+        outcomes = list(pool.map(lambda p: one(split.base_url, *p), plan))
+    assert outcomes.count("done") == sum(1 for _, a in plan if not a), outcomes
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:  # aborts and gauges settle within a few heartbeats
+        live = per_rank(split.base_url, "mstar_dist_live_tensors")
+        if len(live) == 2 and not any(live.values()):
+            break
+        time.sleep(0.25)
+    assert len(live) == 2 and not any(live.values()), live
+    assert httpx.get(f"{split.base_url}/health", timeout=10).status_code == 200
