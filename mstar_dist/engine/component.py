@@ -33,8 +33,9 @@ class WalkContext:
     state: dict[str, Any] = field(default_factory=dict)
     """Component-private per-walk state (e.g. the seeded sampling generator)."""
 
-    def generator(self, device: torch.device | str) -> torch.Generator:
-        """This walk's sampling generator (seeded from ``sampling.seed``, the walk's seed), made on first use."""
+    def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
+        """This walk's sampling generator (seeded from ``sampling.seed``, the walk's seed), made on first use. The
+        KV engine draws its uniforms on the CPU (no device launch per row); the device is fixed at first use."""
         gen = self.state.get("generator")
         if gen is None:
             gen = self.state["generator"] = make_generator(self.sampling, device)

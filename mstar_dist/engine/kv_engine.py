@@ -122,7 +122,7 @@ class KVCacheEngine(Component):
         self._seqs[call.request_id] = seq
         self.cache.bind([slot], [0], n)
         logits = self.model(ids[None], torch.arange(n, device=self.device)[None], self.cache, last_only=True)
-        token = sample(self._biased(logits[:, -1]), [ctx.sampling], [ctx.generator(self.device)])
+        token = sample(self._biased(logits[:, -1]), [ctx.sampling], [ctx.generator("cpu")]).cpu()
         outputs = {"token": token.reshape(1)}
         if "kv" in ctx.export:
             outputs["kv"] = self.cache.export(slot, n)
@@ -173,12 +173,13 @@ class KVCacheEngine(Component):
             logits = self.model(tokens[:, None], positions[:, None], self.cache, last_only=True)
         ctxs: list[WalkContext] = [c.ctx for c in calls]
         sampled = sample(self._biased(logits[:, -1]), [x.sampling for x in ctxs],
-                         [x.generator(self.device) for x in ctxs])
+                         [x.generator("cpu") for x in ctxs])
+        sampled = sampled.cpu()  # the step's one device-to-host copy: stop checks, emits and streams read it
+        ids = sampled.tolist()
         self.steps += 1
         self.decode_rows += len(calls)
         results: list[NodeResult | BaseException] = []
         for i, (ctx, seq) in enumerate(zip(ctxs, seqs)):
             seq.length += 1
-            token = sampled[i : i + 1].clone()
-            results.append(NodeResult(outputs={"token": token}, stop=int(token) in ctx.stop_token_ids))
+            results.append(NodeResult(outputs={"token": sampled[i : i + 1]}, stop=ids[i] in ctx.stop_token_ids))
         return results

@@ -61,43 +61,71 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None]) -> torch.Tensor:
     """logits (B, V) -> next tokens (B,) long, on logits' device.
 
-    Row b uses params[b] and draws one uniform number from generators[b] if it samples (None: the
-    device's default generator; greedy rows draw nothing, so their generator may be None).
+    Greedy rows take the argmax. Sampled rows are drawn together, vectorised on the device: temperature, top-k and
+    top-p per row, then inverse CDF with one uniform per row drawn from generators[b] (best a CPU generator: the
+    draw is then no device launch; None: the default CPU generator). A row's token depends only on its own logits,
+    parameters and generator, never on the other rows of the batch.
     """
     if logits.dim() != 2 or not len(params) == len(generators) == logits.shape[0]:
         raise ValueError(f"sample: logits must be (B, V) with B params and generators, got "
                          f"{tuple(logits.shape)}, {len(params)} params, {len(generators)} generators")
     tokens = logits.argmax(dim=-1)  # greedy for every row; sampled rows are overwritten
-    for row, (p, gen) in enumerate(zip(params, generators)):
-        if not p.greedy:
-            tokens[row] = _sample_row(logits[row].float(), p, gen)
+    rows = [b for b, p in enumerate(params) if not p.greedy]
+    if rows:
+        u = torch.stack([torch.rand((), generator=generators[b], device=_gen_device(generators[b]))
+                         .to("cpu") for b in rows])
+        picked = _sample_rows(logits[rows].float(), [params[b] for b in rows], u.to(logits.device))
+        tokens[rows] = picked
     return tokens
 
 
-def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> torch.Tensor:
-    """logits (V,) fp32 -> a 0-d token id drawn by inverse CDF with one uniform from `gen`."""
-    x = logits / p.temperature
-    vocab = x.shape[0]
-    k = p.top_k if 0 < p.top_k < vocab else vocab
-    candidates: torch.Tensor | None = None  # vocabulary ids of `probs`, most likely first; None = all, in order
-    if p.top_p < 1 and k > _NUCLEUS_GUESS:
-        # Normalise against the top-k distribution, then check the nucleus fits in the first guess.
-        log_total = torch.logsumexp(x if k == vocab else x.topk(k).values, dim=0)
-        vals, candidates = x.topk(_NUCLEUS_GUESS)
-        if torch.logsumexp(vals, dim=0) - log_total < math.log(p.top_p):
-            vals, candidates = x.topk(k)  # a flat distribution: the nucleus is wider than the guess
-        probs = (vals - log_total).exp()
-    elif k < vocab or p.top_p < 1:
-        vals, candidates = x.topk(k)
-        probs = vals.softmax(dim=0)
-    else:
-        probs = x.softmax(dim=0)
-    n_kept = torch.tensor(probs.shape[0], device=probs.device)
-    if p.top_p < 1:  # probs are sorted: keep the prefix whose mass before each token is < top_p
-        keep = (probs.cumsum(dim=0) - probs) < p.top_p  # the first token always stays
-        probs, n_kept = probs * keep, keep.sum()
-    cdf = probs.cumsum(dim=0)
-    u = torch.rand((), generator=gen, device=gen.device if gen is not None else cdf.device).to(cdf.device)
-    # First index whose cdf exceeds u * mass; the clamp guards u * mass rounding up to the full mass.
-    pick = torch.minimum(torch.searchsorted(cdf, u * cdf[-1], right=True), n_kept - 1)
-    return pick if candidates is None else candidates[pick]
+def _gen_device(gen: torch.Generator | None) -> torch.device | str:
+    return gen.device if gen is not None else "cpu"
+
+
+def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -> torch.Tensor:
+    """logits (R, V) fp32, uniforms u (R,) -> tokens (R,). Rows without top-k/top-p draw over the vocabulary in
+    its order; the others over their candidates sorted most likely first. Either way a row's numbers do not
+    depend on the other rows (normalisers are per row, over the row's own top-k set, in vocabulary order)."""
+    device, vocab = logits.device, logits.shape[1]
+    x = logits / torch.tensor([p.temperature for p in params], device=device)[:, None]
+    tokens = torch.empty(len(params), dtype=torch.long, device=device)
+    plain = [i for i, p in enumerate(params) if not (0 < p.top_k < vocab) and p.top_p >= 1]
+    cut = [i for i in range(len(params)) if i not in set(plain)]
+    if plain:
+        cdf = x[plain].softmax(dim=-1).cumsum(dim=-1)
+        pick = torch.searchsorted(cdf, (u[plain, None] * cdf[:, -1:]).contiguous(), right=True)[:, 0]
+        tokens[plain] = pick.clamp(max=vocab - 1)
+    if cut:
+        tokens[cut] = _sample_cut(x[cut], [params[i] for i in cut], u[cut])
+    return tokens
+
+
+def _sample_cut(x: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -> torch.Tensor:
+    """Rows with top-k and/or top-p: x (R, V) tempered logits -> tokens (R,)."""
+    device, vocab = x.device, x.shape[1]
+    k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)[:, None]
+    top_p = torch.tensor([p.top_p for p in params], device=device)[:, None]
+    masked = _top_k_masked(x, k) if bool((k < vocab).any()) else x
+    log_total = torch.logsumexp(masked, dim=-1, keepdim=True)  # the row's top-k mass, in vocabulary order
+    width = int(k.max())
+    if width > _NUCLEUS_GUESS and bool((top_p < 1).all()):
+        guess = x.topk(_NUCLEUS_GUESS, dim=-1).values
+        if bool((torch.logsumexp(guess, dim=-1, keepdim=True) - log_total >= torch.log(top_p)).all()):
+            width = _NUCLEUS_GUESS  # every nucleus fits in the guess: no sort of the whole vocabulary
+    vals, candidates = x.topk(width, dim=-1)  # (R, width), most likely first
+    ranks = torch.arange(width, device=device)[None]
+    probs = (vals - log_total).exp() * (ranks < k)
+    keep = ((probs.cumsum(dim=-1) - probs) < top_p) & (ranks < k)  # the first token always stays
+    probs = probs * keep
+    cdf = probs.cumsum(dim=-1)
+    # first index whose cdf exceeds u * mass; the clamp guards u * mass rounding up to the full mass
+    pick = torch.searchsorted(cdf, (u[:, None] * cdf[:, -1:]).contiguous(), right=True)[:, 0]
+    pick = torch.minimum(pick, keep.sum(dim=-1) - 1)
+    return candidates.gather(1, pick[:, None])[:, 0]
+
+
+def _top_k_masked(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """x (R, V) with everything below each row's k-th largest value set to -inf (k (R, 1); k = V keeps all)."""
+    kth = x.topk(int(k.max()), dim=-1).values.gather(1, k - 1)
+    return x.masked_fill(x < kth, float("-inf"))
