@@ -97,6 +97,9 @@ def bench_speech(args) -> dict:
                 }
                 print(name, n, {k: v for k, v in rows[f"streams_{n}"].items() if k != "digests"}, flush=True)
             rows["edge_bytes_sent"] = per_rank(server.base_url, "mstar_dist_edge_bytes_sent_total")
+        except Exception:
+            print(server.log()[-6000:], flush=True)
+            raise
         finally:
             server.stop()
         out["placements"][name] = rows
@@ -140,6 +143,9 @@ def bench_image(args) -> dict:
                 "host_staging_copies": per_rank(server.base_url, "mstar_dist_host_staging_copies_total"),
             }
             print(name, out["placements"][name], flush=True)
+        except Exception:
+            print(server.log()[-6000:], flush=True)
+            raise
         finally:
             server.stop()
     seq, par = (out["placements"][p] for p in placements)
