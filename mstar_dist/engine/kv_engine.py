@@ -164,7 +164,8 @@ class KVCacheEngine(Component):
 
     def _decode_step(self, calls: list[NodeCall]) -> list[NodeResult | BaseException]:
         seqs = [self._seqs[c.request_id] for c in calls]
-        tokens = torch.cat([c.inputs["token"].reshape(1) for c in calls]).to(self.device, torch.long)
+        # tokens this engine sampled are host tensors; a request's first one may arrive on the device
+        tokens = torch.cat([c.inputs["token"].reshape(1).cpu() for c in calls]).to(self.device, torch.long)
         if self.graphs is not None and len(calls) <= self.graphs.max_rows:
             logits = self.graphs.logits(tokens, [s.length for s in seqs], [s.slot for s in seqs])
         else:
