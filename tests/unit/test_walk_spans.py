@@ -6,6 +6,8 @@ the lockstep protocol (NodeDone, placeholders, per-node run numbers), not at soc
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from mstar_dist.server.backend import Finished, GenerationParams, TextDelta
@@ -74,3 +76,55 @@ def test_a_node_call_crosses_ranks_only_between_the_two_ranks():
     (events,) = dep.run([GenerationParams(request_id="a", prompt="start=1", messages=None, max_tokens=6)])
     assert text_of(events) == span_text(1, 6)
     assert "NodeDone" not in seen and seen.count("WalkDone") == 2  # one per rank's copy of the walk
+
+
+class _Store:
+    """The two calls of the torchrun store that the walks check uses, shared by the 'ranks' of one test."""
+
+    def __init__(self):
+        self.data = {}
+
+    def set(self, key, value):
+        self.data[key] = value.encode() if isinstance(value, str) else value
+
+    def wait(self, keys, timeout):
+        missing = [k for k in keys if k not in self.data]
+        assert not missing, missing
+
+    def get(self, key):
+        return self.data[key]
+
+
+def test_ranks_that_derive_different_walks_refuse_to_start_naming_both():
+    from mstar_dist.worker.boot import check_same_walks
+
+    store = _Store()
+    store.set("mstar_dist/walks/0", "aaaa")  # what rank 0 publishes first
+    check_same_walks(store, 1, 3, "aaaa", timeout_s=1)  # rank 1 agrees
+    with pytest.raises(RuntimeError, match=r"rank 2 and rank 0 derive different walks"):
+        check_same_walks(store, 2, 3, "bbbb", timeout_s=1)
+    with pytest.raises(RuntimeError, match=r"rank 0 and rank 2 derive different walks"):
+        check_same_walks(store, 0, 3, "aaaa", timeout_s=1)
+
+
+def test_large_streamed_items_travel_on_the_pair_and_keep_their_order():
+    """Streaming edges move items like any edge: above inline_max_bytes each item follows its message on the
+    pair (here every item: the producing rank's limit is 0) and joins the consumer's buffer in order."""
+    import yaml
+
+    from tests.toy_model import ToyAudioModel, audio_text
+
+    cfg = yaml.safe_load((Path(__file__).resolve().parents[1] / "toy_audio_deploy.yaml").read_text())
+    cfg["node_groups"] = [{"node_names": ["ADD", "TWICE"], "ranks": [0], "graph_walks": ["start"]},
+                          {"node_names": ["COUNT"], "ranks": [1], "graph_walks": ["count"]},
+                          {"node_names": ["CODEC"], "ranks": [2], "graph_walks": ["codec"]}]
+    dep = InProcDeployment(ToyAudioModel(None, batch_sleep_s=0), cfg, 3)
+    dep.workers[1].inline_max_bytes = 0
+    sent = []
+    original = dep.workers[1].transport.send
+    dep.workers[1].transport.send = lambda t, dst: sent.append(dst) or original(t, dst)
+    cases = [(5, 8), (7, 30)]
+    events = dep.run([GenerationParams(request_id=f"r{i}", prompt=f"start={s}", messages=None, max_tokens=n)
+                      for i, (s, n) in enumerate(cases)])
+    assert [text_of(ev) for ev in events] == [audio_text(s, n) for s, n in cases]
+    assert sent.count(2) == sum(n - 1 for _, n in cases)  # every streamed x went 1 -> 2 on the pair
