@@ -75,6 +75,8 @@ class _Request:
     stream_src: dict[str, int] = field(default_factory=dict)
     """Streaming signal -> the rank of the last walk dispatched to produce it."""
     finish_reason: str | None = None
+    replicas: dict[tuple[str, str], tuple[int, ...]] = field(default_factory=dict)
+    """(walk, node) -> every rank of the chosen replica (its TP group; the first one leads and is in ``nodes``)."""
     pieces: dict[str, tuple[set[int], dict[str, Any]]] = field(default_factory=dict)
     """Walk -> (ranks whose ``WalkDone`` is still due, outputs gathered so far) for a walk that spans ranks."""
 
@@ -308,7 +310,8 @@ class Conductor:
             sink(BackendError(503, f"no live replica can serve this request; dead: {dead}"))
             return
         self._incarnation += 1
-        req = _Request(state=state, params=params, sink=sink, nodes=nodes, arrived=time.monotonic(),
+        req = _Request(state=state, params=params, sink=sink, nodes={k: r[0] for k, r in nodes.items()},
+                       replicas=nodes, arrived=time.monotonic(),
                        wire_id=f"{params.request_id}#{self._incarnation}")
         self._active[params.request_id] = req
         self._by_wire[req.wire_id] = req
@@ -327,24 +330,24 @@ class Conductor:
         if req.partitions.request_done:
             self._finish(req, state.finish_reason or "stop")
 
-    def _choose_ranks(self) -> dict[tuple[str, str], int] | None:
+    def _choose_ranks(self) -> dict[tuple[str, str], tuple[int, ...]] | None:
         """One replica per (walk, node); prefer hosts, then ranks the request already uses (docs/architecture.md,
-        "Placement"). None when some node has no live replica."""
+        "Placement"), as the replica's ranks (TP group; the first leads). None when some node has no live replica."""
         from mstar_dist.topology.placement import choose_replica
 
-        chosen: dict[tuple[str, str], int] = {}
+        chosen: dict[tuple[str, str], tuple[int, ...]] = {}
         for walk, node in self._walk_nodes:
             replica = choose_replica(
                 self.placement.replicas(walk, node),
                 live_ranks=set(range(self.world_size)) - set(self.dead_ranks),
-                hosts_used={self.rank_hosts[r] for r in chosen.values()},
-                ranks_used=set(chosen.values()),
+                hosts_used={self.rank_hosts[r] for ranks in chosen.values() for r in ranks},
+                ranks_used={r for ranks in chosen.values() for r in ranks},
                 rank_host=self.rank_hosts,
                 rng=self._rng,
             )
             if replica is None:
                 return None
-            chosen[(walk, node)] = replica.ranks[0]
+            chosen[(walk, node)] = replica.ranks
         return chosen
 
     # ---- walks ----
@@ -385,6 +388,7 @@ class Conductor:
             )
             req.touched.add(rank)
             self._send(rank, msg)
+        req.touched.update(r for (w, _), ranks in req.replicas.items() if w == step.walk for r in ranks)
         for signal in stream_routes:
             req.stream_src[signal] = req.rank_of(*self._stream_producer[signal])
 
@@ -410,8 +414,9 @@ class Conductor:
         releaser = None if keep else (ref.rank if ref.rank in ranks else ranks[-1])
         for rank in ranks:
             if rank != ref.rank:
+                tp_dst = next((list(r) for r in req.replicas.values() if r[0] == rank and len(r) > 1), [])
                 self._send(ref.rank, m.Push(request_id=req.wire_id, uuid=ref.uuid, dst=rank,
-                                            release=rank == releaser))
+                                            release=rank == releaser, tp_dst=tp_dst))
             elif rank == releaser:
                 release[rank].append(name)
 
@@ -501,7 +506,7 @@ class Conductor:
     def _release(self, req: _Request) -> None:
         self._active.pop(req.state.request_id, None)
         self._by_wire.pop(req.wire_id, None)
-        for rank in sorted(req.touched | set(req.nodes.values())):
+        for rank in sorted(req.touched | {r for ranks in req.replicas.values() for r in ranks}):
             self._send(rank, m.RemoveRequest(request_id=req.wire_id))
         self._admit_queued()
 
@@ -558,7 +563,7 @@ class Conductor:
             self.dead_ranks[rank] = why
             log.error("rank %d declared dead: %s (limits.rank_timeout_s=%g)", rank, why, self.rank_timeout_s)
             for req in list(self._active.values()):
-                if rank in req.touched or rank in req.nodes.values():
+                if rank in req.touched or any(rank in ranks for ranks in req.replicas.values()):
                     self._finish_error(req, 503, f"rank {rank} on host {host} died ({why}); retry the request")
 
     def log_stats(self, now: float) -> None:

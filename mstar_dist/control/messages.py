@@ -96,6 +96,10 @@ class Push(msgspec.Struct, tag=True):
     uuid: str
     dst: int
     release: bool = True
+    tp_dst: list[int] = []
+    """When the tensor is a TP shard (its producer is a TP replica): the consuming replica's ranks; shard r goes
+    to ``tp_dst[r]`` (the receiving rank's own shard goes to ``dst`` = ``tp_dst[0]``; the producer's followers
+    are told by ``TPPush``)."""
 
 
 class StopLoops(msgspec.Struct, tag=True):
@@ -170,6 +174,49 @@ class NodeDone(msgspec.Struct, tag=True):
     stop_loops: list[str] = []
 
 
+class ShardRef(msgspec.Struct, frozen=True, tag=True):
+    """A tensor this TP follower holds or is receiving under ``uuid`` (its own shard of a kept tensor, e.g. its
+    part of a P/D KV cache sent by its counterpart on the producing replica)."""
+
+    uuid: str
+
+
+class TPCall(msgspec.Struct):
+    """One node call of a TP leader's batch, as its followers replay it (same request, walk, seed, inputs)."""
+
+    request_id: str
+    walk: str
+    walk_index: int
+    seed: int
+    sampling: Sampling
+    iteration: int
+    inputs: dict[str, Union[InlineTensor, ShardRef]]
+    export: list[str] = []
+    stop_token_ids: list[int] = []
+
+
+class TPStep(msgspec.Struct, tag=True):
+    """TP leader -> each follower of its replica: run this batch of ``node`` now, in this order (the forward's
+    collectives on the TP group pair up because every member runs the same batches in the same order)."""
+
+    node: str
+    calls: list[TPCall]
+    release: list[str] = []
+    """Requests the leader removed since its last step: release them here, in this order (a follower never acts
+    on the conductor's RemoveRequest for a TP component, which could overtake a step that still holds them)."""
+
+
+class TPPush(msgspec.Struct, tag=True):
+    """TP leader -> a follower: send your shard of ``signal`` for ``request_id`` to global rank ``dst`` (your
+    counterpart on the consuming replica) as ``uuid`` (descriptor first, then the p2p send)."""
+
+    request_id: str
+    signal: str
+    uuid: str
+    dst: int
+    release: bool = True
+
+
 class StreamItems(msgspec.Struct, tag=True):
     """Values a producer walk emitted on a streaming edge, for the consumer's buffer (FIFO per sender); large
     ones follow on the pair (:class:`WireTensor`) and join the buffer in order once they arrived."""
@@ -242,7 +289,7 @@ class Stats(msgspec.Struct, tag=True):
 
 Message = Union[
     RunWalk, Push, StopLoops, RemoveRequest, Shutdown, Heartbeat, AbortPair, TensorDesc, NodeDone, StreamItems,
-    StreamEnd, Emit, WalkDone, Ready, LoadFailed, Stats,
+    StreamEnd, TPStep, TPPush, Emit, WalkDone, Ready, LoadFailed, Stats,
 ]
 
 

@@ -77,6 +77,9 @@ class CompositeModel(ABC):
     name: str = "model"
     output_modality: str = "text"
     """What ``postprocess`` produces for clients: "text", "audio" or "image" (routes check it)."""
+    tp_nodes: frozenset[str] = frozenset()
+    """Nodes this family can shard over a TP group (``build_component(..., tp=TPGroup)``); placing any other
+    node with ``tp_size > 1`` is a startup error."""
 
     def __init__(self, weights_dir: str | None, **model_kwargs: Any):
         self.weights_dir = weights_dir
@@ -115,7 +118,9 @@ class CompositeModel(ABC):
 
     @abstractmethod
     def build_component(self, node: str, *, device: str, walks: set[str]) -> Any:
-        """Build and load the component ``node`` for this rank (an :class:`mstar_dist.engine.component.Component`)."""
+        """Build and load the component ``node`` for this rank (an :class:`mstar_dist.engine.component.Component`).
+        For a node in :attr:`tp_nodes` placed with ``tp_size > 1`` the runtime also passes ``tp``
+        (:class:`models.common.tp.TPGroup`): build only this rank's shard, reduce on ``tp.group``."""
 
     # ---- conductor side (rank 0) ----
     def load_frontend(self) -> None:

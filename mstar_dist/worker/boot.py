@@ -66,9 +66,7 @@ class Deployment:
             if getattr(config.transport, key) != "p2p":
                 raise ValueError(f"{config.source}: transport.{key} = {getattr(config.transport, key)!r}: only 'p2p' "
                                  f"is implemented by this runtime (Mooncake is not yet)")
-        for group in config.node_groups:
-            if group.tp_size != 1:
-                raise ValueError(f"node_groups: tp_size={group.tp_size} is not supported by this runtime yet (use 1)")
+        _check_tp(config, model, walks)
         graphs = model.graphs()
         for edge in model.streaming_edges():
             producers = [w for w, sec in graphs.items()
@@ -94,6 +92,33 @@ class Deployment:
         everywhere)."""
         graphs = self.model.graphs()
         return hashlib.sha256(repr(sorted(graphs.items(), key=lambda kv: kv[0])).encode()).hexdigest()[:16]
+
+
+def _check_tp(config: DeploymentConfig, model: CompositeModel, walks: dict[str, frozenset[str]]) -> None:
+    """tp_size > 1 only for nodes whose family shards them, and one tp_size per node across walks (P/D with TP
+    moves each TP rank's KV shard to its counterpart, so both sides must shard alike)."""
+    sizes: dict[str, tuple[int, int]] = {}
+    for i, group in enumerate(config.node_groups):
+        for node in group.node_names:
+            if group.tp_size > 1 and node not in model.tp_nodes:
+                raise ValueError(f"node_groups[{i}].tp_size = {group.tp_size}: node {node!r} of model {model.name!r} "
+                                 f"does not support tensor parallelism (nodes that do: {sorted(model.tp_nodes)})")
+            seen = sizes.setdefault(node, (i, group.tp_size))
+            if seen[1] != group.tp_size:
+                raise ValueError(f"node_groups[{i}].tp_size = {group.tp_size}: node {node!r} has tp_size {seen[1]} in "
+                                 f"node_groups[{seen[0]}]; a node is sharded alike in every walk")
+
+
+def tp_roles_for(placement: Placement, rank: int) -> dict[str, "TPRole"]:
+    """Node -> this rank's role in the node's TP replica, for the nodes it holds with tp_size > 1."""
+    from mstar_dist.worker.tp import TPRole
+
+    roles = {}
+    for node, walks in placement.components_on(rank).items():
+        for rep_ in placement.replicas(next(iter(sorted(walks))), node):
+            if rank in rep_.ranks and len(rep_.ranks) > 1:
+                roles[node] = TPRole(node, rep_.ranks, rank)
+    return roles
 
 
 def _world_from_config(config: DeploymentConfig) -> int:
@@ -139,7 +164,8 @@ def _hostnames() -> set[str]:
     return names
 
 
-def _load_components(dep: Deployment, info: RankInfo, device: str, store: Any, timeout_s: float) -> dict:
+def _load_components(dep: Deployment, info: RankInfo, device: str, store: Any, timeout_s: float,
+                     tp_groups: dict | None = None) -> dict:
     """Prepare weights once per host (local rank 0), then build this rank's components."""
     key = f"mstar_dist/weights/{info.node_rank}"
     if info.local_rank == 0:
@@ -157,9 +183,17 @@ def _load_components(dep: Deployment, info: RankInfo, device: str, store: Any, t
         if status != "ok":
             raise RuntimeError(f"weights preparation on host {info.host_name} failed: {status}")
     components = {}
+    roles = tp_roles_for(dep.placement, info.global_rank)
     for node, walks in sorted(dep.placement.components_on(info.global_rank).items()):
         t0 = time.monotonic()
-        components[node] = dep.model.build_component(node, device=device, walks=set(walks))
+        if node in roles:  # this rank builds only its shard; the layers all-reduce on the replica's TP group
+            from models.common.tp import TPGroup
+
+            group = tp_groups[roles[node].ranks]
+            tp = TPGroup(group=group.group, rank=group.rank_in_group, size=len(group.ranks))
+            components[node] = dep.model.build_component(node, device=device, walks=set(walks), tp=tp)
+        else:
+            components[node] = dep.model.build_component(node, device=device, walks=set(walks))
         components[node].warmup()
         log.info("loaded %s for walks %s on %s in %.1f s", node, sorted(walks), device, time.monotonic() - t0)
     return components
@@ -172,7 +206,7 @@ def cpu_threads_for(config: DeploymentConfig, global_rank: int, ranks_on_host: i
 
 
 def serve(args: argparse.Namespace) -> int:
-    from mstar_dist.distributed.groups import create_pair_groups, warm_pairs
+    from mstar_dist.distributed.groups import create_pair_groups, create_tp_groups, warm_pairs
     from mstar_dist.distributed.init import backend_for_device, init_distributed, shutdown_distributed
     from mstar_dist.transport.p2p import P2PTransport
     from mstar_dist.transport.store import TensorStore
@@ -209,6 +243,8 @@ def serve(args: argparse.Namespace) -> int:
         init_distributed(global_rank=rank, world_size=world_size, device=device, timeout_s=args.startup_timeout)
         store = default_store()
         check_same_walks(store, rank, world_size, dep.walks_digest(), args.startup_timeout)
+        tp_groups = create_tp_groups(dep.placement.tp_groups, global_rank=rank, backend=backend_for_device(device),
+                                     timeout_s=args.startup_timeout)  # TP groups first, then pairs (§2)
         pairs = create_pair_groups(dep.placement.edge_pairs, global_rank=rank, backend=backend_for_device(device),
                                    timeout_s=args.startup_timeout)
         warm_pairs(pairs, rank, device)
@@ -228,7 +264,7 @@ def serve(args: argparse.Namespace) -> int:
 
         t0 = time.monotonic()
         try:
-            components = _load_components(dep, info, device, store, args.startup_timeout)
+            components = _load_components(dep, info, device, store, args.startup_timeout, tp_groups)
         except Exception as exc:
             channel.send(CONDUCTOR, m.encode(dep.token, rank_name(rank),
                                              m.LoadFailed(rank=rank, host=info.host_name, error=f"{type(exc).__name__}: {exc}")))
@@ -241,6 +277,7 @@ def serve(args: argparse.Namespace) -> int:
             inline_max_bytes=dep.config.transport.inline_max_bytes,
             streaming_edges=dep.model.streaming_edges(),
             conductor_timeout_s=None if dep.placement.is_conductor(rank) else dep.config.limits.rank_timeout_s,
+            tp_roles=tp_roles_for(dep.placement, rank),
         )
         if conductor_channel is not None:
             conductor = _start_conductor(dep, conductor_channel, args.startup_timeout,

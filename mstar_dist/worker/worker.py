@@ -36,6 +36,7 @@ from mstar_dist.graph.streaming import StreamBuffer
 from mstar_dist.graph.walk import GraphError, NodeCall, WalkRun
 from mstar_dist.transport.inline import decode_tensor, encode_tensor
 from mstar_dist.worker.spans import REMOTE, Arrived, Span, carry, is_remote, receive
+from mstar_dist.worker.tp import Follower, TPRole, shard_uuid, step_for
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,7 @@ class Worker:
         transfer_timeout_s: float = 120.0,
         streaming_edges: list[StreamingEdge] = (),
         conductor_timeout_s: float | None = None,
+        tp_roles: dict[str, TPRole] | None = None,
     ):
         self.global_rank = global_rank
         self.graphs = graphs
@@ -113,6 +115,11 @@ class Worker:
         self._spans: dict[tuple[str, str], Span] = {}  # (request, walk) -> this rank's copy of a spanning walk
         self._arrivals: dict[tuple[str, str], dict] = collections.defaultdict(dict)  # NodeDone by (node, seq)
         self._draining: list[Any] = []  # receives of removed requests, kept until they complete
+        self.tp_roles = dict(tp_roles or {})
+        """Node -> this rank's role in the node's TP replica (only nodes with tp_size > 1)."""
+        self._follower = Follower(device)
+        self._input_refs: dict[tuple[str, str], dict[str, str]] = {}  # (request, walk) -> kept input -> uuid
+        self._kept_signal: dict[str, tuple[str, str]] = {}  # uuid of a kept output -> (request, signal)
         self._last_stats = 0.0
         self.stopping = False
         self.failed_reason: str | None = None
@@ -127,13 +134,15 @@ class Worker:
             # Never spin: poll at once only when a node call can run; wait briefly while transfers are in flight.
             if self._collect() and not self._deferred_only:
                 timeout_ms = 0
-            elif self._incoming or self._outgoing or self._waiting or self._chunks or self._in_flight():
+            elif self._incoming or self._outgoing or self._waiting or self._chunks or self._in_flight() \
+                    or self._follower.steps:
                 timeout_ms = 1
             else:
                 timeout_ms = 20
             for sender, payload in self.channel.recv(timeout_ms):
                 self._handle(sender, payload)
             self._poll_transfers()
+            self._run_follower_steps()
             self._feed_streams()
             self._step()
             self._maybe_send_stats()
@@ -168,6 +177,10 @@ class Worker:
             self._on_push(body)
         elif isinstance(body, m.NodeDone):
             self._on_node_done(body, int(sender[4:]))
+        elif isinstance(body, m.TPStep):
+            self._follower.steps.append(body)
+        elif isinstance(body, m.TPPush):
+            self._on_tp_push(body)
         elif isinstance(body, m.AbortPair):
             self._abort_pair(body.src, body.dst, f"peer rank{body.src if body.dst == self.global_rank else body.dst}: "
                                                  f"{body.reason}", tell_peer=False)
@@ -224,12 +237,20 @@ class Worker:
         self._incoming[desc.uuid] = transfer
         self._incoming_req[desc.uuid] = desc.request_id
 
-    def _on_push(self, msg: m.Push) -> None:
+    def _on_push(self, msg: m.Push, wire_uuid: str | None = None) -> None:
+        """Send a kept tensor to ``msg.dst`` (descriptor first, named ``wire_uuid`` or its own uuid). A TP shard
+        (``msg.tp_dst``): every follower of the producing replica sends its own shard to its counterpart."""
         try:
             tensor = self.store.get(msg.uuid)
         except KeyError as exc:
             log.error("%s: push of %s for %s: %s", self.name, msg.uuid, msg.request_id, exc)
             return
+        if len(msg.tp_dst) > 1 and msg.uuid in self._kept_signal:
+            request_id, signal = self._kept_signal[msg.uuid]
+            role = next(r for r in self.tp_roles.values() if r.leads)
+            for i, follower in enumerate(role.followers, start=1):
+                self._send(rank_name(follower), m.TPPush(request_id=request_id, signal=signal, dst=msg.tp_dst[i],
+                                                         uuid=shard_uuid(msg.uuid, i), release=msg.release))
         if self._pair_dead(self.global_rank, msg.dst):
             log.error("%s: push of %s for %s: pair (%d, %d) is dead", self.name, msg.uuid, msg.request_id,
                       self.global_rank, msg.dst)
@@ -238,7 +259,7 @@ class Worker:
             rank_name(msg.dst),
             m.TensorDesc(
                 request_id=msg.request_id,
-                uuid=msg.uuid,
+                uuid=wire_uuid or msg.uuid,
                 src=self.global_rank,
                 shape=list(tensor.shape),
                 dtype=str(tensor.dtype).removeprefix("torch."),
@@ -253,6 +274,64 @@ class Worker:
             return
         self._outgoing.append(_Outgoing(transfer, msg.uuid, msg.release, msg.dst))
 
+    # ---- tensor parallelism (see mstar_dist/worker/tp.py) ----
+    def _on_tp_push(self, msg: m.TPPush) -> None:
+        uuid = self._follower.kept.pop((msg.request_id, msg.signal), None)
+        if uuid is None:
+            log.error("%s: no shard of %r for %s to push", self.name, msg.signal, msg.request_id)
+            return
+        self._on_push(m.Push(request_id=msg.request_id, uuid=uuid, dst=msg.dst, release=msg.release),
+                      wire_uuid=msg.uuid)
+
+    def _lead_tp(self, node: str, calls: list[NodeCall]) -> None:
+        """Before a TP leader runs a batch: every follower gets the same batch (its own shards of kept inputs)."""
+        role = self.tp_roles[node]
+        for i, follower in enumerate(role.followers, start=1):
+            self._send(rank_name(follower), step_for(calls, self._input_refs, i))
+
+    def _run_follower_steps(self) -> None:
+        """Replay the leaders' batches in the order they were sent; a step waits for its shards to arrive."""
+        follower = self._follower
+        while follower.steps:
+            step = follower.steps[0]
+            for request_id in step.release:
+                self.components[step.node].release(request_id)
+                follower.forget(request_id)
+            step.release.clear()
+            try:
+                calls = follower.calls_of(step, self._shard)
+            except Exception as exc:  # a shard that cannot arrive: the leader's collectives fail by timeout
+                log.error("%s: TP step of %s cannot run: %s", self.name, step.node, exc)
+                calls = []
+            if calls is None:
+                if follower.waited(step) > self.transfer_timeout_s:
+                    log.error("%s: a TP step of %s waited %.0f s for its shards; dropping it", self.name,
+                              step.node, self.transfer_timeout_s)
+                    follower.steps.popleft()
+                return
+            follower.steps.popleft()
+            follower.since.pop(id(step), None)
+            if calls:
+                try:
+                    results = self.components[step.node].run_batch(calls)
+                except Exception as exc:  # the leader's copy of this batch fails the same way (or its peers')
+                    log.error("%s: TP batch of %s failed: %s", self.name, step.node, exc)
+                    continue
+                follower.keep(calls, results, self.store)
+
+    def _shard(self, uuid: str) -> torch.Tensor | None:
+        """This follower's shard ``uuid`` once its receive completed (None while in flight)."""
+        transfer = self._incoming.get(uuid)
+        if transfer is None:
+            return None
+        state = _state(transfer)
+        if state == "pending":
+            return None
+        del self._incoming[uuid], self._incoming_req[uuid]
+        if state != "done":
+            raise RuntimeError(f"shard {uuid} did not arrive: {state}")
+        return transfer.tensor
+
     def _remove(self, request_id: str) -> None:
         self._removed[request_id] = None
         while len(self._removed) > 100_000:
@@ -265,8 +344,18 @@ class Worker:
         self._early_stops.pop(request_id, None)
         self._drop_streams(request_id)
         self._drop_spans(request_id)
-        for component in self.components.values():
+        for key in [k for k in self._input_refs if k[0] == request_id]:
+            del self._input_refs[key]
+        for uuid in [u for u, (rid, _) in self._kept_signal.items() if rid == request_id]:
+            del self._kept_signal[uuid]
+        for node, component in self.components.items():
+            role = self.tp_roles.get(node)
+            if role is not None and not role.leads:
+                continue  # released in the leader's step order (TPStep.release)
             component.release(request_id)
+            if role is not None:
+                for follower in role.followers:
+                    self._send(rank_name(follower), m.TPStep(node=node, calls=[], release=[request_id]))
         self.store.drop_tag(request_id)
 
     # ---- transfers ----
@@ -334,6 +423,9 @@ class Worker:
     def _start_walk(self, msg: m.RunWalk, received: dict[str, torch.Tensor]) -> None:
         try:
             inputs = {name: self._resolve(value, received.get(name)) for name, value in msg.inputs.items()}
+            refs = {name: v.uuid for name, v in msg.inputs.items() if isinstance(v, m.TensorRef)}
+            if refs and self.tp_roles:
+                self._input_refs[(msg.request_id, msg.walk)] = refs
             for name in msg.release:  # consumed here, on the producer's own rank: the walk holds the tensor now
                 self.store.unpersist(msg.inputs[name].uuid)
             section = self.graphs[msg.walk]
@@ -408,6 +500,9 @@ class Worker:
                 results: list = [GraphError(f"node {node!r} is not placed on rank {self.global_rank}")] * len(calls)
             else:
                 try:
+                    role = self.tp_roles.get(node)
+                    if role is not None and role.leads:
+                        self._lead_tp(node, calls)
                     results = component.run_batch(calls)
                     if len(results) != len(calls):
                         raise RuntimeError(f"{node}.run_batch returned {len(results)} results for {len(calls)} calls")
@@ -484,6 +579,7 @@ class Worker:
         self._drop_streams(run.request_id, consumer=run)
         self._spans.pop((run.request_id, run.walk), None)
         self._arrivals.pop((run.request_id, run.walk), None)
+        self._input_refs.pop((run.request_id, run.walk), None)
         outputs: dict[str, m.Value] = {}
         for signal, value in run.outputs.items():
             if is_remote(value):
@@ -495,6 +591,8 @@ class Worker:
             nbytes = value.numel() * value.element_size()
             if signal in run.persist_signals or nbytes > self.inline_max_bytes:
                 uuid = self.store.put(value, refs=0, persist=True, tag=run.request_id)
+                if self.tp_roles:
+                    self._kept_signal[uuid] = (run.request_id, signal)
                 outputs[signal] = m.TensorRef(
                     uuid=uuid, rank=self.global_rank, shape=list(value.shape),
                     dtype=str(value.dtype).removeprefix("torch."), nbytes=nbytes,
