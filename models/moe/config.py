@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from models.llama.config import Llama3RopeScaling, _rope_from_hf
+from models.llama.config import Llama3RopeScaling, _rope_from_hf  # the same RoPE keys and checks as Llama
 
 
 @dataclass(frozen=True)

@@ -123,7 +123,10 @@ class Experts(nn.Module):
         return out
 
     def _gathered(self, x: torch.Tensor, selected: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Gather each assignment's expert weights and batch-matmul: no host sync (decode, CUDA graphs)."""
+        """Gather each assignment's expert weights and batch-matmul: no host sync (decode, CUDA graphs).
+
+        Copies N*k experts' weights, at most E's when N*k <= E: at worst twice the grouped path's weight traffic.
+        A fused grouped-GEMM kernel would replace both paths."""
         N, k = selected.shape
         flat = selected.reshape(-1)  # (N*k,)
         xs = x[:, None].expand(N, k, x.shape[1]).reshape(N * k, x.shape[1], 1)  # (N*k, H, 1)
@@ -202,6 +205,7 @@ class Qwen3Moe(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size)  # replicated: full logits on every rank
         self.tie_weights()
+        # Llama's rope_tables reads head_dim, rope_theta, rope_scaling, max_position_embeddings: MoEConfig has them
         cos, sin = rope_tables(config, dtype=self.embed.weight.dtype, device=self.embed.weight.device)
         self.register_buffer("rope_cos", cos, persistent=False)  # (max_pos, hd)
         self.register_buffer("rope_sin", sin, persistent=False)  # (max_pos, hd), signed
