@@ -7,6 +7,13 @@ The model knows nothing about batching or cache layout: every attention layer ha
 Parameters are fused where it saves kernel launches on the decode path (gpt-fast style): `wqkv` is
 [q_proj; k_proj; v_proj] and `w_gate_up` is [gate_proj; up_proj]. weights.py maps HF names onto them.
 Shape legend: B batch, T new tokens, d hidden, nh/nkv query/KV heads, hd head dim, I MLP width, V vocab.
+
+Tensor parallelism (models/common/tp.py): `Llama(config, tp=...)` builds one rank's shard. Query and KV heads
+are split over the TP group (wqkv column-parallel per q/k/v part, wo row-parallel: one all-reduce), the MLP's
+gate/up are column-parallel and down row-parallel (a second all-reduce per block); the embedding, norms and
+LM head are replicated (the simplest correct choice: every rank computes the full logits, no gather). With
+`TPGroup.single()` (the default) every layer is the plain skinny-GEMM `Linear` and nothing communicates.
+In the TP case nh/nkv below are this rank's heads (`Llama.local_heads`, `Llama.local_kv_heads`).
 """
 
 from __future__ import annotations
@@ -18,36 +25,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.common.linear import Linear
+from models.common.tp import ColumnParallelLinear, RowParallelLinear, TPGroup, split_heads
 from models.llama.config import Llama3RopeScaling, LlamaConfig
 
 if TYPE_CHECKING:
     from mstar_dist.engine.kv_cache import AttentionCache
 
 
-_SKINNY_ROWS = 8
-
-
-class Linear(nn.Linear):
-    """nn.Linear without bias whose CPU forward is fast for the few rows of a decode step.
-
-    MKL multiplies (w @ x^T) far faster than F.linear's (x @ w^T) when x has 1-8 rows. Measured on our
-    2-core CPU machine, SmolLM2-135M fp32, all 120 layer GEMMs of one step: 8 rows 33 -> 25 ms; 1 row
-    25 -> 11 ms once padded to 2 rows (a single row takes MKL's slower GEMV path); the 49152-row LM head
-    6.7 -> 3.0 ms. More rows (prefill) and other devices use F.linear.
-    """
-
-    def __init__(self, in_features: int, out_features: int) -> None:
-        super().__init__(in_features, out_features, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1]
-        if x.device.type != "cpu" or rows > _SKINNY_ROWS:
-            return F.linear(x, self.weight)
-        x2 = x.reshape(rows, x.shape[-1])
-        if rows == 1:
-            x2 = torch.cat((x2, x2))
-        out = torch.mm(self.weight, x2.t())  # (out, rows or 2)
-        return out.t()[:rows].reshape(*x.shape[:-1], self.out_features)
+__all__ = ["Linear", "RMSNorm", "Llama", "apply_rope", "llama3_inv_freq", "rope_tables"]  # Linear moved to models/common
 
 
 class RMSNorm(nn.Module):
@@ -102,18 +88,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> 
 
 
 class Attention(nn.Module):
-    def __init__(self, config: LlamaConfig, layer_idx: int) -> None:
+    def __init__(self, config: LlamaConfig, layer_idx: int, tp: TPGroup) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
-        qkv_out = (config.n_heads + 2 * config.n_kv_heads) * config.head_dim
-        self.wqkv = Linear(config.hidden_size, qkv_out)
-        self.wo = Linear(config.n_heads * config.head_dim, config.hidden_size)
+        self.n_heads, self.n_kv_heads = split_heads(config.n_heads, config.n_kv_heads, tp)  # this rank's
+        hd = self.head_dim = config.head_dim
+        q, kv = config.n_heads * hd, config.n_kv_heads * hd
+        self.wqkv = ColumnParallelLinear(config.hidden_size, q + 2 * kv, tp, parts=(q, kv, kv))
+        self.wo = RowParallelLinear(q, config.hidden_size, tp)  # all-reduce over the TP group
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: AttentionCache
                 ) -> torch.Tensor:
         B, T, _ = x.shape
-        nh, nkv, hd = self.n_heads, self.n_kv_heads, self.head_dim
+        nh, nkv, hd = self.n_heads, self.n_kv_heads, self.head_dim  # this rank's heads
         qkv = self.wqkv(x).view(B, T, nh + 2 * nkv, hd)
         qk = apply_rope(qkv[:, :, :nh + nkv], cos, sin)  # q and k rotated in one pass: (B, T, nh+nkv, hd)
         q = qk[:, :, :nh].transpose(1, 2)  # (B, nh, T, hd)
@@ -124,23 +111,24 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, tp: TPGroup) -> None:
         super().__init__()
-        self.w_gate_up = Linear(config.hidden_size, 2 * config.intermediate_size)
-        self.w_down = Linear(config.intermediate_size, config.hidden_size)
+        inter = config.intermediate_size
+        self.w_gate_up = ColumnParallelLinear(config.hidden_size, 2 * inter, tp, parts=(inter, inter))
+        self.w_down = RowParallelLinear(inter, config.hidden_size, tp)  # all-reduce over the TP group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w_gate_up(x).chunk(2, dim=-1)  # (B, T, I) each
+        gate, up = self.w_gate_up(x).chunk(2, dim=-1)  # (B, T, I / tp_size) each
         return self.w_down(F.silu(gate) * up)
 
 
 class Block(nn.Module):
-    def __init__(self, config: LlamaConfig, layer_idx: int) -> None:
+    def __init__(self, config: LlamaConfig, layer_idx: int, tp: TPGroup) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.attn = Attention(config, layer_idx)
+        self.attn = Attention(config, layer_idx, tp)
         self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, tp)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: AttentionCache
                 ) -> torch.Tensor:
@@ -149,13 +137,22 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
-    """Decoder-only Llama. Build under `torch.device("meta")` and load with weights.load_llama."""
+    """Decoder-only Llama. Build under `torch.device("meta")` and load with weights.load_llama.
 
-    def __init__(self, config: LlamaConfig) -> None:
+    `tp`: the tensor-parallel group this model is one shard of (default: none). Every member of the group must
+    run the same forward calls in the same order with the same inputs (two all-reduces per block over
+    `tp.group`); each holds `local_kv_heads` KV heads in its cache. ValueError unless tp.size divides n_heads,
+    n_kv_heads and intermediate_size.
+    """
+
+    def __init__(self, config: LlamaConfig, tp: TPGroup = TPGroup.single()) -> None:
         super().__init__()
         self.config = config
+        self.tp = tp
+        # query / KV heads on this rank: a TP rank's KV cache holds local_kv_heads heads
+        self.local_heads, self.local_kv_heads = split_heads(config.n_heads, config.n_kv_heads, tp)
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
+        self.layers = nn.ModuleList(Block(config, i, tp) for i in range(config.n_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
         self.tie_weights()

@@ -1,0 +1,81 @@
+"""Read an HF-layout safetensors checkpoint into a model built on `meta`: only this TP rank's shard of each tensor.
+
+A model family describes its checkpoint as `sources`: our parameter name -> the checkpoint tensors (full HF
+names, in the order they fuse along dim 0) that make it. The module owning the parameter decides how a TP rank
+cuts its shard: a module with ``weight_loader(attr, parts)`` (models/common/tp.py's parallel linears, MoE
+experts) returns the local tensor from the parts, given as safetensors slices so that only the shard is read
+from disk; any other module's parameter is replicated (the parts are read whole and concatenated).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+
+class SafetensorsDir:
+    """Every *.safetensors file of a directory, opened once; tensors are looked up by their full name."""
+
+    def __init__(self, weights_dir: Path) -> None:
+        files = sorted(Path(weights_dir).glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors files in {weights_dir}")
+        self._stack = ExitStack()
+        self._where: dict[str, Any] = {}
+        for file in files:
+            handle = self._stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
+            for name in handle.keys():
+                self._where[name] = handle
+
+    def __enter__(self) -> "SafetensorsDir":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    def names(self) -> set[str]:
+        return set(self._where)
+
+    def slice(self, name: str) -> Any:
+        """A lazy view of tensor `name` (safetensors PySafeSlice): indexing it reads only the indexed part."""
+        return self._where[name].get_slice(name)
+
+
+def load_sharded_state(model: nn.Module, sources: dict[str, tuple[str, ...]], ckpt: SafetensorsDir, *,
+                       device: torch.device | str, dtype: torch.dtype, source: Path,
+                       ignored: Callable[[str], bool] = lambda name: False) -> dict[str, torch.Tensor]:
+    """Our state dict for `model` (built on meta, possibly TP-sharded) from `ckpt`, cast to `dtype` on `device`.
+
+    ValueError (naming `source`) for checkpoint tensors that `sources` needs and the files lack, for tensors
+    the files hold that neither `sources` uses nor `ignored` accepts, and for a tensor whose (sharded) shape is
+    not the model's. Parameters of `model` absent from `sources` are not filled here (e.g. a tied head).
+    """
+    names = ckpt.names()
+    missing = [n for parts in sources.values() for n in parts if n not in names]
+    if missing:
+        raise ValueError(f"{source}: checkpoint lacks {len(missing)} tensors, e.g. {missing[:4]}")
+    used = {n for parts in sources.values() for n in parts}
+    extra = sorted(n for n in names - used if not ignored(n))
+    if extra:
+        raise ValueError(f"{source}: checkpoint has {len(extra)} unexpected tensors, e.g. {extra[:4]}")
+    expected = model.state_dict()  # meta tensors: shapes only
+    state: dict[str, torch.Tensor] = {}
+    for name, parts in sources.items():
+        module_name, _, attr = name.rpartition(".")
+        loader = getattr(model.get_submodule(module_name), "weight_loader", None)
+        slices = [ckpt.slice(n) for n in parts]
+        if loader is not None:
+            tensor = loader(attr, slices)
+        else:
+            tensor = torch.cat([s[:] for s in slices]) if len(slices) > 1 else slices[0][:]
+        if tensor.shape != expected[name].shape:
+            raise ValueError(f"{source}: tensor for {name} has shape {tuple(tensor.shape)} on this rank, "
+                             f"config.json implies {tuple(expected[name].shape)}")
+        state[name] = tensor.to(device=device, dtype=dtype)
+    return state

@@ -1,0 +1,65 @@
+"""Qwen3-MoE chat model: LlamaChat's walks (prefill, decode loop) around the MoE decoder of models/moe/model.py.
+
+Registry key (models/__init__.py, added by the integrator): ``"qwen3_moe": MoEChat``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from models.common.tp import TPGroup
+from models.llama.chat import LLM, LlamaChat
+from models.moe.routers import parse_router_spec, resolve_router
+from mstar_dist.engine.kv_cache import StaticKVCache
+from mstar_dist.engine.kv_engine import KVCacheEngine
+
+
+class MoEChat(LlamaChat):
+    """``model_kwargs``: LlamaChat's (dtype, max_seq_len, max_batch, cuda_graphs) plus ``router``: the router of every
+    MoE block, a registry name ("topk", the default, HF's routing; "load_biased"), ``package.module:Class``, or
+    ``{"name": ..., **kwargs}`` with the class's keyword arguments (models/moe/routers.py)."""
+
+    name = "qwen3_moe"
+
+    def __init__(self, weights_dir: str | None, **model_kwargs: Any):
+        router = model_kwargs.pop("router", None)
+        super().__init__(weights_dir, **model_kwargs)
+        if router is not None:
+            name, _ = parse_router_spec(router)  # ValueError now, on the conductor, for a bad spec or name
+            resolve_router(name)
+            self.model_kwargs["router"] = router
+        self.router = router
+
+    def build_component(self, node: str, *, device: str, walks: set[str],
+                        tp: TPGroup = TPGroup.single()) -> KVCacheEngine:
+        """The ``LLM`` engine on this rank: its TP shard of the model (`tp`, default none) and a KV cache sized for
+        the shard's KV heads. With TP every member of the group must drive its engine in lockstep."""
+        from models.moe.weights import load_moe
+
+        if node != LLM:
+            raise ValueError(f"{self.name}: no component named {node!r} (only {LLM!r})")
+        dtype = self._dtype(device)
+        graphs = device.startswith("cuda") and bool(self.model_kwargs.get("cuda_graphs", True))
+        model, cfg = load_moe(self.weights_dir, device=device, dtype=dtype, tp=tp, router=self.router)
+        cache = StaticKVCache(
+            n_layers=cfg.n_layers,
+            n_kv_heads=model.local_kv_heads,
+            head_dim=cfg.head_dim,
+            max_slots=self.max_batch + (1 if graphs else 0),  # + the graphs' scratch slot
+            max_seq_len=min(self.max_seq_len, cfg.max_position_embeddings),
+            dtype=dtype,
+            device=device,
+        )
+        return KVCacheEngine(LLM, model, cache, torch.device(device), cuda_graphs=graphs)
+
+    def load_frontend(self) -> None:
+        from models.llama.tokenizer import ChatTokenizer
+        from models.moe.config import MoEConfig
+
+        self.tokenizer = ChatTokenizer(self.weights_dir)
+        cfg = MoEConfig.from_hf(json.loads((Path(self.weights_dir) / "config.json").read_text()))
+        self._context = min(self.max_seq_len, cfg.max_position_embeddings)
