@@ -18,9 +18,11 @@ def get_model_class(name: str):
             raise ValueError(f"model: cannot load {name!r} ({type(exc).__name__}: {exc})") from None
     from models.image.family import BagelImage
     from models.llama.chat import LlamaChat, SmolLM2Chat
+    from models.moe.chat import MoEChat
     from models.speech.orpheus import OrpheusSpeech
 
-    registry = {"llama": LlamaChat, "smollm2": SmolLM2Chat, "orpheus": OrpheusSpeech, "bagel": BagelImage}
+    registry = {"llama": LlamaChat, "smollm2": SmolLM2Chat, "orpheus": OrpheusSpeech, "bagel": BagelImage,
+                "qwen3_moe": MoEChat}
     try:
         return registry[name]
     except KeyError:

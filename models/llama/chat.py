@@ -29,6 +29,7 @@ class LlamaChat(CompositeModel):
     ``cuda_graphs`` (decode steps replay captured CUDA graphs; default true on CUDA)."""
 
     name = "llama"
+    tp_nodes = frozenset({LLM})
 
     def __init__(self, weights_dir: str | None, **model_kwargs: Any):
         unknown = set(model_kwargs) - {"dtype", "max_seq_len", "max_batch", "cuda_graphs"}
@@ -73,17 +74,20 @@ class LlamaChat(CompositeModel):
             raise ValueError(f"model_kwargs.dtype: {name!r} is not a floating dtype")
         return dtype
 
-    def build_component(self, node: str, *, device: str, walks: set[str]) -> KVCacheEngine:
+    def build_component(self, node: str, *, device: str, walks: set[str], tp=None) -> KVCacheEngine:
+        """The ``LLM`` engine on this rank; with ``tp`` (models.common.tp.TPGroup) only this rank's shard of the
+        model and a KV cache for the shard's KV heads (every member of the group drives its engine in lockstep)."""
+        from models.common.tp import TPGroup
         from models.llama.weights import load_llama
 
         if node != LLM:
             raise ValueError(f"{self.name}: no component named {node!r} (only {LLM!r})")
         dtype = self._dtype(device)
         graphs = device.startswith("cuda") and bool(self.model_kwargs.get("cuda_graphs", True))
-        model, cfg = load_llama(self.weights_dir, device=device, dtype=dtype)
+        model, cfg = load_llama(self.weights_dir, device=device, dtype=dtype, tp=tp or TPGroup.single())
         cache = StaticKVCache(
             n_layers=cfg.n_layers,
-            n_kv_heads=cfg.n_kv_heads,
+            n_kv_heads=model.local_kv_heads,
             head_dim=cfg.head_dim,
             max_slots=self.max_batch + (1 if graphs else 0),  # + the graphs' scratch slot
             max_seq_len=min(self.max_seq_len, cfg.max_position_embeddings),

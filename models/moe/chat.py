@@ -18,6 +18,10 @@ from mstar_dist.engine.kv_cache import StaticKVCache
 from mstar_dist.engine.kv_engine import KVCacheEngine
 
 
+DEFAULT_MOE_DIR = "~/.cache/mstar_dist/qwen3-moe-tiny"
+"""Prepared on first start with a tiny random checkpoint of the HF Qwen3-MoE layout (models/moe/checkpoint.py)."""
+
+
 class MoEChat(LlamaChat):
     """``model_kwargs``: LlamaChat's (dtype, max_seq_len, max_batch, cuda_graphs) plus ``router``: the router of every
     MoE block, a registry name ("topk", the default, HF's routing; "load_biased"), ``package.module:Class``, or
@@ -27,7 +31,7 @@ class MoEChat(LlamaChat):
 
     def __init__(self, weights_dir: str | None, **model_kwargs: Any):
         router = model_kwargs.pop("router", None)
-        super().__init__(weights_dir, **model_kwargs)
+        super().__init__(str(Path(weights_dir or DEFAULT_MOE_DIR).expanduser()), **model_kwargs)
         if router is not None:
             name, _ = parse_router_spec(router)  # ValueError now, on the conductor, for a bad spec or name
             resolve_router(name)
@@ -55,6 +59,26 @@ class MoEChat(LlamaChat):
             device=device,
         )
         return KVCacheEngine(LLM, model, cache, torch.device(device), cuda_graphs=graphs)
+
+    def prepare_weights(self) -> None:
+        import shutil
+        import tempfile
+
+        from models.moe.checkpoint import make_moe_checkpoint
+
+        out = Path(self.weights_dir)
+        if (out / "config.json").is_file():
+            return
+        if out != Path(DEFAULT_MOE_DIR).expanduser():
+            raise FileNotFoundError(f"weights: {out} is not a checkpoint directory (only the default "
+                                    f"{DEFAULT_MOE_DIR} is prepared automatically)")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
+        try:  # the plain writer: the same bytes with or without transformers installed
+            make_moe_checkpoint(tmp, seed=0, writer="plain")
+            tmp.rename(out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
     def load_frontend(self) -> None:
         from models.llama.tokenizer import ChatTokenizer
