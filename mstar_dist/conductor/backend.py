@@ -53,7 +53,8 @@ class ConductorBackend:
             return False, "shutting down"
         down = c.unservable_walks()
         if down:
-            return False, f"no live replica for walks {down}; dead ranks: {c.dead_ranks}"
+            dead = ", ".join(f"rank {r} ({why})" for r, why in sorted(c.dead_ranks.items()))
+            return False, f"no live replica for walks {down}; dead: {dead}"
         return True, "ok"
 
     def metrics_text(self) -> str:

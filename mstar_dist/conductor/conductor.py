@@ -426,7 +426,7 @@ class Conductor:
             return  # finished or aborted meanwhile; the ranks got RemoveRequest
         if done.error is not None:
             host = self.rank_hosts.get(done.rank, "?")
-            self._finish_error(req, 500, f"rank {done.rank} ({host}) failed walk {done.walk!r}: {done.error}")
+            self._finish_error(req, done.status, f"rank {done.rank} ({host}) failed walk {done.walk!r}: {done.error}")
             return
         outputs = {
             k: (v if isinstance(v, m.TensorRef) else decode_tensor(v, torch.device("cpu")))

@@ -260,6 +260,8 @@ class WalkDone(msgspec.Struct, tag=True):
     outputs: dict[str, Value]
     error: str | None = None
     finish_reason: str | None = None
+    status: int = 500
+    """HTTP status for ``error``: 503 when the rank could not serve it for lack of a peer (a TP member died)."""
 
 
 class Ready(msgspec.Struct, tag=True):

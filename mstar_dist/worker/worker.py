@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed  # noqa: F401 -- DistError, for TP batch failures
 
 from mstar_dist.control import messages as m
 from mstar_dist.engine.component import Component, WalkContext
@@ -508,6 +509,8 @@ class Worker:
                         raise RuntimeError(f"{node}.run_batch returned {len(results)} results for {len(calls)} calls")
                 except Exception as exc:  # a broken batch fails exactly the requests in it
                     results = [exc] * len(calls)
+                if node in self.tp_roles:
+                    results = [_tp_failure(self.tp_roles[node], r) for r in results]
             for call, result in zip(calls, results):
                 run = call.run
                 if result is None or self._runs.get((run.request_id, run.walk)) is not run:
@@ -606,6 +609,7 @@ class Worker:
         )
 
     def _fail_run(self, run: WalkRun, exc: BaseException) -> None:
+        status = 503 if isinstance(exc, TPPeerLost) else 500
         log.error("%s: request %s failed in walk %s:\n%s", self.name, run.request_id, run.walk,
                   "".join(traceback.format_exception(exc)))
         self._runs.pop((run.request_id, run.walk), None)
@@ -614,7 +618,7 @@ class Worker:
         for component in self.components.values():
             component.release(run.request_id)
         self._send(CONDUCTOR, m.WalkDone(request_id=run.request_id, walk=run.walk, rank=self.global_rank,
-                                         outputs={}, error=f"{type(exc).__name__}: {exc}"))
+                                         outputs={}, error=f"{type(exc).__name__}: {exc}", status=status))
 
     def _abort_pair(self, src: int, dst: int, reason: str, tell_peer: bool = True) -> None:
         """Declare the directed pair (src, dst) dead for good here and, unless the peer told us, on the peer."""
@@ -859,6 +863,24 @@ class Worker:
             host_staging_copies=int(st.get("host_staging_copies", 0)),
             engine=dict(engine),
         ))
+
+
+class TPPeerLost(RuntimeError):
+    """A TP batch failed in its collectives: a member of the replica died or its group broke (a 503)."""
+
+
+def _tp_failure(role: TPRole, result: Any) -> Any:
+    """A collective error of a TP batch as :class:`TPPeerLost` naming the replica's other ranks; else as is."""
+    if not isinstance(result, BaseException) or isinstance(result, TPPeerLost):
+        return result
+    text = str(result)
+    if not (isinstance(result, torch.distributed.DistError) or "Connection" in text or "Gloo" in text
+            or "NCCL" in text):
+        return result
+    others = [r for r in role.ranks if r != role.me]
+    who = f"rank {others[0]}" if len(others) == 1 else f"one of ranks {others}"
+    return TPPeerLost(f"{who} of the tensor-parallel replica {list(role.ranks)} of {role.node!r} is unreachable "
+                      f"(died or its group broke): {text}")
 
 
 class _Failed:

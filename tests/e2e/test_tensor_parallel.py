@@ -1,0 +1,103 @@
+"""Tensor parallelism through the real launcher (gloo on CPU): the Qwen3-MoE-shaped family (tiny random weights
+prepared on first start) at TP1, TP2, P/D with TP2 on both sides and TP2 across two hosts; SmolLM2 at TP3.
+
+A failure here means a TP replica does not run in lockstep (followers replay a different batch, the KV shards of a
+P/D split do not reach their counterparts), sharding changes the greedy text, or losing a member of a TP replica
+hangs or fails its requests with something other than a 503 naming the rank.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import time
+
+import httpx
+import pytest
+
+from tests.e2e.server import REPO, WEIGHTS, Server, per_rank
+
+MOE = {"weights": "~/.cache/mstar_dist/qwen3-moe-tiny"}
+PROMPTS = ["Tell me a story", "The capital of France is", "Count to ten:"]
+
+
+def greedy(base_url: str, n: int = 16) -> list[str]:
+    out = []
+    for prompt in PROMPTS:
+        r = httpx.post(f"{base_url}/generate", timeout=120, json={
+            "prompt": prompt, "model_kwargs": {"max_tokens": n, "temperature": 0}})
+        assert r.status_code == 200, r.text
+        out.append(r.json()["text"])
+    return out
+
+
+def serve(config: str, nproc: int, overrides: dict, nodes: list[int] | None = None) -> list[str]:
+    server = Server(REPO / config, nproc, overrides=overrides, nodes=nodes)
+    try:
+        text = greedy(server.base_url)
+        live = per_rank(server.base_url, "mstar_dist_live_tensors")
+    finally:
+        assert server.stop_clean(sum(nodes or [nproc])), server.log()
+    assert not any(live.values()), live
+    return text
+
+
+@pytest.fixture(scope="module")
+def moe_tp1() -> list[str]:
+    one_rank = [{"node_names": ["LLM"], "ranks": [0], "graph_walks": ["prefill", "decode"]}]
+    return serve("launch/configs/moe_tp2.yaml", 1, {**MOE, "node_groups": one_rank})
+
+
+def test_moe_tp2_gives_the_tp1_text(moe_tp1):
+    assert serve("launch/configs/moe_tp2.yaml", 2, MOE) == moe_tp1
+
+
+def test_moe_pd_with_tp2_on_both_sides_gives_the_same_text(moe_tp1):
+    assert serve("launch/configs/moe_pd_tp2.yaml", 4, MOE) == moe_tp1
+
+
+def test_moe_tp2_across_two_hosts_serves_the_same_text(moe_tp1):
+    assert serve("launch/configs/moe_tp2_2host.yaml", 0, MOE, nodes=[1, 1]) == moe_tp1
+
+
+def test_smollm2_tp3_gives_the_tp1_text():
+    tp3 = [{"node_names": ["LLM"], "ranks": [0, 1, 2], "tp_size": 3, "graph_walks": ["prefill", "decode"],
+            "cpu_threads": 1}]
+    one = [{"node_names": ["LLM"], "ranks": [0], "graph_walks": ["prefill", "decode"], "cpu_threads": 1}]
+    base = {"weights": WEIGHTS}
+    assert serve("launch/configs/smollm2_single.yaml", 3, {**base, "node_groups": tp3}) == \
+        serve("launch/configs/smollm2_single.yaml", 1, {**base, "node_groups": one})
+
+
+def test_losing_a_tp_member_fails_its_requests_with_a_503_naming_it():
+    server = Server(REPO / "launch/configs/moe_tp2_2host.yaml", 0, nodes=[1, 1],
+                    overrides={**MOE, "limits": {"max_concurrent_requests": 8, "request_timeout_s": 120,
+                                                 "max_tokens": 256, "rank_timeout_s": 6}})
+    try:
+        def long_one(i: int) -> httpx.Response:
+            return httpx.post(f"{server.base_url}/generate", timeout=60, json={
+                "prompt": f"story {i}", "model_kwargs": {"max_tokens": 250, "temperature": 0.8, "seed": i}})
+
+        with cf.ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(long_one, i) for i in range(3)]
+            time.sleep(1.0)
+            server.kill_node(1)  # host node-b: rank 1, the follower
+            t_kill = time.monotonic()
+            futures.append(pool.submit(long_one, 99))  # reaches the leader before rank 1 is declared dead
+            responses = [f.result(timeout=60) for f in futures]
+        assert time.monotonic() - t_kill < 6 + 5, "requests must end within rank_timeout_s, never hang"
+        failed = [r for r in responses if r.status_code != 200]
+        assert failed and all(r.status_code == 503 and "rank 1" in r.text for r in failed), \
+            [(r.status_code, r.text[:200]) for r in responses]
+        # the leader lives on and says why it cannot serve
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            health = httpx.get(f"{server.base_url}/health", timeout=10)
+            if health.status_code == 503 and "1" in health.text:
+                break
+            time.sleep(0.3)
+        assert health.status_code == 503, health.text
+        r = httpx.post(f"{server.base_url}/generate", timeout=30, json={"prompt": "hi",
+                                                                        "model_kwargs": {"max_tokens": 4}})
+        assert r.status_code == 503 and "rank 1" in r.text, r.text  # refused at once, naming the dead rank
+    finally:
+        server.stop()
