@@ -48,7 +48,8 @@ def check(weights: str) -> None:
     if rank == 0:
         runs["tp1"] = TPGroup.single()
     out = {}
-    ids = torch.randint(0, 1000, (1, 24), generator=torch.Generator().manual_seed(0)).cuda()
+    vocab = json.loads(Path(weights, "config.json").read_text())["vocab_size"]
+    ids = torch.randint(0, vocab, (1, 24), generator=torch.Generator().manual_seed(0)).cuda()
     for name, group in runs.items():
         model, cfg = load_moe(weights, device="cuda", dtype=torch.float32, tp=group)
         calls = [[] for _ in model.layers]
