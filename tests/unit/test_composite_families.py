@@ -92,6 +92,15 @@ def test_speech_split_equals_single_and_follows_the_window_policy(weights):
     assert len(audio[2]) == 2 * frame_samples * 2  # holding the 2 complete frames
 
 
+def test_first_audio_leaves_before_the_llm_writes_its_last_code(weights):
+    dep = deployment(OrpheusSpeech, weights["speech"], SPEECH["split"])
+    (events,) = dep.run([speech("long", max_tokens=120)], max_turns=100_000)
+    audio = [e for e in events if isinstance(e, MediaDelta)]
+    end = events[-1]
+    assert isinstance(end, Finished) and len(audio) > 1
+    assert 28 <= audio[0].metadata["tokens_so_far"] < end.completion_tokens  # 4 frames were enough to start
+
+
 def test_speech_knobs_are_checked(weights):
     dep = deployment(OrpheusSpeech, weights["speech"], SPEECH["single"])
     bad_voice, bad_knob = dep.run([speech("v", voice="nobody"), speech("k", speed=2)])
