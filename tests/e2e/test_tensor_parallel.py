@@ -20,9 +20,9 @@ MOE = {"weights": "~/.cache/mstar_dist/qwen3-moe-tiny"}
 PROMPTS = ["Tell me a story", "The capital of France is", "Count to ten:"]
 
 
-def greedy(base_url: str, n: int = 16) -> list[str]:
+def greedy(base_url: str, n: int = 16, prompts: list[str] = PROMPTS) -> list[str]:
     out = []
-    for prompt in PROMPTS:
+    for prompt in prompts:
         r = httpx.post(f"{base_url}/generate", timeout=120, json={
             "prompt": prompt, "model_kwargs": {"max_tokens": n, "temperature": 0}})
         assert r.status_code == 200, r.text
@@ -30,10 +30,10 @@ def greedy(base_url: str, n: int = 16) -> list[str]:
     return out
 
 
-def serve(config: str, nproc: int, overrides: dict, nodes: list[int] | None = None) -> list[str]:
+def serve(config: str, nproc: int, overrides: dict, nodes: list[int] | None = None, **ask) -> list[str]:
     server = Server(REPO / config, nproc, overrides=overrides, nodes=nodes)
     try:
-        text = greedy(server.base_url)
+        text = greedy(server.base_url, **ask)
         live = per_rank(server.base_url, "mstar_dist_live_tensors")
     finally:
         assert server.stop_clean(sum(nodes or [nproc])), server.log()
@@ -63,9 +63,9 @@ def test_smollm2_tp3_gives_the_tp1_text():
     tp3 = [{"node_names": ["LLM"], "ranks": [0, 1, 2], "tp_size": 3, "graph_walks": ["prefill", "decode"],
             "cpu_threads": 1}]
     one = [{"node_names": ["LLM"], "ranks": [0], "graph_walks": ["prefill", "decode"], "cpu_threads": 1}]
-    base = {"weights": WEIGHTS}
-    assert serve("launch/configs/smollm2_single.yaml", 3, {**base, "node_groups": tp3}) == \
-        serve("launch/configs/smollm2_single.yaml", 1, {**base, "node_groups": one})
+    base, ask = {"weights": WEIGHTS}, {"n": 8, "prompts": PROMPTS[1:]}  # 30 layers x 2 gloo all-reduces per token
+    assert serve("launch/configs/smollm2_single.yaml", 3, {**base, "node_groups": tp3}, **ask) == \
+        serve("launch/configs/smollm2_single.yaml", 1, {**base, "node_groups": one}, **ask)
 
 
 def test_losing_a_tp_member_fails_its_requests_with_a_503_naming_it():
