@@ -34,6 +34,10 @@ def serve(config: str, nproc: int, overrides: dict, nodes: list[int] | None = No
     server = Server(REPO / config, nproc, overrides=overrides, nodes=nodes)
     try:
         text = greedy(server.base_url, **ask)
+        served = httpx.get(f"{server.base_url}/v1/models", timeout=10).json()["data"][0]["id"]
+        chat = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=120, json={
+            "model": served, "max_tokens": 4, "temperature": 0, "messages": [{"role": "user", "content": "Hi"}]})
+        assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] > 0, chat.text
         live = per_rank(server.base_url, "mstar_dist_live_tensors")
     finally:
         assert server.stop_clean(sum(nodes or [nproc])), server.log()
