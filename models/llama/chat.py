@@ -78,13 +78,12 @@ class LlamaChat(CompositeModel):
         """The ``LLM`` engine on this rank; with ``tp`` (models.common.tp.TPGroup) only this rank's shard of the
         model and a KV cache for the shard's KV heads (every member of the group drives its engine in lockstep)."""
         from models.common.tp import TPGroup
-        from models.llama.weights import load_llama
 
         if node != LLM:
             raise ValueError(f"{self.name}: no component named {node!r} (only {LLM!r})")
         dtype = self._dtype(device)
         graphs = device.startswith("cuda") and bool(self.model_kwargs.get("cuda_graphs", True))
-        model, cfg = load_llama(self.weights_dir, device=device, dtype=dtype, tp=tp or TPGroup.single())
+        model, cfg = self._load_model(device, dtype, tp or TPGroup.single())
         cache = StaticKVCache(
             n_layers=cfg.n_layers,
             n_kv_heads=model.local_kv_heads,
@@ -95,6 +94,12 @@ class LlamaChat(CompositeModel):
             device=device,
         )
         return KVCacheEngine(LLM, model, cache, torch.device(device), cuda_graphs=graphs)
+
+    def _load_model(self, device: str, dtype: torch.dtype, tp):
+        """(model, config) of this rank's shard; the model has ``local_kv_heads`` and the KV-cache interface."""
+        from models.llama.weights import load_llama
+
+        return load_llama(self.weights_dir, device=device, dtype=dtype, tp=tp)
 
     # ---- conductor side ----
     def load_frontend(self) -> None:

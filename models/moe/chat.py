@@ -14,8 +14,6 @@ import torch
 from models.common.tp import TPGroup
 from models.llama.chat import LLM, LlamaChat
 from models.moe.routers import parse_router_spec, resolve_router
-from mstar_dist.engine.kv_cache import StaticKVCache
-from mstar_dist.engine.kv_engine import KVCacheEngine
 
 
 DEFAULT_MOE_DIR = "~/.cache/mstar_dist/qwen3-moe-tiny"
@@ -38,27 +36,10 @@ class MoEChat(LlamaChat):
             self.model_kwargs["router"] = router
         self.router = router
 
-    def build_component(self, node: str, *, device: str, walks: set[str],
-                        tp: TPGroup = TPGroup.single()) -> KVCacheEngine:
-        """The ``LLM`` engine on this rank: its TP shard of the model (`tp`, default none) and a KV cache sized for
-        the shard's KV heads. With TP every member of the group must drive its engine in lockstep."""
+    def _load_model(self, device: str, dtype: torch.dtype, tp: TPGroup):
         from models.moe.weights import load_moe
 
-        if node != LLM:
-            raise ValueError(f"{self.name}: no component named {node!r} (only {LLM!r})")
-        dtype = self._dtype(device)
-        graphs = device.startswith("cuda") and bool(self.model_kwargs.get("cuda_graphs", True))
-        model, cfg = load_moe(self.weights_dir, device=device, dtype=dtype, tp=tp, router=self.router)
-        cache = StaticKVCache(
-            n_layers=cfg.n_layers,
-            n_kv_heads=model.local_kv_heads,
-            head_dim=cfg.head_dim,
-            max_slots=self.max_batch + (1 if graphs else 0),  # + the graphs' scratch slot
-            max_seq_len=min(self.max_seq_len, cfg.max_position_embeddings),
-            dtype=dtype,
-            device=device,
-        )
-        return KVCacheEngine(LLM, model, cache, torch.device(device), cuda_graphs=graphs)
+        return load_moe(self.weights_dir, device=device, dtype=dtype, tp=tp, router=self.router)
 
     def prepare_weights(self) -> None:
         import shutil
