@@ -38,6 +38,7 @@ class Metrics:
         self.dead_ranks: dict[int, str] = {}
         self.requests_received = 0
         self.finished: collections.Counter[str] = collections.Counter()
+        self.rejected: collections.Counter[str] = collections.Counter()
         self.tokens_generated = 0
         self.latency = Histogram()
         self.ttft = Histogram()
@@ -46,6 +47,9 @@ class Metrics:
         self.finished[reason] += 1
         if reason not in ("abort", "error"):
             self.latency.observe(seconds)
+
+    def observe_rejected(self, reason: str) -> None:
+        self.rejected[reason] += 1
 
     def render(self, *, active: int, queued: int) -> str:
         lines = [
@@ -56,6 +60,8 @@ class Metrics:
         for reason in ("stop", "length", "abort", "error"):
             lines.append(f'mstar_dist_requests_finished_total{{reason="{reason}"}} {self.finished[reason]}')
         lines += [
+            "# TYPE mstar_dist_requests_rejected_total counter",
+            *[f'mstar_dist_requests_rejected_total{{reason="{r}"}} {n}' for r, n in sorted(self.rejected.items())],
             "# TYPE mstar_dist_requests_running gauge",
             f"mstar_dist_requests_running {active}",
             "# TYPE mstar_dist_requests_queued gauge",

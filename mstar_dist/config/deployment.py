@@ -107,16 +107,21 @@ class Limits:
     max_concurrent_requests: int = 64
     """Requests in flight at once; more wait in the admission queue."""
     request_timeout_s: float = 600.0
-    """Seconds a request may run before it is aborted everywhere."""
+    """Seconds a request may take, from arrival (queued time included), before it fails with a 504 and is
+    aborted everywhere (its tensors and KV freed)."""
     max_tokens: int = 2048
     """The most tokens one request may ask for (a larger ask is a 4xx)."""
     rank_timeout_s: float = 30.0
     """Seconds without any message from a rank (each sends its gauges every 0.5 s) before the conductor declares
     it dead: its in-flight requests fail with a 5xx naming it and new requests avoid it. Longer than the slowest
     step (a long prefill on CPU)."""
+    max_queued_requests: int = 256
+    """Requests that may wait in the admission queue; beyond it a request is refused at once with a 429 and a
+    ``Retry-After`` header (admitted requests keep being served). 0: no waiting at all."""
 
     def __post_init__(self) -> None:
         read_int(self.max_concurrent_requests, "max_concurrent_requests", minimum=1)
+        read_int(self.max_queued_requests, "max_queued_requests", minimum=0)
         object.__setattr__(self, "rank_timeout_s", read_positive_float(self.rank_timeout_s, "rank_timeout_s"))
         object.__setattr__(self, "request_timeout_s", read_positive_float(self.request_timeout_s, "request_timeout_s"))
         read_int(self.max_tokens, "max_tokens", minimum=1)

@@ -281,7 +281,7 @@ def _openai_error(exc: ApiError) -> ErrorResponse:
 
 def _error_response(request: Request, exc: ApiError) -> JSONResponse:
     body = _openai_error(exc).model_dump() if _is_openai(request) else {"error": exc.message}
-    return JSONResponse(body, status_code=exc.status)
+    return JSONResponse(body, status_code=exc.status, headers=exc.headers)
 
 
 def _add_error_handlers(app: FastAPI) -> None:

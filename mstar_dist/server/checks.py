@@ -23,11 +23,14 @@ M = TypeVar("M", bound=BaseModel)
 
 
 class ApiError(Exception):
-    """A request failure with the status and message the client sees; ``param`` names the offending field."""
+    """A request failure with the status and message the client sees; ``param`` names the offending field,
+    ``headers`` go on the response (``Retry-After`` on a 429)."""
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
+        self.headers = dict(headers or {})
 
 
 async def parse_body(request: Request, model: type[M], *, status: int) -> M:

@@ -76,7 +76,8 @@ async def events(backend: GenerationBackend, params: GenerationParams) -> AsyncI
                 raise TypeError(f"backend yielded {type(event).__name__}; expected TextDelta, MediaDelta or Finished")
         raise RuntimeError("backend generator ended without a Finished event")
     except BackendError as exc:
-        raise ApiError(exc.status, exc.message) from exc
+        headers = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s is not None else None
+        raise ApiError(exc.status, exc.message, headers=headers) from exc
     except Exception as exc:
         logger.exception("request %s failed in the backend", params.request_id)
         raise ApiError(500, f"generation failed: {type(exc).__name__}: {exc}") from exc

@@ -291,6 +291,7 @@ def _start_conductor(dep: Deployment, channel: ControlChannel, timeout_s: float,
     conductor = Conductor(
         model=dep.model, placement=dep.placement, channel=channel, token=dep.token,
         world_size=dep.cluster.world_size, max_concurrent=cfg.limits.max_concurrent_requests,
+        max_queued=cfg.limits.max_queued_requests,
         request_timeout_s=cfg.limits.request_timeout_s, rank_hosts=dep.cluster.rank_hosts(),
         rank_timeout_s=cfg.limits.rank_timeout_s, log_stats_s=log_stats_s,
     )
