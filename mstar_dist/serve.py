@@ -19,6 +19,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=None, help="HTTP port (overrides server.port)")
     p.add_argument("--max-concurrent-requests", type=int, default=None, help="overrides limits.max_concurrent_requests")
     p.add_argument("--request-timeout", type=float, default=None, help="seconds; overrides limits.request_timeout_s")
+    p.add_argument("--api-key", default=os.environ.get("MSTAR_API_KEY") or None,
+                   help="every route but /health needs 'Authorization: Bearer KEY' (default: $MSTAR_API_KEY; "
+                        "unset: no authentication)")
+    p.add_argument("--max-body-bytes", type=int, default=None, help="overrides server.max_body_bytes (413 above)")
     p.add_argument("--startup-timeout", type=float, default=300.0,
                    help="seconds every rank has to join, load and report READY (default 300)")
     p.add_argument("--log-level", default=os.environ.get("MSTAR_LOG_LEVEL", "INFO"),

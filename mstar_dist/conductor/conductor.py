@@ -260,12 +260,15 @@ class Conductor:
         try:
             env = m.decode(payload)
         except Exception as exc:
+            self.metrics.rejected_messages += 1
             log.warning("conductor: dropped an undecodable message from %r: %s", sender, exc)
             return
         if env.token != self.token:
-            log.warning("conductor: rejected a message from %r with a foreign deployment token", sender)
+            self.metrics.rejected_messages += 1
+            log.warning("conductor: rejected a message from %r without this launch's deployment secret", sender)
             return
         if env.sender != sender or not re.fullmatch(r"rank\d+", sender):
+            self.metrics.rejected_messages += 1
             log.warning("conductor: rejected a message from unknown sender %r (claims %r)", sender, env.sender)
             return
         body = env.body

@@ -37,6 +37,7 @@ class Metrics:
         self.rank_stats: dict[int, Any] = {}
         self.dead_ranks: dict[int, str] = {}
         self.requests_received = 0
+        self.rejected_messages = 0
         self.finished: collections.Counter[str] = collections.Counter()
         self.rejected: collections.Counter[str] = collections.Counter()
         self.tokens_generated = 0
@@ -73,6 +74,10 @@ class Metrics:
             "# TYPE mstar_dist_time_to_first_token_seconds histogram",
             *self.ttft.lines("mstar_dist_time_to_first_token_seconds"),
         ]
+        lines.append("# TYPE mstar_dist_control_messages_rejected_total counter")
+        lines.append(f'mstar_dist_control_messages_rejected_total{{receiver="conductor"}} {self.rejected_messages}')
+        for rank, st in sorted(self.rank_stats.items()):
+            lines.append(f'mstar_dist_control_messages_rejected_total{{receiver="rank{rank}"}} {st.rejected_messages}')
         lines.append("# TYPE mstar_dist_rank_up gauge")
         for rank in range(self.world_size):
             lines.append(f'mstar_dist_rank_up{{rank="{rank}"}} {0 if rank in self.dead_ranks else 1}')

@@ -135,10 +135,13 @@ class ServerConfig:
     """Interface address for HTTP (0.0.0.0 for all)."""
     port: int = 8000
     """TCP port for HTTP, 1..65535."""
+    max_body_bytes: int = 8 << 20
+    """Largest HTTP request body accepted (bytes, default 8 MiB); a larger one is refused with a 413."""
 
     def __post_init__(self) -> None:
         read_str(self.host, "host")
         read_int(self.port, "port", minimum=1, maximum=65535)
+        read_int(self.max_body_bytes, "max_body_bytes", minimum=1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -207,9 +210,11 @@ class DeploymentConfig:
         port: int | None = None,
         max_concurrent_requests: int | None = None,
         request_timeout_s: float | None = None,
+        max_body_bytes: int | None = None,
     ) -> DeploymentConfig:
         """A copy with CLI flag values in place of the file's; None keeps the file's value."""
-        server = {k: v for k, v in (("host", host), ("port", port)) if v is not None}
+        server = {k: v for k, v in (("host", host), ("port", port), ("max_body_bytes", max_body_bytes))
+                  if v is not None}
         limits = {
             k: v
             for k, v in (("max_concurrent_requests", max_concurrent_requests), ("request_timeout_s", request_timeout_s))

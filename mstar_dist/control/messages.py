@@ -238,6 +238,8 @@ class Stats(msgspec.Struct, tag=True):
     host_staging_copies: int
     engine: dict[str, int] = {}
     """Component counters and gauges (KV slots, decode steps and rows...), summed over this rank's components."""
+    rejected_messages: int = 0
+    """Control messages this rank dropped: undecodable, without the launch's secret, or from a spoofed sender."""
 
 
 Message = Union[
@@ -248,7 +250,8 @@ Message = Union[
 
 class Envelope(msgspec.Struct):
     token: str
-    """Deployment token: every rank derives the same value; a stray sender's envelopes are rejected."""
+    """The launch's secret (drawn by the conductor's rank, shared through the torchrun store); an envelope
+    without it is dropped and counted."""
     sender: str
     body: Message
 

@@ -28,8 +28,9 @@ from starlette.requests import ClientDisconnect
 
 from mstar_dist.server.backend import Finished, GenerationBackend, GenerationParams, MediaDelta, TextDelta
 from mstar_dist.server.checks import (
-    REQUEST_ID_HEADER, ApiError, check_modality, check_model, header_request_id, max_tokens, parse_body,
+    REQUEST_ID_HEADER, ApiError, check_modality, check_model, error_body, header_request_id, max_tokens, parse_body,
 )
+from mstar_dist.server.guard import GuardMiddleware
 from mstar_dist.server.http_metrics import HttpStats, StatsMiddleware
 from mstar_dist.server.http_server import HttpServer
 from mstar_dist.server.media_routes import add_media_routes, join_audio
@@ -41,7 +42,6 @@ from mstar_dist.server.protocol import (
     ChatCompletionResponse,
     ChunkChoice,
     ChunkDelta,
-    ErrorInfo,
     ErrorResponse,
     GenerateOutput,
     GenerateRequest,
@@ -64,11 +64,19 @@ NDJSON_MEDIA_TYPE = "application/x-ndjson; charset=utf-8"
 SSE_MEDIA_TYPE = "text/event-stream; charset=utf-8"
 
 
-def build_app(backend: GenerationBackend) -> FastAPI:
-    """The FastAPI app serving ``backend``. Runs on the loop of the server that hosts it (``HttpServer``)."""
+DEFAULT_MAX_BODY_BYTES = 8 << 20
+
+
+def build_app(backend: GenerationBackend, *, api_key: str | None = None,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """The FastAPI app serving ``backend``. Runs on the loop of the server that hosts it (``HttpServer``).
+
+    ``api_key``: when set, every route but ``/health`` needs ``Authorization: Bearer <api_key>`` (401 without).
+    ``max_body_bytes``: larger request bodies get a 413."""
     app = FastAPI(title="mstar_dist", version="0.1.0")
     stats = HttpStats()
-    app.add_middleware(StatsMiddleware, stats=stats)
+    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
+    app.add_middleware(StatsMiddleware, stats=stats)  # added last: outermost, so it counts 401s and 413s too
     created = int(time.time())
     _add_error_handlers(app)
 
@@ -270,18 +278,12 @@ def _sse(obj: dict[str, Any]) -> bytes:
 # --------------------------------------------------------------------------------------- errors, metrics
 
 
-def _is_openai(request: Request) -> bool:
-    return request.url.path.startswith("/v1/")
-
-
 def _openai_error(exc: ApiError) -> ErrorResponse:
-    kind = "invalid_request_error" if exc.status < 500 else "server_error"
-    return ErrorResponse(error=ErrorInfo(message=exc.message, type=kind, param=exc.param, code=exc.status))
+    return ErrorResponse.model_validate(error_body("/v1/", exc))
 
 
 def _error_response(request: Request, exc: ApiError) -> JSONResponse:
-    body = _openai_error(exc).model_dump() if _is_openai(request) else {"error": exc.message}
-    return JSONResponse(body, status_code=exc.status, headers=exc.headers)
+    return JSONResponse(error_body(request.url.path, exc), status_code=exc.status, headers=exc.headers)
 
 
 def _add_error_handlers(app: FastAPI) -> None:

@@ -33,6 +33,17 @@ class ApiError(Exception):
         self.headers = dict(headers or {})
 
 
+def error_body(path: str, exc: ApiError) -> dict[str, Any]:
+    """The error body of the route family ``path`` belongs to: OpenAI's ``{"error": {"message", "type", "param",
+    "code"}}`` on ``/v1`` routes, ``{"error": "<message>"}`` on the native ones."""
+    if not path.startswith("/v1/"):
+        return {"error": exc.message}
+    kind = "invalid_request_error" if exc.status < 500 else "server_error"
+    if exc.status == 401:
+        kind = "authentication_error"
+    return {"error": {"message": exc.message, "type": kind, "param": exc.param, "code": exc.status}}
+
+
 async def parse_body(request: Request, model: type[M], *, status: int) -> M:
     """Parses the JSON body into ``model``; ``status`` is used for schema errors (400 on /v1, 422 native).
 

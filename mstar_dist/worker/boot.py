@@ -18,6 +18,7 @@ host and cause; SIGTERM stops cleanly with exit 0.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import logging
 import os
@@ -34,7 +35,9 @@ import torch
 from mstar_dist.config.cluster import ClusterSpec, RankInfo, device_for, identify
 from mstar_dist.config.deployment import DeploymentConfig, load_config
 from mstar_dist.control import messages as m
-from mstar_dist.control.channel import ControlChannel, default_store, lookup_endpoint, publish_endpoint
+from mstar_dist.control.channel import (
+    ControlChannel, default_store, lookup_endpoint, publish_endpoint, share_secret,
+)
 from mstar_dist.graph.model import CompositeModel, Layout
 from mstar_dist.graph.nodes import iter_nodes, node_names
 from mstar_dist.topology.placement import Placement
@@ -51,7 +54,8 @@ class Deployment:
     cluster: ClusterSpec
     model: CompositeModel
     placement: Placement
-    token: str
+    token: str = ""
+    """The control-plane secret of this launch (``share_secret``); empty until the ranks have shared it."""
 
     @classmethod
     def build(cls, config: DeploymentConfig, world_size: int, local_world_size: int | None) -> "Deployment":
@@ -76,10 +80,7 @@ class Deployment:
             if len(producers) > 1:  # items from two ranks have no common order on the consumer
                 raise ValueError(f"streaming edge {edge.signal!r} is produced by walks {producers}: this runtime "
                                  f"needs one producing walk per streaming signal")
-        seed = f"{config.to_dict()}|{world_size}|{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-        seed += f"|{os.environ.get('TORCHELASTIC_RUN_ID', '')}"
-        token = hashlib.sha256(seed.encode()).hexdigest()[:32]
-        return cls(config=config, cluster=cluster, model=model, placement=placement, token=token)
+        return cls(config=config, cluster=cluster, model=model, placement=placement)
 
 
     def describe(self) -> str:
@@ -179,7 +180,7 @@ def serve(args: argparse.Namespace) -> int:
 
     config = load_config(args.config).with_overrides(
         host=args.host, port=args.port, max_concurrent_requests=args.max_concurrent_requests,
-        request_timeout_s=args.request_timeout,
+        request_timeout_s=args.request_timeout, max_body_bytes=args.max_body_bytes,
     )
     env = os.environ
     world_size = int(env.get("WORLD_SIZE", "0")) or (_world_from_config(config) if args.dry_run else 1)
@@ -208,6 +209,8 @@ def serve(args: argparse.Namespace) -> int:
     try:
         init_distributed(global_rank=rank, world_size=world_size, device=device, timeout_s=args.startup_timeout)
         store = default_store()
+        secret = share_secret(store, publisher=dep.placement.is_conductor(rank), timeout_s=args.startup_timeout)
+        dep = dataclasses.replace(dep, token=secret)
         check_same_walks(store, rank, world_size, dep.walks_digest(), args.startup_timeout)
         pairs = create_pair_groups(dep.placement.edge_pairs, global_rank=rank, backend=backend_for_device(device),
                                    timeout_s=args.startup_timeout)
@@ -245,7 +248,7 @@ def serve(args: argparse.Namespace) -> int:
         if conductor_channel is not None:
             conductor = _start_conductor(dep, conductor_channel, args.startup_timeout,
                                          log_stats_s=10.0 if args.log_stats else None)
-            http = _start_http(dep, conductor)
+            http = _start_http(dep, conductor, api_key=args.api_key)
         worker.run(should_stop=stop.is_set)
         if worker.stopping and worker.failed_reason:
             raise RuntimeError(worker.failed_reason)
@@ -302,7 +305,7 @@ def _start_conductor(dep: Deployment, channel: ControlChannel, timeout_s: float,
     return conductor
 
 
-def _start_http(dep: Deployment, conductor):
+def _start_http(dep: Deployment, conductor, *, api_key: str | None):
     """Rank 0: bind HTTP only now that every rank serves (docs/architecture.md §2 step 6)."""
     from mstar_dist.conductor.backend import ConductorBackend
     from mstar_dist.server.app import build_app
@@ -314,7 +317,7 @@ def _start_http(dep: Deployment, conductor):
         max_tokens_limit=min(cfg.limits.max_tokens, dep.model.max_context_tokens - 1),
         output_modality=dep.model.output_modality,
     )
-    http = HttpServer(build_app(backend))
+    http = HttpServer(build_app(backend, api_key=api_key, max_body_bytes=cfg.server.max_body_bytes))
     http.start(cfg.server.host, cfg.server.port, timeout_s=30)
     print(f"mstar_dist: serving {cfg.model} on http://{cfg.server.host}:{cfg.server.port}", flush=True)
     return http

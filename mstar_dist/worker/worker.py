@@ -115,6 +115,8 @@ class Worker:
         self._draining: list[Any] = []  # receives of removed requests, kept until they complete
         self._last_stats = 0.0
         self.stopping = False
+        self.rejected_messages = 0
+        """Control messages dropped: undecodable, without this launch's secret, or from a spoofed sender."""
         self.failed_reason: str | None = None
         self._deferred_only = False  # the last step ran nothing: every call was deferred (no free KV slot)
         self.conductor_timeout_s = conductor_timeout_s
@@ -146,12 +148,15 @@ class Worker:
         try:
             env = m.decode(payload)
         except Exception as exc:
+            self.rejected_messages += 1
             log.warning("%s: dropped an undecodable control message from %r: %s", self.name, sender, exc)
             return
         if env.token != self.token:
-            log.warning("%s: rejected a message from %r with a foreign deployment token", self.name, sender)
+            self.rejected_messages += 1
+            log.warning("%s: rejected a message from %r without this launch's deployment secret", self.name, sender)
             return
         if env.sender != sender or not (sender == CONDUCTOR or _RANK_NAME.fullmatch(sender)):
+            self.rejected_messages += 1
             log.warning("%s: rejected a message from unknown sender %r (claims to be %r)", self.name, sender,
                         env.sender)
             return
@@ -760,6 +765,7 @@ class Worker:
             edge_bytes_received=int(st.get("bytes_received", 0)),
             host_staging_copies=int(st.get("host_staging_copies", 0)),
             engine=dict(engine),
+            rejected_messages=self.rejected_messages,
         ))
 
 
