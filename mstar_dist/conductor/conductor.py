@@ -71,6 +71,7 @@ class _Request:
     stops: StopTrimmer | None = None
     """Cuts the text at the request's stop strings (the one place they are applied)."""
     first_token_at: float | None = None
+    last_token_at: float | None = None
     touched: set[int] = field(default_factory=set)
     partitions: PartitionTracker | None = None
     stream_src: dict[str, int] = field(default_factory=dict)
@@ -154,6 +155,7 @@ class Conductor:
         }
         self.metrics = Metrics(world_size)
         self.metrics.dead_ranks = self.dead_ranks
+        self.metrics.load = lambda: (len(self._active), len(self._queue))
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.ready_ranks: dict[int, float] = {}
         self.failed: str | None = None
@@ -507,10 +509,13 @@ class Conductor:
             self._finish_error(req, 500, f"postprocess failed: {type(exc).__name__}: {exc}")
             return
         n = req.state.completion_tokens - before
+        now = time.monotonic()
         if req.first_token_at is None:
-            req.first_token_at = time.monotonic()
-            self.metrics.ttft.observe(req.first_token_at - req.arrived)
-        self.metrics.tokens_generated += n
+            req.first_token_at = now
+            self.metrics.ttft.observe(now - req.arrived)
+        self.metrics.observe_tokens(n, None if req.last_token_at is None else now - req.last_token_at)
+        if n:
+            req.last_token_at = now
         for delta in deltas:
             if isinstance(delta, MediaDelta):
                 req.sink(delta)
@@ -546,7 +551,7 @@ class Conductor:
                 reason = "stop"
         latency = time.monotonic() - req.arrived
         self._latency_ewma_s += 0.2 * (latency - self._latency_ewma_s)
-        self.metrics.observe_done(reason, latency, req.state.completion_tokens)
+        self.metrics.observe_done(reason, latency, req.state.completion_tokens, req.state.prompt_tokens)
         req.sink(Finished(finish_reason=reason, prompt_tokens=req.state.prompt_tokens,
                           completion_tokens=req.state.completion_tokens))
         self._release(req)

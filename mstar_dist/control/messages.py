@@ -227,6 +227,20 @@ class LoadFailed(msgspec.Struct, tag=True):
     error: str
 
 
+class EdgeHistogram(msgspec.Struct, frozen=True):
+    """One rank's edge transfers on one transport in one direction, as a histogram of ``unit`` ("bytes" or
+    "seconds"): ``counts[i]`` transfers at most ``bounds[i]`` and above the bound before (the last count is above
+    every bound), ``total`` the sum of the values."""
+
+    transport: str
+    direction: str
+    """"send" or "recv"."""
+    unit: str
+    bounds: list[float]
+    counts: list[int]
+    total: float
+
+
 class Stats(msgspec.Struct, tag=True):
     """Periodic per-rank gauges for /metrics (live tensors is the leak canary)."""
 
@@ -240,6 +254,14 @@ class Stats(msgspec.Struct, tag=True):
     """Component counters and gauges (KV slots, decode steps and rows...), summed over this rank's components."""
     rejected_messages: int = 0
     """Control messages this rank dropped: undecodable, without the launch's secret, or from a spoofed sender."""
+    rss_bytes: float = 0.0
+    """Resident memory of the rank's process."""
+    cpu_seconds: float = 0.0
+    """User + system CPU time of the rank's process so far."""
+    open_fds: float = 0.0
+    """Open file descriptors of the rank's process."""
+    edge_histograms: list[EdgeHistogram] = []
+    """Sizes and times of this rank's data-plane transfers per transport and direction (``mstar_dist/telemetry``)."""
 
 
 Message = Union[

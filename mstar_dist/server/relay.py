@@ -114,7 +114,7 @@ async def until_disconnect(request: Request, work: Awaitable[T], stats: HttpStat
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
         if task.done():
             return task.result()
-        stats.disconnects += 1
+        stats.disconnected()
         raise ClientGone()
     finally:
         watcher.cancel()
@@ -178,7 +178,7 @@ class ClosingStreamingResponse(StreamingResponse):
             self._complete = True  # not a disconnect: the body chose to end; the server drops the connection
         finally:
             if not self._complete:
-                self._stats.disconnects += 1
+                self._stats.disconnected()
             with anyio.CancelScope(shield=True):
                 await self.body_iterator.aclose()
                 await self._body.aclose()

@@ -40,6 +40,7 @@ from mstar_dist.control.channel import (
 )
 from mstar_dist.graph.model import CompositeModel, Layout
 from mstar_dist.graph.nodes import iter_nodes, node_names
+from mstar_dist.telemetry import MeteredTransport
 from mstar_dist.topology.placement import Placement
 from mstar_dist.worker.worker import CONDUCTOR, Worker, rank_name
 
@@ -215,7 +216,7 @@ def serve(args: argparse.Namespace) -> int:
         pairs = create_pair_groups(dep.placement.edge_pairs, global_rank=rank, backend=backend_for_device(device),
                                    timeout_s=args.startup_timeout)
         warm_pairs(pairs, rank, device)
-        transport = P2PTransport(rank, pairs, torch.device(device))
+        transport = MeteredTransport(P2PTransport(rank, pairs, torch.device(device)), "p2p")
 
         channel = ControlChannel(rank_name(rank), info.addr)
         publish_endpoint(store, rank_name(rank), channel.endpoint)

@@ -34,6 +34,7 @@ from mstar_dist.graph.nodes import Section, iter_nodes, node_names
 from mstar_dist.graph.partitions import StreamingEdge
 from mstar_dist.graph.streaming import StreamBuffer
 from mstar_dist.graph.walk import GraphError, NodeCall, WalkRun
+from mstar_dist.telemetry import process_sample
 from mstar_dist.transport.inline import decode_tensor, encode_tensor
 from mstar_dist.worker.spans import REMOTE, Arrived, Span, carry, is_remote, receive
 
@@ -766,6 +767,8 @@ class Worker:
             host_staging_copies=int(st.get("host_staging_copies", 0)),
             engine=dict(engine),
             rejected_messages=self.rejected_messages,
+            edge_histograms=st.get("histograms", []),
+            **process_sample(),
         ))
 
 

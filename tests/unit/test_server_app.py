@@ -65,9 +65,9 @@ def test_metrics_has_backend_and_http_counters(client):
     assert resp.status_code == 200
     assert resp.headers["content-type"].startswith("text/plain")
     assert "fake_requests_total 2" in resp.text
-    assert 'mstar_http_requests_total{route="/generate",code="200"} 2' in resp.text
-    assert 'mstar_http_requests_total{route="/generate",code="422"} 1' in resp.text
-    assert "mstar_http_client_disconnects_total 0" in resp.text
+    assert 'mstar_http_requests_total{code="200",route="/generate"} 2.0' in resp.text
+    assert 'mstar_http_requests_total{code="422",route="/generate"} 1.0' in resp.text
+    assert "mstar_http_client_disconnects_total 0.0" in resp.text
 
 
 def test_models_lists_the_served_model(client):
@@ -447,7 +447,7 @@ def test_disconnect_during_stream_aborts_the_backend(path, body):
                               disconnect_after=lambda s: fake.hanging.is_set() and len(_bodies(s)) >= 2))
     assert fake.aborted.is_set() and fake.n_closed == 1
     assert not any(b"finish_reason\":\"stop" in m["body"] for m in _bodies(sent))
-    assert "mstar_http_client_disconnects_total 1" in TestClient(app).get("/metrics").text
+    assert "mstar_http_client_disconnects_total 1.0" in TestClient(app).get("/metrics").text
 
 
 def test_failed_send_closes_the_backend_generator():
@@ -464,4 +464,4 @@ def test_disconnect_while_waiting_for_a_whole_response_aborts_the_backend(path, 
     sent = asyncio.run(_drive(app, path, body, disconnect_after=lambda s: fake.hanging.is_set()))
     assert fake.aborted.is_set() and fake.n_closed == 1
     assert not _bodies(sent)
-    assert "mstar_http_client_disconnects_total 1" in TestClient(app).get("/metrics").text
+    assert "mstar_http_client_disconnects_total 1.0" in TestClient(app).get("/metrics").text
