@@ -31,6 +31,7 @@ from mstar_dist.server.checks import (
     REQUEST_ID_HEADER, ApiError, check_modality, check_model, error_body, header_request_id, max_tokens, parse_body,
 )
 from mstar_dist.server.guard import GuardMiddleware
+from mstar_dist.server.openapi import body_doc, install_openapi
 from mstar_dist.server.http_metrics import HttpStats, StatsMiddleware
 from mstar_dist.server.http_server import HttpServer
 from mstar_dist.server.media_routes import add_media_routes, join_audio
@@ -46,8 +47,10 @@ from mstar_dist.server.protocol import (
     GenerateOutput,
     GenerateRequest,
     GenerateResponse,
+    ImageGenerationRequest,
     ModelCard,
     ModelList,
+    SpeechRequest,
     StreamLine,
     Usage,
     normalize_messages,
@@ -102,7 +105,7 @@ def build_app(backend: GenerationBackend, *, api_key: str | None = None,
         card = ModelCard(id=backend.model_name, created=created, max_model_len=backend.max_context_tokens)
         return JSONResponse(ModelList(data=[card]).model_dump())
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=body_doc(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         check_modality(backend, "text")
         req = await parse_body(request, ChatCompletionRequest, status=400)
@@ -134,7 +137,7 @@ def build_app(backend: GenerationBackend, *, api_key: str | None = None,
         outcome = await until_disconnect(request, collect(events(backend, params)), stats)
         return JSONResponse(reply.response(outcome).model_dump(), headers=headers)
 
-    @app.post("/generate")
+    @app.post("/generate", openapi_extra=body_doc(GenerateRequest))
     async def generate(request: Request) -> Response:
         req = await parse_body(request, GenerateRequest, status=422)
         check_model(req.model, backend)
@@ -164,6 +167,8 @@ def build_app(backend: GenerationBackend, *, api_key: str | None = None,
         return JSONResponse(response.model_dump(), headers=headers)
 
     add_media_routes(app, backend, stats)
+    install_openapi(app, backend, [GenerateRequest, ChatCompletionRequest, SpeechRequest, ImageGenerationRequest],
+                    api_key=bool(api_key))
     return app
 
 

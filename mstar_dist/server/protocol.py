@@ -29,6 +29,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 # ----------------------------------------------------------------------------------------------- shared
 
+TOP_K_MAX = 2**31 - 1
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
@@ -98,7 +100,9 @@ class _SamplingKnobs(_NullMeansDefault):
     seed: int | None = None
 
     def top_k_value(self) -> int:
-        return max(self.top_k, 0)
+        """0 for disabled; a k beyond any vocabulary is clamped (it keeps every token either way, and must fit
+        the control plane's int64)."""
+        return min(max(self.top_k, 0), TOP_K_MAX)
 
 
 class _Sampling(_SamplingKnobs):
