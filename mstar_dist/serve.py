@@ -35,16 +35,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    rank = os.environ.get("RANK", "?")
+    rank = os.environ.get("RANK")
     from mstar_dist.worker.boot import configure_logging, serve
 
-    configure_logging(args.log_level, f"torch rank {rank}")  # boot relabels it with the logical rank
+    configure_logging(args.log_level, f"torch rank {rank}" if rank else "mstar-dist")  # boot relabels it
 
     try:
         return serve(args)
-    except (ValueError, FileNotFoundError) as exc:  # config / cluster / placement mistakes: no traceback needed
-        print(f"mstar-dist: error (rank {rank}): {exc}", file=sys.stderr)
+    except (ValueError, OSError) as exc:  # config / cluster / placement mistakes, port in use: no traceback
+        # every rank finds the same mistake: say it once per host (local rank 0), not once per rank
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            where = f" (rank {rank})" if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""
+            print(f"mstar-dist: error{where}: {_message(exc)}", file=sys.stderr, flush=True)
         return 2
+
+
+def _message(exc: BaseException) -> str:
+    """One line: a missing file by its name, everything else as it says."""
+    if isinstance(exc, FileNotFoundError) and exc.filename:
+        return f"{exc.filename}: no such file (give the path of a deployment YAML, e.g. launch/configs/smollm2_pd.yaml)"
+    return str(exc)
 
 
 if __name__ == "__main__":

@@ -287,6 +287,9 @@ class Conductor:
         elif isinstance(body, m.Ready):
             self.ready_ranks[body.rank] = body.load_seconds
             log.info("rank %d on %s is ready (loaded in %.1f s)", body.rank, body.host, body.load_seconds)
+        elif isinstance(body, m.Leaving):
+            log.warning("rank %d on %s is leaving: %s", body.rank, body.host, body.reason)
+            self._declare_dead(rank, body.reason, "stopped")
         elif isinstance(body, m.LoadFailed):
             self.failed = f"rank {body.rank} on host {body.host} failed to load: {body.error}"
         else:
@@ -598,13 +601,17 @@ class Conductor:
                 continue  # our own process: if it were dead, so would we be; silence is only a long step
             if rank in self.dead_ranks or now - seen <= self.rank_timeout_s:
                 continue
-            host = self.rank_hosts.get(rank, "?")
-            why = f"silent for {now - seen:.0f} s on host {host}"
-            self.dead_ranks[rank] = why
+            why = f"silent for {now - seen:.0f} s on host {self.rank_hosts.get(rank, '?')}"
             log.error("rank %d declared dead: %s (limits.rank_timeout_s=%g)", rank, why, self.rank_timeout_s)
-            for req in list(self._active.values()):
-                if rank in req.touched or rank in req.nodes.values():
-                    self._finish_error(req, 503, f"rank {rank} on host {host} died ({why}); retry the request")
+            self._declare_dead(rank, why, "died")
+
+    def _declare_dead(self, rank: int, why: str, verb: str) -> None:
+        """``rank`` serves no more: new requests avoid it, and every request touching it fails with a 503."""
+        host = self.rank_hosts.get(rank, "?")
+        self.dead_ranks[rank] = why
+        for req in list(self._active.values()):
+            if rank in req.touched or rank in req.nodes.values():
+                self._finish_error(req, 503, f"rank {rank} on host {host} {verb} ({why}); retry the request")
 
     def log_stats(self, now: float) -> None:
         """One log line: generation throughput since the last line, load, and the per-rank leak canary."""

@@ -241,6 +241,15 @@ class EdgeHistogram(msgspec.Struct, frozen=True):
     total: float
 
 
+class Leaving(msgspec.Struct, tag=True):
+    """The sending rank is exiting cleanly (SIGTERM): the conductor declares it dead at once, so its requests fail
+    fast with a 503 instead of after ``limits.rank_timeout_s``."""
+
+    rank: int
+    host: str
+    reason: str
+
+
 class Stats(msgspec.Struct, tag=True):
     """Periodic per-rank gauges for /metrics (live tensors is the leak canary)."""
 
@@ -266,7 +275,7 @@ class Stats(msgspec.Struct, tag=True):
 
 Message = Union[
     RunWalk, Push, StopLoops, RemoveRequest, Shutdown, Heartbeat, AbortPair, TensorDesc, NodeDone, StreamItems,
-    StreamEnd, Emit, WalkDone, Ready, LoadFailed, Stats,
+    StreamEnd, Emit, WalkDone, Ready, LoadFailed, Leaving, Stats,
 ]
 
 

@@ -108,7 +108,7 @@ def build_app(backend: GenerationBackend, *, api_key: str | None = None,
     @app.post("/v1/chat/completions", openapi_extra=body_doc(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         check_modality(backend, "text")
-        req = await parse_body(request, ChatCompletionRequest, status=400)
+        req = await parse_body(request, ChatCompletionRequest)
         check_model(req.model, backend)
         if req.n != 1:
             raise ApiError(400, f"n is {req.n}; only n=1 (one choice per request) is supported", "n")
@@ -139,7 +139,7 @@ def build_app(backend: GenerationBackend, *, api_key: str | None = None,
 
     @app.post("/generate", openapi_extra=body_doc(GenerateRequest))
     async def generate(request: Request) -> Response:
-        req = await parse_body(request, GenerateRequest, status=422)
+        req = await parse_body(request, GenerateRequest)
         check_model(req.model, backend)
         kw = req.model_kwargs
         request_id = req.request_id or header_request_id(request) or uuid.uuid4().hex

@@ -44,8 +44,8 @@ def error_body(path: str, exc: ApiError) -> dict[str, Any]:
     return {"error": {"message": exc.message, "type": kind, "param": exc.param, "code": exc.status}}
 
 
-async def parse_body(request: Request, model: type[M], *, status: int) -> M:
-    """Parses the JSON body into ``model``; ``status`` is used for schema errors (400 on /v1, 422 native).
+async def parse_body(request: Request, model: type[M]) -> M:
+    """Parses the JSON body into ``model``; any mistake in it is a 400 naming the field (every route family).
 
     Reads the whole body, so afterwards the next ASGI ``receive()`` only reports a disconnect."""
     raw = await request.body()
@@ -61,7 +61,7 @@ async def parse_body(request: Request, model: type[M], *, status: int) -> M:
         return model.model_validate(obj)
     except ValidationError as exc:
         first = exc.errors(include_url=False)[0]
-        raise ApiError(status, _describe(exc), _loc(first["loc"]) or None) from None
+        raise ApiError(400, _describe(exc), _loc(first["loc"]) or None) from None
 
 
 def _describe(exc: ValidationError) -> str:

@@ -94,7 +94,7 @@ def add_media_routes(app: FastAPI, backend: GenerationBackend, stats: HttpStats)
     @app.post("/v1/audio/speech", openapi_extra=body_doc(SpeechRequest))
     async def speech(request: Request) -> Response:
         check_modality(backend, "audio")
-        req = await parse_body(request, SpeechRequest, status=400)
+        req = await parse_body(request, SpeechRequest)
         check_model(req.model, backend)
         request_id = header_request_id(request) or uuid.uuid4().hex
         params = _speech_params(req, request_id, backend)
@@ -118,7 +118,7 @@ def add_media_routes(app: FastAPI, backend: GenerationBackend, stats: HttpStats)
     @app.post("/v1/images/generations", openapi_extra=body_doc(ImageGenerationRequest))
     async def images(request: Request) -> JSONResponse:
         check_modality(backend, "image")
-        req = await parse_body(request, ImageGenerationRequest, status=400)
+        req = await parse_body(request, ImageGenerationRequest)
         check_model(req.model, backend)
         request_id = header_request_id(request) or uuid.uuid4().hex
         batch = [_image_params(req, request_id, i, backend) for i in range(req.n)]

@@ -19,6 +19,7 @@ from pydantic.json_schema import models_json_schema
 
 from mstar_dist.server.backend import GenerationBackend
 from mstar_dist.server.checks import REQUEST_ID_HEADER
+from mstar_dist.server.protocol import OPENAI_CHAT_IGNORED
 
 _REF = "#/components/schemas/{model}"
 REQUEST_ID_PARAM = {
@@ -71,7 +72,10 @@ def _describe_deployment(schemas: dict[str, Any], backend: GenerationBackend) ->
             text = {"type": "string", "minLength": 1}
             props["stop"] = {"anyOf": [text, {"type": "array", "items": text}, {"type": "null"}]}
     if "ChatCompletionRequest" in schemas:
-        schemas["ChatCompletionRequest"]["properties"]["n"] = {"type": "integer", "enum": [1], "default": 1}
+        chat = schemas["ChatCompletionRequest"]
+        chat["properties"]["n"] = {"type": "integer", "enum": [1], "default": 1}
+        chat["additionalProperties"] = False  # OpenAI's other fields are accepted and ignored, others a 400
+        chat["description"] += f" Accepted and ignored: {', '.join(sorted(OPENAI_CHAT_IGNORED))}."
     if "GenerateRequest" in schemas:
         generate = schemas["GenerateRequest"]
         generate["properties"]["prompt"] = {"type": "string", "minLength": 1}

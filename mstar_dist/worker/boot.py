@@ -34,6 +34,7 @@ import torch
 
 from mstar_dist.config.cluster import ClusterSpec, RankInfo, device_for, identify
 from mstar_dist.config.deployment import DeploymentConfig, load_config
+from mstar_dist.config.schema import ConfigError
 from mstar_dist.control import messages as m
 from mstar_dist.control.channel import (
     ControlChannel, default_store, lookup_endpoint, publish_endpoint, share_secret,
@@ -64,6 +65,7 @@ class Deployment:
 
         cluster = config.resolve_cluster(world_size, local_world_size)
         model = get_model_class(config.model)(config.weights, **dict(config.model_kwargs))
+        check_weights(config, model)
         model.configure(Layout.from_node_groups(config.node_groups))
         walks = {walk: node_names(section) for walk, section in model.graphs().items()}
         placement = Placement.build(config, walks, cluster.world_size)
@@ -96,6 +98,21 @@ class Deployment:
         everywhere)."""
         graphs = self.model.graphs()
         return hashlib.sha256(repr(sorted(graphs.items(), key=lambda kv: kv[0])).encode()).hexdigest()[:16]
+
+
+def check_weights(config: DeploymentConfig, model: CompositeModel) -> None:
+    """``weights:`` must exist unless the family prepares that path itself: its ``default_weights_dir``, or any
+    path of a family that decides in ``prepare_weights`` (checked there, at load). ConfigError naming the key."""
+    path = config.weights
+    if path is None or os.path.exists(path):
+        return
+    default = type(model).default_weights_dir
+    if default is not None and os.path.realpath(path) == os.path.realpath(os.path.expanduser(default)):
+        return
+    if default is None and type(model).prepare_weights is not CompositeModel.prepare_weights:
+        return
+    also = f" (only the default {default} is prepared automatically)" if default else ""
+    raise ConfigError("weights", f"no such directory{also}", repr(path), config.source)
 
 
 def _world_from_config(config: DeploymentConfig) -> int:
@@ -176,6 +193,7 @@ def cpu_threads_for(config: DeploymentConfig, global_rank: int, ranks_on_host: i
 def serve(args: argparse.Namespace) -> int:
     from mstar_dist.distributed.groups import create_pair_groups, warm_pairs
     from mstar_dist.distributed.init import backend_for_device, init_distributed, shutdown_distributed
+    from mstar_dist.server.http_server import reserve_port
     from mstar_dist.transport.p2p import P2PTransport
     from mstar_dist.transport.store import TensorStore
 
@@ -201,6 +219,7 @@ def serve(args: argparse.Namespace) -> int:
         threads = cpu_threads_for(config, rank, len(dep.cluster.ranks_on_host(info.node_rank)), os.cpu_count() or 1)
         torch.set_num_threads(threads)
         log.info("rank %d uses %d CPU threads", rank, threads)
+    http_sock = reserve_port(config.server.host, config.server.port) if dep.placement.is_conductor(rank) else None
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
@@ -249,8 +268,10 @@ def serve(args: argparse.Namespace) -> int:
         if conductor_channel is not None:
             conductor = _start_conductor(dep, conductor_channel, args.startup_timeout,
                                          log_stats_s=10.0 if args.log_stats else None)
-            http = _start_http(dep, conductor, api_key=args.api_key)
+            http = _start_http(dep, conductor, api_key=args.api_key, sock=http_sock)
         worker.run(should_stop=stop.is_set)
+        if stop.is_set() and not worker.stopping and not dep.placement.is_conductor(rank):
+            _tell_leaving(dep, channel, rank, info.host_name)
         if worker.stopping and worker.failed_reason:
             raise RuntimeError(worker.failed_reason)
     except Exception as exc:
@@ -269,12 +290,24 @@ def serve(args: argparse.Namespace) -> int:
             time.sleep(0.2)  # let the shutdown messages leave before the sockets close
         if http is not None:
             http.stop()
+        elif http_sock is not None:
+            http_sock.close()
         for ch in (channel, conductor_channel):
             if ch is not None:
                 ch.close()
         shutdown_distributed()
     log.info("%s exits with status %d", where, rc)
     return rc
+
+
+def _tell_leaving(dep: Deployment, channel: ControlChannel, rank: int, host: str) -> None:
+    """A rank stopped by a signal tells the conductor at once (``Leaving``), so its requests fail fast."""
+    try:
+        channel.send(CONDUCTOR, m.encode(dep.token, rank_name(rank),
+                                         m.Leaving(rank=rank, host=host, reason="stopped by a signal (SIGTERM)")))
+        time.sleep(0.2)  # let it leave before the socket closes (LINGER 0)
+    except Exception:  # the conductor is gone too: nobody to tell
+        pass
 
 
 def _broadcast_shutdown(dep: Deployment, channel: ControlChannel, world_size: int, reason: str,
@@ -306,7 +339,7 @@ def _start_conductor(dep: Deployment, channel: ControlChannel, timeout_s: float,
     return conductor
 
 
-def _start_http(dep: Deployment, conductor, *, api_key: str | None):
+def _start_http(dep: Deployment, conductor, *, api_key: str | None, sock):
     """Rank 0: bind HTTP only now that every rank serves (docs/architecture.md §2 step 6)."""
     from mstar_dist.conductor.backend import ConductorBackend
     from mstar_dist.server.app import build_app
@@ -319,6 +352,6 @@ def _start_http(dep: Deployment, conductor, *, api_key: str | None):
         output_modality=dep.model.output_modality,
     )
     http = HttpServer(build_app(backend, api_key=api_key, max_body_bytes=cfg.server.max_body_bytes))
-    http.start(cfg.server.host, cfg.server.port, timeout_s=30)
+    http.start(cfg.server.host, cfg.server.port, timeout_s=30, sock=sock)
     print(f"mstar_dist: serving {cfg.model} on http://{cfg.server.host}:{cfg.server.port}", flush=True)
     return http

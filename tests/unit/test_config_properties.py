@@ -19,7 +19,7 @@ from mstar_dist.config.deployment import (
 )
 from mstar_dist.config.schema import ConfigError
 
-SETTINGS = settings(max_examples=300, deadline=None, database=None, derandomize=True,
+SETTINGS = settings(max_examples=150, deadline=None, database=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 TOP_KEYS = ("model", "model_kwargs", "weights", "node_groups", "cluster", "transport", "limits", "server")
 
