@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 
 
@@ -27,6 +28,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds every rank has to join, load and report READY (default 300)")
     p.add_argument("--log-level", default=os.environ.get("MSTAR_LOG_LEVEL", "INFO"),
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument("--log-format", default=os.environ.get("MSTAR_LOG_FORMAT", "text"), choices=["text", "json"],
+                   help="text (default), or json: one JSON object a line (time, level, rank, host, logger, message)")
     p.add_argument("--log-stats", action="store_true",
                    help="rank 0 logs throughput, queue and per-rank live tensors every 10 s")
     p.add_argument("--dry-run", action="store_true", help="validate the config and print the placement, then exit")
@@ -36,9 +39,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     rank = os.environ.get("RANK")
-    from mstar_dist.worker.boot import configure_logging, serve
+    from mstar_dist.logs import configure_logging
+    from mstar_dist.worker.boot import serve
 
-    configure_logging(args.log_level, f"torch rank {rank}" if rank else "mstar-dist")  # boot relabels it
+    # torchrun's RANK until boot knows the logical rank and relabels the lines
+    configure_logging(args.log_level, rank=rank, host=socket.gethostname(), fmt=args.log_format)
 
     try:
         return serve(args)

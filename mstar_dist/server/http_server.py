@@ -69,6 +69,7 @@ class HttpServer:
             access_log=self._access_log,
             lifespan="auto",
             timeout_graceful_shutdown=10,
+            log_config=None,  # uvicorn's records go to the root handler: rank, host and --log-format apply
         )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._run, args=(sock,), name="mstar-http", daemon=True)

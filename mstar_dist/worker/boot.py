@@ -40,6 +40,7 @@ from mstar_dist.control.channel import (
     ControlChannel, default_store, lookup_endpoint, publish_endpoint, share_secret,
 )
 from mstar_dist.graph.model import CompositeModel, Layout
+from mstar_dist.logs import announce, configure_logging
 from mstar_dist.graph.nodes import iter_nodes, node_names
 from mstar_dist.telemetry import MeteredTransport
 from mstar_dist.topology.placement import Placement
@@ -139,16 +140,6 @@ def check_same_walks(store: Any, rank: int, world_size: int, digest: str, timeou
                                f"config alone (model_kwargs, layout); check both hosts run the same code")
 
 
-def configure_logging(level: str, label: str) -> None:
-    """One stderr handler whose lines carry ``label`` (the rank); calling it again relabels the lines."""
-    root = logging.getLogger()
-    root.setLevel(level)
-    if not root.handlers:
-        root.addHandler(logging.StreamHandler())
-    for handler in root.handlers:
-        handler.setFormatter(logging.Formatter(f"%(asctime)s [{label}] %(levelname)s %(name)s: %(message)s"))
-
-
 def _hostnames() -> set[str]:
     names = {socket.gethostname(), socket.getfqdn()}
     try:
@@ -211,7 +202,7 @@ def serve(args: argparse.Namespace) -> int:
     info = identify(dep.cluster, env, _hostnames())
     rank = info.global_rank
     where = f"rank {rank} on host {info.host_name}"
-    configure_logging(logging.getLogger().level, f"rank {rank}")
+    configure_logging(logging.getLogger().level, rank=rank, host=info.host_name, fmt=args.log_format)
     device = device_for(info, torch.cuda.is_available())
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
@@ -333,7 +324,7 @@ def _start_conductor(dep: Deployment, channel: ControlChannel, timeout_s: float,
         rank_timeout_s=cfg.limits.rank_timeout_s, log_stats_s=log_stats_s,
     )
     conductor.wait_ready(timeout_s)
-    print(dep.describe(), flush=True)
+    announce(dep.describe())
     conductor.thread = threading.Thread(target=conductor.run, name="conductor", daemon=True)
     conductor.thread.start()
     return conductor
@@ -353,5 +344,5 @@ def _start_http(dep: Deployment, conductor, *, api_key: str | None, sock):
     )
     http = HttpServer(build_app(backend, api_key=api_key, max_body_bytes=cfg.server.max_body_bytes))
     http.start(cfg.server.host, cfg.server.port, timeout_s=30, sock=sock)
-    print(f"mstar_dist: serving {cfg.model} on http://{cfg.server.host}:{cfg.server.port}", flush=True)
+    announce(f"mstar_dist: serving {cfg.model} on http://{cfg.server.host}:{cfg.server.port}")
     return http

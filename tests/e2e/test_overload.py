@@ -1,6 +1,6 @@
 """Overload and timeouts on real ranks (toy model, 2 ranks, tests/toy_deploy.yaml with 2 slots and a queue of 2).
 
-A failure means an overloaded server makes clients wait instead of refusing them at once with a 429 and a
+The server logs with ``--log-format json``. A failure means an overloaded server makes clients wait instead of refusing them at once with a 429 and a
 ``Retry-After``, drops requests it had admitted, or lets a request past ``limits.request_timeout_s`` run on (or
 keep its tensors) instead of ending with a 504 / a final error line.
 """
@@ -22,7 +22,7 @@ STEP_S = 0.1  # the toy's steps: sleep-bound, so timings hold on a busy host
 
 @pytest.fixture(scope="module")
 def toy():
-    server = Server(REPO / "tests/toy_deploy.yaml", nproc=2, overrides={
+    server = Server(REPO / "tests/toy_deploy.yaml", nproc=2, args=("--log-format", "json"), overrides={
         "model_kwargs": {"batch_sleep_s": STEP_S},
         "limits": {"max_concurrent_requests": 2, "max_queued_requests": 2, "request_timeout_s": TIMEOUT_S,
                    "max_tokens": 1000}})
@@ -87,3 +87,12 @@ def test_a_request_past_the_timeout_ends_with_504_and_frees_everything(toy, stre
     assert TIMEOUT_S - 0.5 < elapsed < TIMEOUT_S + 5
     idle(toy.base_url)
     assert gen(toy.base_url, 7, 3).json()["text"] == "8 9 10 "
+
+
+def test_json_logs_are_one_object_a_line_with_rank_and_host(toy):
+    text = toy.log_path.read_text(errors="replace")
+    ours = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+    assert not [line for line in text.splitlines() if "[rank " in line or "mstar_dist.boot:" in line]
+    assert {o["rank"] for o in ours if o["logger"] == "mstar_dist.boot"} == {0, 1}
+    assert all(o["host"] == "localhost" and o["time"] and o["level"] for o in ours)
+    assert any("mstar_dist: serving" in o["message"] for o in ours)  # the operator's lines too
