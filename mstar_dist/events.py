@@ -91,12 +91,14 @@ class BackendError(Exception):
     5xx: the service failed this request (503 when not serving, 500 for a model failure naming the rank).
     """
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, *, retry_after_s: int | None = None) -> None:
         if not 400 <= status <= 599:
             raise ValueError(f"BackendError status must be a 4xx/5xx HTTP status, got {status}")
         super().__init__(message)
         self.status = status
         self.message = message
+        self.retry_after_s = retry_after_s
+        """Seconds after which a retry may succeed (overload: 429, 503); sent as ``Retry-After``."""
 
     def __repr__(self) -> str:
         return f"BackendError({self.status}, {self.message!r})"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 
 
@@ -19,10 +20,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=None, help="HTTP port (overrides server.port)")
     p.add_argument("--max-concurrent-requests", type=int, default=None, help="overrides limits.max_concurrent_requests")
     p.add_argument("--request-timeout", type=float, default=None, help="seconds; overrides limits.request_timeout_s")
+    p.add_argument("--api-key", default=os.environ.get("MSTAR_API_KEY") or None,
+                   help="every route but /health needs 'Authorization: Bearer KEY' (default: $MSTAR_API_KEY; "
+                        "unset: no authentication)")
+    p.add_argument("--max-body-bytes", type=int, default=None, help="overrides server.max_body_bytes (413 above)")
     p.add_argument("--startup-timeout", type=float, default=300.0,
                    help="seconds every rank has to join, load and report READY (default 300)")
     p.add_argument("--log-level", default=os.environ.get("MSTAR_LOG_LEVEL", "INFO"),
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument("--log-format", default=os.environ.get("MSTAR_LOG_FORMAT", "text"), choices=["text", "json"],
+                   help="text (default), or json: one JSON object a line (time, level, rank, host, logger, message)")
     p.add_argument("--log-stats", action="store_true",
                    help="rank 0 logs throughput, queue and per-rank live tensors every 10 s")
     p.add_argument("--dry-run", action="store_true", help="validate the config and print the placement, then exit")
@@ -31,16 +38,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    rank = os.environ.get("RANK", "?")
-    from mstar_dist.worker.boot import configure_logging, serve
+    rank = os.environ.get("RANK")
+    from mstar_dist.logs import configure_logging
+    from mstar_dist.worker.boot import serve
 
-    configure_logging(args.log_level, f"torch rank {rank}")  # boot relabels it with the logical rank
+    # torchrun's RANK until boot knows the logical rank and relabels the lines
+    configure_logging(args.log_level, rank=rank, host=socket.gethostname(), fmt=args.log_format)
 
     try:
         return serve(args)
-    except (ValueError, FileNotFoundError) as exc:  # config / cluster / placement mistakes: no traceback needed
-        print(f"mstar-dist: error (rank {rank}): {exc}", file=sys.stderr)
+    except (ValueError, OSError) as exc:  # config / cluster / placement mistakes, port in use: no traceback
+        # every rank finds the same mistake: say it once per host (local rank 0), not once per rank
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            where = f" (rank {rank})" if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""
+            print(f"mstar-dist: error{where}: {_message(exc)}", file=sys.stderr, flush=True)
         return 2
+
+
+def _message(exc: BaseException) -> str:
+    """One line: a missing file by its name, everything else as it says."""
+    if isinstance(exc, FileNotFoundError) and exc.filename:
+        return f"{exc.filename}: no such file (give the path of a deployment YAML, e.g. launch/configs/smollm2_pd.yaml)"
+    return str(exc)
 
 
 if __name__ == "__main__":

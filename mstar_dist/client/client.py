@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -104,8 +105,14 @@ class MStarClient:
     """Talks to one server. Blocking; each call waits up to ``timeout`` seconds for each network step."""
 
     def __init__(self, base_url: str = "http://127.0.0.1:8000", timeout: float = 600.0,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, api_key: str | None = None) -> None:
+        """``api_key`` (default: ``$MSTAR_API_KEY``) is sent as ``Authorization: Bearer <key>`` on every call,
+        for a server started with ``--api-key``."""
         self.base_url = base_url.rstrip("/")
+        headers = dict(headers or {})
+        api_key = api_key if api_key is not None else os.environ.get("MSTAR_API_KEY")
+        if api_key:
+            headers["Authorization"] = f"Bearer {api_key}"
         self._http = httpx.Client(base_url=self.base_url, timeout=timeout, headers=headers)
 
     def close(self) -> None:

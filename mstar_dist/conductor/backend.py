@@ -58,8 +58,7 @@ class ConductorBackend:
         return True, "ok"
 
     def metrics_text(self) -> str:
-        c = self.conductor
-        return c.metrics.render(active=c.active_count, queued=c.queue_depth)
+        return self.conductor.metrics.render()
 
     async def generate(self, params: GenerationParams) -> AsyncIterator[GenerationEvent]:
         ok, reason = self.health()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import logging
+import math
 import queue
 import random
 import re
@@ -70,6 +71,7 @@ class _Request:
     stops: StopTrimmer | None = None
     """Cuts the text at the request's stop strings (the one place they are applied)."""
     first_token_at: float | None = None
+    last_token_at: float | None = None
     touched: set[int] = field(default_factory=set)
     partitions: PartitionTracker | None = None
     stream_src: dict[str, int] = field(default_factory=dict)
@@ -88,6 +90,16 @@ class _Request:
         return self.nodes[(walk, node)]
 
 
+@dataclass
+class _Queued:
+    """A request waiting for admission (``limits.max_queued_requests`` of them at most)."""
+
+    params: GenerationParams
+    sink: Sink
+    pinned_id: bool
+    arrived: float = field(default_factory=time.monotonic)
+
+
 class Conductor:
     def __init__(
         self,
@@ -100,6 +112,7 @@ class Conductor:
         max_concurrent: int,
         request_timeout_s: float,
         rank_hosts: dict[int, str],
+        max_queued: int = 256,
         rank_timeout_s: float = 30.0,
         log_stats_s: float | None = None,
     ):
@@ -109,6 +122,8 @@ class Conductor:
         self.token = token
         self.world_size = world_size
         self.max_concurrent = max_concurrent
+        self.max_queued = max_queued
+        self._latency_ewma_s = 1.0  # recent request latency, for the Retry-After hint of a refused request
         self.request_timeout_s = request_timeout_s
         self.rank_timeout_s = rank_timeout_s
         self.log_stats_s = log_stats_s
@@ -142,6 +157,7 @@ class Conductor:
         }
         self.metrics = Metrics(world_size)
         self.metrics.dead_ranks = self.dead_ranks
+        self.metrics.load = lambda: (len(self._active), len(self._queue))
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.ready_ranks: dict[int, float] = {}
         self.failed: str | None = None
@@ -152,7 +168,7 @@ class Conductor:
         self._active: dict[str, _Request] = {}  # by the client's request id
         self._by_wire: dict[str, _Request] = {}
         self._incarnation = 0
-        self._queue: collections.deque[tuple[GenerationParams, Sink, bool]] = collections.deque()
+        self._queue: collections.deque[_Queued] = collections.deque()
         self._rng = random.Random(0)
 
     # ---- thread side ----
@@ -248,12 +264,15 @@ class Conductor:
         try:
             env = m.decode(payload)
         except Exception as exc:
+            self.metrics.rejected_messages += 1
             log.warning("conductor: dropped an undecodable message from %r: %s", sender, exc)
             return
         if env.token != self.token:
-            log.warning("conductor: rejected a message from %r with a foreign deployment token", sender)
+            self.metrics.rejected_messages += 1
+            log.warning("conductor: rejected a message from %r without this launch's deployment secret", sender)
             return
         if env.sender != sender or not re.fullmatch(r"rank\d+", sender):
+            self.metrics.rejected_messages += 1
             log.warning("conductor: rejected a message from unknown sender %r (claims %r)", sender, env.sender)
             return
         body = env.body
@@ -270,6 +289,9 @@ class Conductor:
         elif isinstance(body, m.Ready):
             self.ready_ranks[body.rank] = body.load_seconds
             log.info("rank %d on %s is ready (loaded in %.1f s)", body.rank, body.host, body.load_seconds)
+        elif isinstance(body, m.Leaving):
+            log.warning("rank %d on %s is leaving: %s", body.rank, body.host, body.reason)
+            self._declare_dead(rank, body.reason, "stopped")
         elif isinstance(body, m.LoadFailed):
             self.failed = f"rank {body.rank} on host {body.host} failed to load: {body.error}"
         else:
@@ -277,20 +299,33 @@ class Conductor:
 
     # ---- admission ----
     def _submit(self, params: GenerationParams, sink: Sink, pinned_id: bool) -> None:
-        if params.request_id in self._active or any(p.request_id == params.request_id for p, _, _ in self._queue):
-            sink(BackendError(409, f"request_id {params.request_id!r} is already in flight; use a new id"))
+        """Admit a request, queue it, or refuse it at once with a 429 when the queue is full."""
+        rid = params.request_id
+        if rid in self._active or any(q.params.request_id == rid for q in self._queue):
+            sink(BackendError(409, f"request_id {rid!r} is already in flight; use a new id"))
             return
         self.metrics.requests_received += 1
-        if len(self._active) >= self.max_concurrent:
-            self._queue.append((params, sink, pinned_id))
-            return
-        self._admit(params, sink, pinned_id)
+        if len(self._active) < self.max_concurrent:
+            self._admit(params, sink, pinned_id)
+        elif len(self._queue) < self.max_queued:
+            self._queue.append(_Queued(params, sink, pinned_id))
+        else:
+            self.metrics.observe_rejected("queue_full")
+            sink(BackendError(429, f"the server is at capacity: {len(self._active)} requests running and "
+                                   f"{len(self._queue)} queued (limits.max_queued_requests); retry later",
+                              retry_after_s=self._retry_after_s()))
+
+    def _retry_after_s(self) -> int:
+        """About how long the queue ahead takes to drain (recent latency x queue waves), 1 to 60 s."""
+        waves = (len(self._queue) + 1) / self.max_concurrent
+        return int(min(60, max(1, math.ceil(waves * self._latency_ewma_s))))
 
     def _admit_queued(self) -> None:
         while self._queue and len(self._active) < self.max_concurrent:
-            self._admit(*self._queue.popleft())
+            q = self._queue.popleft()
+            self._admit(q.params, q.sink, q.pinned_id, arrived=q.arrived)
 
-    def _admit(self, params: GenerationParams, sink: Sink, pinned_id: bool) -> None:
+    def _admit(self, params: GenerationParams, sink: Sink, pinned_id: bool, arrived: float | None = None) -> None:
         state = RequestState(
             request_id=params.request_id, seed=request_seed(params, pinned_id), max_tokens=params.max_tokens,
             max_tokens_given=params.max_tokens_given, knobs=dict(params.model_kwargs),
@@ -311,7 +346,7 @@ class Conductor:
             return
         self._incarnation += 1
         req = _Request(state=state, params=params, sink=sink, nodes={k: r[0] for k, r in nodes.items()},
-                       replicas=nodes, arrived=time.monotonic(),
+                       replicas=nodes, arrived=time.monotonic() if arrived is None else arrived,
                        wire_id=f"{params.request_id}#{self._incarnation}")
         self._active[params.request_id] = req
         self._by_wire[req.wire_id] = req
@@ -481,10 +516,13 @@ class Conductor:
             self._finish_error(req, 500, f"postprocess failed: {type(exc).__name__}: {exc}")
             return
         n = req.state.completion_tokens - before
+        now = time.monotonic()
         if req.first_token_at is None:
-            req.first_token_at = time.monotonic()
-            self.metrics.ttft.observe(req.first_token_at - req.arrived)
-        self.metrics.tokens_generated += n
+            req.first_token_at = now
+            self.metrics.ttft.observe(now - req.arrived)
+        self.metrics.observe_tokens(n, None if req.last_token_at is None else now - req.last_token_at)
+        if n:
+            req.last_token_at = now
         for delta in deltas:
             if isinstance(delta, MediaDelta):
                 req.sink(delta)
@@ -518,7 +556,9 @@ class Conductor:
                 req.sink(TextDelta(text=tail, n_tokens=0))
             if stops.stopped:
                 reason = "stop"
-        self.metrics.observe_done(reason, time.monotonic() - req.arrived, req.state.completion_tokens)
+        latency = time.monotonic() - req.arrived
+        self._latency_ewma_s += 0.2 * (latency - self._latency_ewma_s)
+        self.metrics.observe_done(reason, latency, req.state.completion_tokens, req.state.prompt_tokens)
         req.sink(Finished(finish_reason=reason, prompt_tokens=req.state.prompt_tokens,
                           completion_tokens=req.state.completion_tokens))
         self._release(req)
@@ -532,8 +572,8 @@ class Conductor:
     def _abort(self, request_id: str, sink: Sink | None = None) -> None:
         """Abort a queued or running request; with ``sink``, only the submission that owns that sink (a late abort
         must not hit a newer request that reuses the same pinned id)."""
-        for i, (params, queued_sink, _) in enumerate(self._queue):
-            if params.request_id == request_id and sink in (None, queued_sink):
+        for i, q in enumerate(self._queue):
+            if q.params.request_id == request_id and sink in (None, q.sink):
                 del self._queue[i]
                 self.metrics.observe_done("abort", 0.0, 0)
                 return
@@ -543,10 +583,17 @@ class Conductor:
             self._release(req)
 
     def _check_timeouts(self, now: float) -> None:
+        """Fail (504) every running or queued request older than ``request_timeout_s``; a running one is removed
+        from every rank it touched (its tensors and KV are freed)."""
+        limit = self.request_timeout_s
+        while self._queue and now - self._queue[0].arrived > limit:  # FIFO: the oldest is first
+            q = self._queue.popleft()
+            self.metrics.observe_done("error", now - q.arrived, 0)
+            q.sink(BackendError(504, f"request timed out after {limit:g} s waiting for admission "
+                                     f"(limits.request_timeout_s); the server is overloaded"))
         for req in list(self._active.values()):
-            if now - req.arrived > self.request_timeout_s:
-                self._finish_error(req, 504, f"request timed out after {self.request_timeout_s:g} s "
-                                             f"(limits.request_timeout_s)")
+            if now - req.arrived > limit:
+                self._finish_error(req, 504, f"request timed out after {limit:g} s (limits.request_timeout_s)")
 
     def _check_ranks(self, now: float) -> None:
         """Declare ranks that went silent dead (docs/architecture.md §10) and fail every request that touches them."""
@@ -558,13 +605,17 @@ class Conductor:
                 continue  # our own process: if it were dead, so would we be; silence is only a long step
             if rank in self.dead_ranks or now - seen <= self.rank_timeout_s:
                 continue
-            host = self.rank_hosts.get(rank, "?")
-            why = f"silent for {now - seen:.0f} s on host {host}"
-            self.dead_ranks[rank] = why
+            why = f"silent for {now - seen:.0f} s on host {self.rank_hosts.get(rank, '?')}"
             log.error("rank %d declared dead: %s (limits.rank_timeout_s=%g)", rank, why, self.rank_timeout_s)
-            for req in list(self._active.values()):
-                if rank in req.touched or any(rank in ranks for ranks in req.replicas.values()):
-                    self._finish_error(req, 503, f"rank {rank} on host {host} died ({why}); retry the request")
+            self._declare_dead(rank, why, "died")
+
+    def _declare_dead(self, rank: int, why: str, verb: str) -> None:
+        """``rank`` serves no more: new requests avoid it, and every request touching it fails with a 503."""
+        host = self.rank_hosts.get(rank, "?")
+        self.dead_ranks[rank] = why
+        for req in list(self._active.values()):
+            if rank in req.touched or any(rank in ranks for ranks in req.replicas.values()):
+                self._finish_error(req, 503, f"rank {rank} on host {host} {verb} ({why}); retry the request")
 
     def log_stats(self, now: float) -> None:
         """One log line: generation throughput since the last line, load, and the per-rank leak canary."""
@@ -586,8 +637,7 @@ class Conductor:
         for req in list(self._active.values()):
             self._finish_error(req, status, message)
         while self._queue:
-            _, sink, _ = self._queue.popleft()
-            sink(BackendError(status, message))
+            self._queue.popleft().sink(BackendError(status, message))
 
     @property
     def queue_depth(self) -> int:

@@ -1,92 +1,177 @@
-"""Conductor-side metrics in Prometheus text format (docs/architecture.md §7: per-rank live tensors are the leak canary)."""
+"""Conductor-side metrics with prometheus_client, on a per-conductor ``CollectorRegistry`` (never the global one:
+tests build several conductors in one process). Every series has HELP and TYPE.
+
+Series (docs/architecture.md §7: per-rank live tensors are the leak canary):
+  * requests: received, finished by reason, rejected by reason, running, queued; generated tokens;
+  * histograms: request latency, time to first token, inter-token latency, prompt and generated tokens per request;
+  * per rank, from each rank's latest ``Stats``: up, live tensors and bytes, edge bytes, staging copies, process
+    RSS / CPU seconds / open fds, control messages rejected, engine counters, and edge transfer size and time
+    histograms per transport and direction;
+  * rank 0's own ``process_*`` series (prometheus_client's process collector).
+Threading: the conductor thread writes; ``render`` runs on the HTTP thread and only reads (copies) plain values.
+"""
 
 from __future__ import annotations
 
-import bisect
 import collections
+from collections.abc import Callable, Iterator
 from typing import Any
 
+from prometheus_client import CollectorRegistry, Histogram, ProcessCollector, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
-class Histogram:
-    BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+FINISH_REASONS = ("stop", "length", "abort", "error")
 
-    def __init__(self) -> None:
-        self.counts = [0] * (len(self.BUCKETS) + 1)
-        self.total = 0.0
-        self.n = 0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.BUCKETS, value)] += 1
-        self.total += value
-        self.n += 1
-
-    def lines(self, name: str) -> list[str]:
-        out, cum = [], 0
-        for bound, count in zip(self.BUCKETS, self.counts):
-            cum += count
-            out.append(f'{name}_bucket{{le="{bound}"}} {cum}')
-        out.append(f'{name}_bucket{{le="+Inf"}} {self.n}')
-        out.append(f"{name}_sum {self.total:.6f}")
-        out.append(f"{name}_count {self.n}")
-        return out
+_RANK_GAUGES = (  # (series, Stats field, help); counters end in _total
+    ("live_tensors", "live_tensors", "Tensors alive in the rank's tensor store (0 at idle: the leak canary)."),
+    ("live_tensor_bytes", "live_bytes", "Bytes of the tensors alive in the rank's tensor store."),
+    ("edge_bytes_sent_total", "edge_bytes_sent", "Bytes the rank sent over the data plane (p2p)."),
+    ("edge_bytes_received_total", "edge_bytes_received", "Bytes the rank received over the data plane (p2p)."),
+    ("host_staging_copies_total", "host_staging_copies", "Device tensors copied through host memory (stays 0)."),
+    ("process_resident_memory_bytes", "rss_bytes", "Resident memory of the rank's process."),
+    ("process_cpu_seconds_total", "cpu_seconds", "User and system CPU time of the rank's process."),
+    ("process_open_fds", "open_fds", "Open file descriptors of the rank's process."),
+)
 
 
 class Metrics:
+    """Counters the conductor updates, plus the latest ``Stats`` of every rank, exported by :meth:`render`."""
+
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
         self.rank_stats: dict[int, Any] = {}
         self.dead_ranks: dict[int, str] = {}
         self.requests_received = 0
         self.finished: collections.Counter[str] = collections.Counter()
+        self.rejected: collections.Counter[str] = collections.Counter()
+        self.rejected_messages = 0
         self.tokens_generated = 0
-        self.latency = Histogram()
-        self.ttft = Histogram()
+        self.load: Callable[[], tuple[int, int]] = lambda: (0, 0)
+        """(running, queued) now; the conductor sets it."""
+        self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)
+        self.latency = self._histogram("request_latency_seconds", "Seconds from arrival to the end of requests "
+                                       "that finished (stop or length).", LATENCY_BUCKETS)
+        self.ttft = self._histogram("time_to_first_token_seconds", "Seconds from arrival to the first output.",
+                                    LATENCY_BUCKETS)
+        self.itl = self._histogram("inter_token_latency_seconds", "Seconds between consecutive output tokens of a "
+                                   "request.", ITL_BUCKETS)
+        self.prompt_tokens = self._histogram("request_prompt_tokens", "Prompt tokens of finished requests.",
+                                             TOKEN_BUCKETS)
+        self.generation_tokens = self._histogram("request_generation_tokens", "Tokens generated by finished "
+                                                 "requests.", TOKEN_BUCKETS)
+        self.registry.register(_StateCollector(self))
 
-    def observe_done(self, reason: str, seconds: float, tokens: int) -> None:
+    def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+        return Histogram(f"mstar_dist_{name}", doc, buckets=buckets, registry=self.registry)
+
+    def observe_done(self, reason: str, seconds: float, tokens: int, prompt_tokens: int = 0) -> None:
         self.finished[reason] += 1
         if reason not in ("abort", "error"):
             self.latency.observe(seconds)
+            self.prompt_tokens.observe(prompt_tokens)
+            self.generation_tokens.observe(tokens)
 
-    def render(self, *, active: int, queued: int) -> str:
-        lines = [
-            "# TYPE mstar_dist_requests_received_total counter",
-            f"mstar_dist_requests_received_total {self.requests_received}",
-            "# TYPE mstar_dist_requests_finished_total counter",
-        ]
-        for reason in ("stop", "length", "abort", "error"):
-            lines.append(f'mstar_dist_requests_finished_total{{reason="{reason}"}} {self.finished[reason]}')
-        lines += [
-            "# TYPE mstar_dist_requests_running gauge",
-            f"mstar_dist_requests_running {active}",
-            "# TYPE mstar_dist_requests_queued gauge",
-            f"mstar_dist_requests_queued {queued}",
-            "# TYPE mstar_dist_generated_tokens_total counter",
-            f"mstar_dist_generated_tokens_total {self.tokens_generated}",
-            "# TYPE mstar_dist_request_latency_seconds histogram",
-            *self.latency.lines("mstar_dist_request_latency_seconds"),
-            "# TYPE mstar_dist_time_to_first_token_seconds histogram",
-            *self.ttft.lines("mstar_dist_time_to_first_token_seconds"),
-        ]
-        lines.append("# TYPE mstar_dist_rank_up gauge")
-        for rank in range(self.world_size):
-            lines.append(f'mstar_dist_rank_up{{rank="{rank}"}} {0 if rank in self.dead_ranks else 1}')
-        gauges = [
-            ("live_tensors", "gauge", "live_tensors"),
-            ("live_tensor_bytes", "gauge", "live_bytes"),
-            ("edge_bytes_sent_total", "counter", "edge_bytes_sent"),
-            ("edge_bytes_received_total", "counter", "edge_bytes_received"),
-            ("host_staging_copies_total", "counter", "host_staging_copies"),
-        ]
-        for name, kind, attr in gauges:
-            lines.append(f"# TYPE mstar_dist_{name} {kind}")
-            for rank in range(self.world_size):
-                st = self.rank_stats.get(rank)
-                value = getattr(st, attr) if st is not None else 0
-                lines.append(f'mstar_dist_{name}{{rank="{rank}"}} {value}')
-        names = sorted({k for st in self.rank_stats.values() for k in st.engine})
-        for key in names:
-            kind = "counter" if key.endswith("_total") else "gauge"
-            lines.append(f"# TYPE mstar_dist_engine_{key} {kind}")
-            for rank in sorted(self.rank_stats):
-                lines.append(f'mstar_dist_engine_{key}{{rank="{rank}"}} {self.rank_stats[rank].engine.get(key, 0)}')
-        return "\n".join(lines) + "\n"
+    def observe_rejected(self, reason: str) -> None:
+        self.rejected[reason] += 1
+
+    def observe_tokens(self, n: int, gap_s: float | None) -> None:
+        """``n`` new output tokens of one request, ``gap_s`` after its previous ones (None for the first)."""
+        self.tokens_generated += n
+        if gap_s is not None and n > 0:
+            for _ in range(n):
+                self.itl.observe(gap_s / n)
+
+    def render(self) -> str:
+        """The Prometheus text exposition (format 0.0.4) of every series."""
+        return generate_latest(self.registry).decode()
+
+
+class _StateCollector:
+    """Series read from the conductor's counters and the ranks' latest ``Stats`` at scrape time."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.m = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._requests()
+        yield from self._ranks()
+        yield from self._edges()
+
+    def _requests(self) -> Iterator[Metric]:
+        m = self.m
+        yield CounterMetricFamily("mstar_dist_requests_received", "Requests submitted to the conductor.",
+                                  value=m.requests_received)
+        finished = CounterMetricFamily("mstar_dist_requests_finished", "Requests ended, by reason.",
+                                       labels=["reason"])
+        counts = dict(m.finished)
+        for reason in sorted(set(FINISH_REASONS) | set(counts)):
+            finished.add_metric([reason], counts.get(reason, 0))
+        yield finished
+        rejected = CounterMetricFamily("mstar_dist_requests_rejected", "Requests refused at admission (429), by "
+                                       "reason.", labels=["reason"])
+        for reason, n in sorted(({"queue_full": 0} | dict(m.rejected)).items()):
+            rejected.add_metric([reason], n)
+        yield rejected
+        running, queued = m.load()
+        yield GaugeMetricFamily("mstar_dist_requests_running", "Requests admitted and running.", value=running)
+        yield GaugeMetricFamily("mstar_dist_requests_queued", "Requests waiting for admission.", value=queued)
+        yield CounterMetricFamily("mstar_dist_generated_tokens", "Output tokens generated.",
+                                  value=m.tokens_generated)
+
+    def _ranks(self) -> Iterator[Metric]:
+        m = self.m
+        stats, dead = dict(m.rank_stats), dict(m.dead_ranks)
+        up = GaugeMetricFamily("mstar_dist_rank_up", "1 while the rank serves, 0 once declared dead.",
+                               labels=["rank"])
+        for rank in range(m.world_size):
+            up.add_metric([str(rank)], 0 if rank in dead else 1)
+        yield up
+        for name, field, doc in _RANK_GAUGES:
+            family = _family(f"mstar_dist_{name}", doc, ["rank"])
+            for rank in range(m.world_size):
+                family.add_metric([str(rank)], getattr(stats[rank], field) if rank in stats else 0)
+            yield family
+        rejected = CounterMetricFamily("mstar_dist_control_messages_rejected", "Control messages dropped: "
+                                       "undecodable, without the launch's secret, or from a spoofed sender.",
+                                       labels=["receiver"])
+        rejected.add_metric(["conductor"], m.rejected_messages)
+        for rank, st in sorted(stats.items()):
+            rejected.add_metric([f"rank{rank}"], st.rejected_messages)
+        yield rejected
+        for key in sorted({k for st in stats.values() for k in st.engine}):
+            family = _family(f"mstar_dist_engine_{key}", f"Engine statistic {key!r}, summed over the rank's "
+                             "components.", ["rank"])
+            for rank, st in sorted(stats.items()):
+                family.add_metric([str(rank)], st.engine.get(key, 0))
+            yield family
+
+    def _edges(self) -> Iterator[Metric]:
+        labels = ["rank", "transport", "direction"]
+        families = {
+            "bytes": HistogramMetricFamily("mstar_dist_edge_transfer_bytes", "Sizes of data-plane transfers, per "
+                                           "transport and direction.", labels=labels),
+            "seconds": HistogramMetricFamily("mstar_dist_edge_transfer_seconds", "Seconds from posting a data-plane "
+                                             "transfer to its completion seen by the rank loop.", labels=labels),
+        }
+        for rank, st in sorted(dict(self.m.rank_stats).items()):
+            for h in st.edge_histograms:
+                cumulative, buckets = 0, []
+                for bound, count in zip([*map(_bound, h.bounds), "+Inf"], h.counts):
+                    cumulative += count
+                    buckets.append((bound, cumulative))
+                families[h.unit].add_metric([str(rank), h.transport, h.direction], buckets, h.total)
+        yield from families.values()
+
+
+def _family(name: str, doc: str, labels: list[str]) -> Metric:
+    if name.endswith("_total"):
+        return CounterMetricFamily(name.removesuffix("_total"), doc, labels=labels)
+    return GaugeMetricFamily(name, doc, labels=labels)
+
+
+def _bound(value: float) -> str:
+    return repr(float(value))

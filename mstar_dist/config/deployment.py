@@ -107,16 +107,21 @@ class Limits:
     max_concurrent_requests: int = 64
     """Requests in flight at once; more wait in the admission queue."""
     request_timeout_s: float = 600.0
-    """Seconds a request may run before it is aborted everywhere."""
+    """Seconds a request may take, from arrival (queued time included), before it fails with a 504 and is
+    aborted everywhere (its tensors and KV freed)."""
     max_tokens: int = 2048
     """The most tokens one request may ask for (a larger ask is a 4xx)."""
     rank_timeout_s: float = 30.0
     """Seconds without any message from a rank (each sends its gauges every 0.5 s) before the conductor declares
     it dead: its in-flight requests fail with a 5xx naming it and new requests avoid it. Longer than the slowest
     step (a long prefill on CPU)."""
+    max_queued_requests: int = 256
+    """Requests that may wait in the admission queue; beyond it a request is refused at once with a 429 and a
+    ``Retry-After`` header (admitted requests keep being served). 0: no waiting at all."""
 
     def __post_init__(self) -> None:
         read_int(self.max_concurrent_requests, "max_concurrent_requests", minimum=1)
+        read_int(self.max_queued_requests, "max_queued_requests", minimum=0)
         object.__setattr__(self, "rank_timeout_s", read_positive_float(self.rank_timeout_s, "rank_timeout_s"))
         object.__setattr__(self, "request_timeout_s", read_positive_float(self.request_timeout_s, "request_timeout_s"))
         read_int(self.max_tokens, "max_tokens", minimum=1)
@@ -130,10 +135,13 @@ class ServerConfig:
     """Interface address for HTTP (0.0.0.0 for all)."""
     port: int = 8000
     """TCP port for HTTP, 1..65535."""
+    max_body_bytes: int = 8 << 20
+    """Largest HTTP request body accepted (bytes, default 8 MiB); a larger one is refused with a 413."""
 
     def __post_init__(self) -> None:
         read_str(self.host, "host")
         read_int(self.port, "port", minimum=1, maximum=65535)
+        read_int(self.max_body_bytes, "max_body_bytes", minimum=1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -202,9 +210,11 @@ class DeploymentConfig:
         port: int | None = None,
         max_concurrent_requests: int | None = None,
         request_timeout_s: float | None = None,
+        max_body_bytes: int | None = None,
     ) -> DeploymentConfig:
         """A copy with CLI flag values in place of the file's; None keeps the file's value."""
-        server = {k: v for k, v in (("host", host), ("port", port)) if v is not None}
+        server = {k: v for k, v in (("host", host), ("port", port), ("max_body_bytes", max_body_bytes))
+                  if v is not None}
         limits = {
             k: v
             for k, v in (("max_concurrent_requests", max_concurrent_requests), ("request_timeout_s", request_timeout_s))

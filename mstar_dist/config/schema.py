@@ -8,6 +8,7 @@ full key path (``node_groups[1].tp_size``), the value found and, when known, the
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -71,7 +72,9 @@ def check_keys(value: Any, key: str, *, required: Iterable[str], optional: Itera
     allowed = required + optional
     for k in data:
         if k not in allowed:
-            raise ConfigError(join(key, k), f"unknown key (allowed here: {', '.join(sorted(allowed))})")
+            close = difflib.get_close_matches(k, allowed, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ConfigError(join(key, k), f"unknown key {k!r} ({hint}allowed here: {', '.join(sorted(allowed))})")
     missing = [k for k in required if k not in data]
     if missing:
         what = f"mapping {key!r}" if key else "the top level"

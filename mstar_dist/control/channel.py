@@ -20,6 +20,7 @@ Not thread-safe (ZMQ sockets are not): use a channel from one thread.
 from __future__ import annotations
 
 import datetime
+import secrets
 
 import zmq
 
@@ -199,3 +200,24 @@ def lookup_endpoint(store, name: str, timeout_s: float) -> str:
             f"control endpoint of {name!r} was not published within {timeout_s:g} s ({exc})"
         ) from exc
     return store.get(key).decode()
+
+
+_SECRET_KEY = "mstar_dist/secret"
+
+
+def share_secret(store, *, publisher: bool, timeout_s: float) -> str:
+    """The deployment token that every control envelope carries (docs/architecture.md §6): a secret drawn per launch.
+
+    The ``publisher`` (the conductor's rank; exactly one) draws 16 random bytes and writes them into `store` (the
+    torchrun store of this launch) before reading; every rank, the publisher included, reads the value back,
+    blocking until it is there or `timeout_s` passes (TimeoutError). Nothing outside this launch's store can
+    derive it: unlike a hash of the config and rendezvous address, a process that knows both learns nothing.
+    """
+    if publisher:
+        store.set(_SECRET_KEY, secrets.token_hex(16))
+    try:
+        store.wait([_SECRET_KEY], datetime.timedelta(seconds=timeout_s))
+    except Exception as exc:
+        raise TimeoutError(f"the deployment secret was not published within {timeout_s:g} s: the conductor's "
+                           f"rank did not start ({type(exc).__name__}: {exc})") from exc
+    return store.get(_SECRET_KEY).decode()

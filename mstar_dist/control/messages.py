@@ -276,6 +276,29 @@ class LoadFailed(msgspec.Struct, tag=True):
     error: str
 
 
+class EdgeHistogram(msgspec.Struct, frozen=True):
+    """One rank's edge transfers on one transport in one direction, as a histogram of ``unit`` ("bytes" or
+    "seconds"): ``counts[i]`` transfers at most ``bounds[i]`` and above the bound before (the last count is above
+    every bound), ``total`` the sum of the values."""
+
+    transport: str
+    direction: str
+    """"send" or "recv"."""
+    unit: str
+    bounds: list[float]
+    counts: list[int]
+    total: float
+
+
+class Leaving(msgspec.Struct, tag=True):
+    """The sending rank is exiting cleanly (SIGTERM): the conductor declares it dead at once, so its requests fail
+    fast with a 503 instead of after ``limits.rank_timeout_s``."""
+
+    rank: int
+    host: str
+    reason: str
+
+
 class Stats(msgspec.Struct, tag=True):
     """Periodic per-rank gauges for /metrics (live tensors is the leak canary)."""
 
@@ -287,17 +310,28 @@ class Stats(msgspec.Struct, tag=True):
     host_staging_copies: int
     engine: dict[str, int] = {}
     """Component counters and gauges (KV slots, decode steps and rows...), summed over this rank's components."""
+    rejected_messages: int = 0
+    """Control messages this rank dropped: undecodable, without the launch's secret, or from a spoofed sender."""
+    rss_bytes: float = 0.0
+    """Resident memory of the rank's process."""
+    cpu_seconds: float = 0.0
+    """User + system CPU time of the rank's process so far."""
+    open_fds: float = 0.0
+    """Open file descriptors of the rank's process."""
+    edge_histograms: list[EdgeHistogram] = []
+    """Sizes and times of this rank's data-plane transfers per transport and direction (``mstar_dist/telemetry``)."""
 
 
 Message = Union[
     RunWalk, Push, StopLoops, RemoveRequest, Shutdown, Heartbeat, AbortPair, TensorDesc, NodeDone, StreamItems,
-    StreamEnd, TPStep, TPPush, Emit, WalkDone, Ready, LoadFailed, Stats,
+    StreamEnd, TPStep, TPPush, Emit, WalkDone, Ready, LoadFailed, Leaving, Stats,
 ]
 
 
 class Envelope(msgspec.Struct):
     token: str
-    """Deployment token: every rank derives the same value; a stray sender's envelopes are rejected."""
+    """The launch's secret (drawn by the conductor's rank, shared through the torchrun store); an envelope
+    without it is dropped and counted."""
     sender: str
     body: Message
 

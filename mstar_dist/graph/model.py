@@ -113,6 +113,10 @@ class CompositeModel(ABC):
         """Partitions that need not run for this request (e.g. no audio asked for). Default: none."""
         return set()
 
+    default_weights_dir: str | None = None
+    """The weights path this family prepares by itself on first start (``prepare_weights``), if any. Any other
+    ``weights:`` path that does not exist is a config error naming the key (checked before ranks start)."""
+
     def prepare_weights(self) -> None:
         """Make ``weights_dir`` exist (called once per host before loading). Default: nothing to do."""
 

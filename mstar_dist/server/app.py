@@ -28,8 +28,10 @@ from starlette.requests import ClientDisconnect
 
 from mstar_dist.server.backend import Finished, GenerationBackend, GenerationParams, MediaDelta, TextDelta
 from mstar_dist.server.checks import (
-    REQUEST_ID_HEADER, ApiError, check_modality, check_model, header_request_id, max_tokens, parse_body,
+    REQUEST_ID_HEADER, ApiError, check_modality, check_model, error_body, header_request_id, max_tokens, parse_body,
 )
+from mstar_dist.server.guard import GuardMiddleware
+from mstar_dist.server.openapi import body_doc, install_openapi
 from mstar_dist.server.http_metrics import HttpStats, StatsMiddleware
 from mstar_dist.server.http_server import HttpServer
 from mstar_dist.server.media_routes import add_media_routes, join_audio
@@ -41,13 +43,14 @@ from mstar_dist.server.protocol import (
     ChatCompletionResponse,
     ChunkChoice,
     ChunkDelta,
-    ErrorInfo,
     ErrorResponse,
     GenerateOutput,
     GenerateRequest,
     GenerateResponse,
+    ImageGenerationRequest,
     ModelCard,
     ModelList,
+    SpeechRequest,
     StreamLine,
     Usage,
     normalize_messages,
@@ -64,11 +67,19 @@ NDJSON_MEDIA_TYPE = "application/x-ndjson; charset=utf-8"
 SSE_MEDIA_TYPE = "text/event-stream; charset=utf-8"
 
 
-def build_app(backend: GenerationBackend) -> FastAPI:
-    """The FastAPI app serving ``backend``. Runs on the loop of the server that hosts it (``HttpServer``)."""
+DEFAULT_MAX_BODY_BYTES = 8 << 20
+
+
+def build_app(backend: GenerationBackend, *, api_key: str | None = None,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """The FastAPI app serving ``backend``. Runs on the loop of the server that hosts it (``HttpServer``).
+
+    ``api_key``: when set, every route but ``/health`` needs ``Authorization: Bearer <api_key>`` (401 without).
+    ``max_body_bytes``: larger request bodies get a 413."""
     app = FastAPI(title="mstar_dist", version="0.1.0")
     stats = HttpStats()
-    app.add_middleware(StatsMiddleware, stats=stats)
+    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
+    app.add_middleware(StatsMiddleware, stats=stats)  # added last: outermost, so it counts 401s and 413s too
     created = int(time.time())
     _add_error_handlers(app)
 
@@ -94,10 +105,10 @@ def build_app(backend: GenerationBackend) -> FastAPI:
         card = ModelCard(id=backend.model_name, created=created, max_model_len=backend.max_context_tokens)
         return JSONResponse(ModelList(data=[card]).model_dump())
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=body_doc(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         check_modality(backend, "text")
-        req = await parse_body(request, ChatCompletionRequest, status=400)
+        req = await parse_body(request, ChatCompletionRequest)
         check_model(req.model, backend)
         if req.n != 1:
             raise ApiError(400, f"n is {req.n}; only n=1 (one choice per request) is supported", "n")
@@ -126,9 +137,9 @@ def build_app(backend: GenerationBackend) -> FastAPI:
         outcome = await until_disconnect(request, collect(events(backend, params)), stats)
         return JSONResponse(reply.response(outcome).model_dump(), headers=headers)
 
-    @app.post("/generate")
+    @app.post("/generate", openapi_extra=body_doc(GenerateRequest))
     async def generate(request: Request) -> Response:
-        req = await parse_body(request, GenerateRequest, status=422)
+        req = await parse_body(request, GenerateRequest)
         check_model(req.model, backend)
         kw = req.model_kwargs
         request_id = req.request_id or header_request_id(request) or uuid.uuid4().hex
@@ -156,6 +167,8 @@ def build_app(backend: GenerationBackend) -> FastAPI:
         return JSONResponse(response.model_dump(), headers=headers)
 
     add_media_routes(app, backend, stats)
+    install_openapi(app, backend, [GenerateRequest, ChatCompletionRequest, SpeechRequest, ImageGenerationRequest],
+                    api_key=bool(api_key))
     return app
 
 
@@ -270,18 +283,12 @@ def _sse(obj: dict[str, Any]) -> bytes:
 # --------------------------------------------------------------------------------------- errors, metrics
 
 
-def _is_openai(request: Request) -> bool:
-    return request.url.path.startswith("/v1/")
-
-
 def _openai_error(exc: ApiError) -> ErrorResponse:
-    kind = "invalid_request_error" if exc.status < 500 else "server_error"
-    return ErrorResponse(error=ErrorInfo(message=exc.message, type=kind, param=exc.param, code=exc.status))
+    return ErrorResponse.model_validate(error_body("/v1/", exc))
 
 
 def _error_response(request: Request, exc: ApiError) -> JSONResponse:
-    body = _openai_error(exc).model_dump() if _is_openai(request) else {"error": exc.message}
-    return JSONResponse(body, status_code=exc.status)
+    return JSONResponse(error_body(request.url.path, exc), status_code=exc.status, headers=exc.headers)
 
 
 def _add_error_handlers(app: FastAPI) -> None:

@@ -23,15 +23,29 @@ M = TypeVar("M", bound=BaseModel)
 
 
 class ApiError(Exception):
-    """A request failure with the status and message the client sees; ``param`` names the offending field."""
+    """A request failure with the status and message the client sees; ``param`` names the offending field,
+    ``headers`` go on the response (``Retry-After`` on a 429)."""
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
+        self.headers = dict(headers or {})
 
 
-async def parse_body(request: Request, model: type[M], *, status: int) -> M:
-    """Parses the JSON body into ``model``; ``status`` is used for schema errors (400 on /v1, 422 native).
+def error_body(path: str, exc: ApiError) -> dict[str, Any]:
+    """The error body of the route family ``path`` belongs to: OpenAI's ``{"error": {"message", "type", "param",
+    "code"}}`` on ``/v1`` routes, ``{"error": "<message>"}`` on the native ones."""
+    if not path.startswith("/v1/"):
+        return {"error": exc.message}
+    kind = "invalid_request_error" if exc.status < 500 else "server_error"
+    if exc.status == 401:
+        kind = "authentication_error"
+    return {"error": {"message": exc.message, "type": kind, "param": exc.param, "code": exc.status}}
+
+
+async def parse_body(request: Request, model: type[M]) -> M:
+    """Parses the JSON body into ``model``; any mistake in it is a 400 naming the field (every route family).
 
     Reads the whole body, so afterwards the next ASGI ``receive()`` only reports a disconnect."""
     raw = await request.body()
@@ -47,7 +61,7 @@ async def parse_body(request: Request, model: type[M], *, status: int) -> M:
         return model.model_validate(obj)
     except ValidationError as exc:
         first = exc.errors(include_url=False)[0]
-        raise ApiError(status, _describe(exc), _loc(first["loc"]) or None) from None
+        raise ApiError(400, _describe(exc), _loc(first["loc"]) or None) from None
 
 
 def _describe(exc: ValidationError) -> str:

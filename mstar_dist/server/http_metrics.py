@@ -1,35 +1,31 @@
-"""HTTP-level counters the app exports on /metrics after the backend's own metrics."""
+"""HTTP-level metrics the app exports on /metrics after the backend's own, with prometheus_client on a registry
+of the app's own (several apps live in one test process)."""
 
 from __future__ import annotations
 
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
 
 class HttpStats:
-    """Counters the app itself exports on /metrics, after the backend's."""
+    """Requests by route and status, requests in flight, and client disconnects (runs on the HTTP loop)."""
 
     ROUTES = ("/generate", "/v1/chat/completions", "/v1/audio/speech", "/v1/images/generations", "/v1/models",
               "/health", "/metrics")
 
     def __init__(self) -> None:
-        self.requests: dict[tuple[str, int], int] = {}
-        self.in_flight = 0
-        self.disconnects = 0
+        self.registry = CollectorRegistry()
+        self.requests = Counter("mstar_http_requests", "HTTP requests answered, by route and status code.",
+                                ["route", "code"], registry=self.registry)
+        self.in_flight = Gauge("mstar_http_requests_in_flight", "HTTP requests being handled now.",
+                               registry=self.registry)
+        self._disconnects = Counter("mstar_http_client_disconnects", "Generations aborted because the client went "
+                                    "away.", registry=self.registry)
+
+    def disconnected(self) -> None:
+        self._disconnects.inc()
 
     def render(self) -> str:
-        lines = [
-            "# HELP mstar_http_requests_total HTTP requests answered, by route and status code.",
-            "# TYPE mstar_http_requests_total counter",
-        ]
-        for (route, code), n in sorted(self.requests.items()):
-            lines.append(f'mstar_http_requests_total{{route="{route}",code="{code}"}} {n}')
-        lines += [
-            "# HELP mstar_http_requests_in_flight HTTP requests being handled now.",
-            "# TYPE mstar_http_requests_in_flight gauge",
-            f"mstar_http_requests_in_flight {self.in_flight}",
-            "# HELP mstar_http_client_disconnects_total Generations aborted because the client went away.",
-            "# TYPE mstar_http_client_disconnects_total counter",
-            f"mstar_http_client_disconnects_total {self.disconnects}",
-        ]
-        return "\n".join(lines) + "\n"
+        return generate_latest(self.registry).decode()
 
 
 class StatsMiddleware:
@@ -51,10 +47,9 @@ class StatsMiddleware:
                 status = message["status"]
             await send(message)
 
-        self.stats.in_flight += 1
+        self.stats.in_flight.inc()
         try:
             await self.app(scope, receive, send_status)
         finally:
-            self.stats.in_flight -= 1
-            key = (route, status)
-            self.stats.requests[key] = self.stats.requests.get(key, 0) + 1
+            self.stats.in_flight.dec()
+            self.stats.requests.labels(route=route, code=str(status)).inc()

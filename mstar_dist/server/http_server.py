@@ -49,15 +49,19 @@ class HttpServer:
         host = f"[{self.host}]" if self.host and ":" in self.host else self.host
         return f"http://{host}:{self.port}"
 
-    def start(self, host: str = "127.0.0.1", port: int = 8000, timeout_s: float = 30.0) -> None:
-        """Binds ``host:port`` (0 = any free port) and serves; blocks up to ``timeout_s`` until listening.
+    def start(self, host: str = "127.0.0.1", port: int = 8000, timeout_s: float = 30.0,
+              sock: socket.socket | None = None) -> None:
+        """Binds ``host:port`` (0 = any free port), or takes ``sock`` from :func:`reserve_port`, and serves;
+        blocks up to ``timeout_s`` until listening.
 
         Raises OSError naming ``host:port`` when the address cannot be bound (port taken, bad address), and
         RuntimeError when uvicorn fails or does not come up within ``timeout_s``.
         """
         if self._thread is not None:
             raise RuntimeError(f"HttpServer already started on {self.host}:{self.port}")
-        sock = _bind(host, port)
+        sock = sock if sock is not None else reserve_port(host, port)
+        sock.listen(2048)
+        sock.setblocking(False)
         self.host, self.port = host, sock.getsockname()[1]
         config = uvicorn.Config(
             self._app,
@@ -65,6 +69,7 @@ class HttpServer:
             access_log=self._access_log,
             lifespan="auto",
             timeout_graceful_shutdown=10,
+            log_config=None,  # uvicorn's records go to the root handler: rank, host and --log-format apply
         )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._run, args=(sock,), name="mstar-http", daemon=True)
@@ -117,7 +122,9 @@ class HttpServer:
         self.stop()
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def reserve_port(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port``, not yet listening (connections are refused until ``start``), so a port
+    in use is reported at startup, before any rank loads its model. OSError naming the address otherwise."""
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
         sock = socket.socket(family, socket.SOCK_STREAM)
@@ -126,12 +133,10 @@ def _bind(host: str, port: int) -> socket.socket:
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
-        sock.listen(2048)
     except OSError as exc:
         sock.close()
         hint = " (port already in use)" if exc.errno == errno.EADDRINUSE else ""
         raise OSError(exc.errno, f"cannot bind HTTP server to {host}:{port}{hint}: {exc.strerror}") from exc
-    sock.setblocking(False)
     return sock
 
 

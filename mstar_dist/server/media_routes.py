@@ -26,6 +26,7 @@ from mstar_dist.server.checks import (
     REQUEST_ID_HEADER, ApiError, check_modality, check_model, header_request_id, parse_body,
 )
 from mstar_dist.server.http_metrics import HttpStats
+from mstar_dist.server.openapi import body_doc
 from mstar_dist.server.protocol import ImageData, ImageGenerationRequest, ImagesResponse, SpeechRequest
 from mstar_dist.server.relay import (
     ClosingStreamingResponse, StreamAborted, collect, events, start_stream, until_disconnect,
@@ -90,10 +91,10 @@ def _check_same_format(fmt: AudioFormat, delta: MediaDelta, request_id: str) -> 
 def add_media_routes(app: FastAPI, backend: GenerationBackend, stats: HttpStats) -> None:
     """Registers the speech and image routes on ``app`` (runs on the HTTP server's loop, like the app)."""
 
-    @app.post("/v1/audio/speech")
+    @app.post("/v1/audio/speech", openapi_extra=body_doc(SpeechRequest))
     async def speech(request: Request) -> Response:
         check_modality(backend, "audio")
-        req = await parse_body(request, SpeechRequest, status=400)
+        req = await parse_body(request, SpeechRequest)
         check_model(req.model, backend)
         request_id = header_request_id(request) or uuid.uuid4().hex
         params = _speech_params(req, request_id, backend)
@@ -114,10 +115,10 @@ def add_media_routes(app: FastAPI, backend: GenerationBackend, stats: HttpStats)
         content = _wav(pcm, fmt, request_id) if req.response_format == "wav" else pcm
         return Response(content, media_type=media_type, headers=headers | fmt.headers())
 
-    @app.post("/v1/images/generations")
+    @app.post("/v1/images/generations", openapi_extra=body_doc(ImageGenerationRequest))
     async def images(request: Request) -> JSONResponse:
         check_modality(backend, "image")
-        req = await parse_body(request, ImageGenerationRequest, status=400)
+        req = await parse_body(request, ImageGenerationRequest)
         check_model(req.model, backend)
         request_id = header_request_id(request) or uuid.uuid4().hex
         batch = [_image_params(req, request_id, i, backend) for i in range(req.n)]

@@ -2,7 +2,8 @@
 ``/generate`` API.
 
 Requests are strict (``"5"`` is not an int, ``"yes"`` is not a bool) so a typo fails with a message instead of
-being coerced. OpenAI requests ignore unknown fields (clients send many optional ones). Native requests reject
+being coerced. Chat completion requests reject unknown fields except OpenAI's own (``OPENAI_CHAT_IGNORED``:
+clients send many optional ones); the speech and image routes ignore unknown fields. Native requests reject
 unknown top-level fields; inside ``model_kwargs`` the sampling knobs are typed here and every other key is the
 model family's knob, passed through as JSON and validated by the family (an unknown or out-of-range knob is a 400
 naming it).
@@ -22,12 +23,15 @@ Media metadata is the model's (``mstar_dist.events.MediaDelta``) plus ``request_
 
 from __future__ import annotations
 
+import difflib
 import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # ----------------------------------------------------------------------------------------------- shared
+
+TOP_K_MAX = 2**31 - 1
 
 
 class _Strict(BaseModel):
@@ -98,7 +102,9 @@ class _SamplingKnobs(_NullMeansDefault):
     seed: int | None = None
 
     def top_k_value(self) -> int:
-        return max(self.top_k, 0)
+        """0 for disabled; a k beyond any vocabulary is clamped (it keeps every token either way, and must fit
+        the control plane's int64)."""
+        return min(max(self.top_k, 0), TOP_K_MAX)
 
 
 class _Sampling(_SamplingKnobs):
@@ -129,7 +135,32 @@ class StreamOptions(_Lenient):
     include_usage: bool = False
 
 
+OPENAI_CHAT_IGNORED = frozenset({
+    "audio", "frequency_penalty", "function_call", "functions", "logit_bias", "logprobs", "metadata", "modalities",
+    "parallel_tool_calls", "prediction", "presence_penalty", "prompt_cache_key", "reasoning_effort",
+    "response_format", "safety_identifier", "service_tier", "store", "tool_choice", "tools", "top_logprobs", "user",
+    "verbosity", "web_search_options",
+})
+"""OpenAI chat completion fields this server accepts and ignores (clients send them); any other field that is
+not one of ours is a 400 naming it, so a typo (``max_token``) is not silently ignored."""
+
+
+def reject_unknown(data: Any, known: frozenset[str] | set[str]) -> None:
+    """A ValueError naming every key of ``data`` outside ``known``, with the closest known name as a hint."""
+    if not isinstance(data, dict):
+        return
+    unknown = [k for k in data if k not in known]
+    if unknown:
+        hints = []
+        for key in unknown:
+            close = difflib.get_close_matches(str(key), sorted(known), n=1)
+            hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        raise ValueError(f"unknown field{'s' if len(unknown) > 1 else ''} {', '.join(hints)}")
+
+
 class ChatCompletionRequest(_Sampling, _Lenient):
+    """Unknown fields are rejected (a 400 naming them), except OpenAI's own in :data:`OPENAI_CHAT_IGNORED`."""
+
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, gt=0)
@@ -137,6 +168,12 @@ class ChatCompletionRequest(_Sampling, _Lenient):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_fields(cls, data: Any) -> Any:
+        reject_unknown(data, set(cls.model_fields) | OPENAI_CHAT_IGNORED)
+        return data
 
     def requested_max_tokens(self) -> int | None:
         """``max_completion_tokens`` wins over the deprecated ``max_tokens`` (OpenAI's rule)."""

@@ -76,7 +76,8 @@ async def events(backend: GenerationBackend, params: GenerationParams) -> AsyncI
                 raise TypeError(f"backend yielded {type(event).__name__}; expected TextDelta, MediaDelta or Finished")
         raise RuntimeError("backend generator ended without a Finished event")
     except BackendError as exc:
-        raise ApiError(exc.status, exc.message) from exc
+        headers = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s is not None else None
+        raise ApiError(exc.status, exc.message, headers=headers) from exc
     except Exception as exc:
         logger.exception("request %s failed in the backend", params.request_id)
         raise ApiError(500, f"generation failed: {type(exc).__name__}: {exc}") from exc
@@ -113,7 +114,7 @@ async def until_disconnect(request: Request, work: Awaitable[T], stats: HttpStat
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
         if task.done():
             return task.result()
-        stats.disconnects += 1
+        stats.disconnected()
         raise ClientGone()
     finally:
         watcher.cancel()
@@ -177,7 +178,7 @@ class ClosingStreamingResponse(StreamingResponse):
             self._complete = True  # not a disconnect: the body chose to end; the server drops the connection
         finally:
             if not self._complete:
-                self._stats.disconnects += 1
+                self._stats.disconnected()
             with anyio.CancelScope(shield=True):
                 await self.body_iterator.aclose()
                 await self._body.aclose()

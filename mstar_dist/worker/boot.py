@@ -18,6 +18,7 @@ host and cause; SIGTERM stops cleanly with exit 0.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import logging
 import os
@@ -33,10 +34,15 @@ import torch
 
 from mstar_dist.config.cluster import ClusterSpec, RankInfo, device_for, identify
 from mstar_dist.config.deployment import DeploymentConfig, load_config
+from mstar_dist.config.schema import ConfigError
 from mstar_dist.control import messages as m
-from mstar_dist.control.channel import ControlChannel, default_store, lookup_endpoint, publish_endpoint
+from mstar_dist.control.channel import (
+    ControlChannel, default_store, lookup_endpoint, publish_endpoint, share_secret,
+)
 from mstar_dist.graph.model import CompositeModel, Layout
+from mstar_dist.logs import announce, configure_logging
 from mstar_dist.graph.nodes import iter_nodes, node_names
+from mstar_dist.telemetry import MeteredTransport
 from mstar_dist.topology.placement import Placement
 from mstar_dist.worker.worker import CONDUCTOR, Worker, rank_name
 
@@ -51,7 +57,8 @@ class Deployment:
     cluster: ClusterSpec
     model: CompositeModel
     placement: Placement
-    token: str
+    token: str = ""
+    """The control-plane secret of this launch (``share_secret``); empty until the ranks have shared it."""
 
     @classmethod
     def build(cls, config: DeploymentConfig, world_size: int, local_world_size: int | None) -> "Deployment":
@@ -59,6 +66,7 @@ class Deployment:
 
         cluster = config.resolve_cluster(world_size, local_world_size)
         model = get_model_class(config.model)(config.weights, **dict(config.model_kwargs))
+        check_weights(config, model)
         model.configure(Layout.from_node_groups(config.node_groups))
         walks = {walk: node_names(section) for walk, section in model.graphs().items()}
         placement = Placement.build(config, walks, cluster.world_size)
@@ -74,10 +82,7 @@ class Deployment:
             if len(producers) > 1:  # items from two ranks have no common order on the consumer
                 raise ValueError(f"streaming edge {edge.signal!r} is produced by walks {producers}: this runtime "
                                  f"needs one producing walk per streaming signal")
-        seed = f"{config.to_dict()}|{world_size}|{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-        seed += f"|{os.environ.get('TORCHELASTIC_RUN_ID', '')}"
-        token = hashlib.sha256(seed.encode()).hexdigest()[:32]
-        return cls(config=config, cluster=cluster, model=model, placement=placement, token=token)
+        return cls(config=config, cluster=cluster, model=model, placement=placement)
 
 
     def describe(self) -> str:
@@ -121,6 +126,21 @@ def tp_roles_for(placement: Placement, rank: int) -> dict[str, "TPRole"]:
     return roles
 
 
+def check_weights(config: DeploymentConfig, model: CompositeModel) -> None:
+    """``weights:`` must exist unless the family prepares that path itself: its ``default_weights_dir``, or any
+    path of a family that decides in ``prepare_weights`` (checked there, at load). ConfigError naming the key."""
+    path = config.weights
+    if path is None or os.path.exists(path):
+        return
+    default = type(model).default_weights_dir
+    if default is not None and os.path.realpath(path) == os.path.realpath(os.path.expanduser(default)):
+        return
+    if default is None and type(model).prepare_weights is not CompositeModel.prepare_weights:
+        return
+    also = f" (only the default {default} is prepared automatically)" if default else ""
+    raise ConfigError("weights", f"no such directory{also}", repr(path), config.source)
+
+
 def _world_from_config(config: DeploymentConfig) -> int:
     """The world a dry run checks without torchrun: the cluster spec's, else the highest placed rank + 1."""
     if config.cluster is not None:
@@ -143,16 +163,6 @@ def check_same_walks(store: Any, rank: int, world_size: int, digest: str, timeou
             raise RuntimeError(f"rank {rank} and rank {peer} derive different walks from the same config "
                                f"(digests {digest} and {theirs}): a model family must build its walks from the "
                                f"config alone (model_kwargs, layout); check both hosts run the same code")
-
-
-def configure_logging(level: str, label: str) -> None:
-    """One stderr handler whose lines carry ``label`` (the rank); calling it again relabels the lines."""
-    root = logging.getLogger()
-    root.setLevel(level)
-    if not root.handlers:
-        root.addHandler(logging.StreamHandler())
-    for handler in root.handlers:
-        handler.setFormatter(logging.Formatter(f"%(asctime)s [{label}] %(levelname)s %(name)s: %(message)s"))
 
 
 def _hostnames() -> set[str]:
@@ -208,12 +218,13 @@ def cpu_threads_for(config: DeploymentConfig, global_rank: int, ranks_on_host: i
 def serve(args: argparse.Namespace) -> int:
     from mstar_dist.distributed.groups import create_pair_groups, create_tp_groups, warm_pairs
     from mstar_dist.distributed.init import backend_for_device, init_distributed, shutdown_distributed
+    from mstar_dist.server.http_server import reserve_port
     from mstar_dist.transport.p2p import P2PTransport
     from mstar_dist.transport.store import TensorStore
 
     config = load_config(args.config).with_overrides(
         host=args.host, port=args.port, max_concurrent_requests=args.max_concurrent_requests,
-        request_timeout_s=args.request_timeout,
+        request_timeout_s=args.request_timeout, max_body_bytes=args.max_body_bytes,
     )
     env = os.environ
     world_size = int(env.get("WORLD_SIZE", "0")) or (_world_from_config(config) if args.dry_run else 1)
@@ -225,7 +236,7 @@ def serve(args: argparse.Namespace) -> int:
     info = identify(dep.cluster, env, _hostnames())
     rank = info.global_rank
     where = f"rank {rank} on host {info.host_name}"
-    configure_logging(logging.getLogger().level, f"rank {rank}")
+    configure_logging(logging.getLogger().level, rank=rank, host=info.host_name, fmt=args.log_format)
     device = device_for(info, torch.cuda.is_available())
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
@@ -233,6 +244,7 @@ def serve(args: argparse.Namespace) -> int:
         threads = cpu_threads_for(config, rank, len(dep.cluster.ranks_on_host(info.node_rank)), os.cpu_count() or 1)
         torch.set_num_threads(threads)
         log.info("rank %d uses %d CPU threads", rank, threads)
+    http_sock = reserve_port(config.server.host, config.server.port) if dep.placement.is_conductor(rank) else None
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
@@ -242,13 +254,15 @@ def serve(args: argparse.Namespace) -> int:
     try:
         init_distributed(global_rank=rank, world_size=world_size, device=device, timeout_s=args.startup_timeout)
         store = default_store()
+        secret = share_secret(store, publisher=dep.placement.is_conductor(rank), timeout_s=args.startup_timeout)
+        dep = dataclasses.replace(dep, token=secret)
         check_same_walks(store, rank, world_size, dep.walks_digest(), args.startup_timeout)
         tp_groups = create_tp_groups(dep.placement.tp_groups, global_rank=rank, backend=backend_for_device(device),
                                      timeout_s=args.startup_timeout)  # TP groups first, then pairs (§2)
         pairs = create_pair_groups(dep.placement.edge_pairs, global_rank=rank, backend=backend_for_device(device),
                                    timeout_s=args.startup_timeout)
         warm_pairs(pairs, rank, device)
-        transport = P2PTransport(rank, pairs, torch.device(device))
+        transport = MeteredTransport(P2PTransport(rank, pairs, torch.device(device)), "p2p")
 
         channel = ControlChannel(rank_name(rank), info.addr)
         publish_endpoint(store, rank_name(rank), channel.endpoint)
@@ -282,8 +296,10 @@ def serve(args: argparse.Namespace) -> int:
         if conductor_channel is not None:
             conductor = _start_conductor(dep, conductor_channel, args.startup_timeout,
                                          log_stats_s=10.0 if args.log_stats else None)
-            http = _start_http(dep, conductor)
+            http = _start_http(dep, conductor, api_key=args.api_key, sock=http_sock)
         worker.run(should_stop=stop.is_set)
+        if stop.is_set() and not worker.stopping and not dep.placement.is_conductor(rank):
+            _tell_leaving(dep, channel, rank, info.host_name)
         if worker.stopping and worker.failed_reason:
             raise RuntimeError(worker.failed_reason)
     except Exception as exc:
@@ -302,12 +318,24 @@ def serve(args: argparse.Namespace) -> int:
             time.sleep(0.2)  # let the shutdown messages leave before the sockets close
         if http is not None:
             http.stop()
+        elif http_sock is not None:
+            http_sock.close()
         for ch in (channel, conductor_channel):
             if ch is not None:
                 ch.close()
         shutdown_distributed()
     log.info("%s exits with status %d", where, rc)
     return rc
+
+
+def _tell_leaving(dep: Deployment, channel: ControlChannel, rank: int, host: str) -> None:
+    """A rank stopped by a signal tells the conductor at once (``Leaving``), so its requests fail fast."""
+    try:
+        channel.send(CONDUCTOR, m.encode(dep.token, rank_name(rank),
+                                         m.Leaving(rank=rank, host=host, reason="stopped by a signal (SIGTERM)")))
+        time.sleep(0.2)  # let it leave before the socket closes (LINGER 0)
+    except Exception:  # the conductor is gone too: nobody to tell
+        pass
 
 
 def _broadcast_shutdown(dep: Deployment, channel: ControlChannel, world_size: int, reason: str,
@@ -328,17 +356,18 @@ def _start_conductor(dep: Deployment, channel: ControlChannel, timeout_s: float,
     conductor = Conductor(
         model=dep.model, placement=dep.placement, channel=channel, token=dep.token,
         world_size=dep.cluster.world_size, max_concurrent=cfg.limits.max_concurrent_requests,
+        max_queued=cfg.limits.max_queued_requests,
         request_timeout_s=cfg.limits.request_timeout_s, rank_hosts=dep.cluster.rank_hosts(),
         rank_timeout_s=cfg.limits.rank_timeout_s, log_stats_s=log_stats_s,
     )
     conductor.wait_ready(timeout_s)
-    print(dep.describe(), flush=True)
+    announce(dep.describe())
     conductor.thread = threading.Thread(target=conductor.run, name="conductor", daemon=True)
     conductor.thread.start()
     return conductor
 
 
-def _start_http(dep: Deployment, conductor):
+def _start_http(dep: Deployment, conductor, *, api_key: str | None, sock):
     """Rank 0: bind HTTP only now that every rank serves (docs/architecture.md §2 step 6)."""
     from mstar_dist.conductor.backend import ConductorBackend
     from mstar_dist.server.app import build_app
@@ -350,7 +379,7 @@ def _start_http(dep: Deployment, conductor):
         max_tokens_limit=min(cfg.limits.max_tokens, dep.model.max_context_tokens - 1),
         output_modality=dep.model.output_modality,
     )
-    http = HttpServer(build_app(backend))
-    http.start(cfg.server.host, cfg.server.port, timeout_s=30)
-    print(f"mstar_dist: serving {cfg.model} on http://{cfg.server.host}:{cfg.server.port}", flush=True)
+    http = HttpServer(build_app(backend, api_key=api_key, max_body_bytes=cfg.server.max_body_bytes))
+    http.start(cfg.server.host, cfg.server.port, timeout_s=30, sock=sock)
+    announce(f"mstar_dist: serving {cfg.model} on http://{cfg.server.host}:{cfg.server.port}")
     return http

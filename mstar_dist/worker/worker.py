@@ -35,6 +35,7 @@ from mstar_dist.graph.nodes import Section, iter_nodes, node_names
 from mstar_dist.graph.partitions import StreamingEdge
 from mstar_dist.graph.streaming import StreamBuffer
 from mstar_dist.graph.walk import GraphError, NodeCall, WalkRun
+from mstar_dist.telemetry import process_sample
 from mstar_dist.transport.inline import decode_tensor, encode_tensor
 from mstar_dist.worker.spans import REMOTE, Arrived, Span, carry, is_remote, receive
 from mstar_dist.worker.tp import Follower, TPRole, shard_uuid, step_for
@@ -123,6 +124,8 @@ class Worker:
         self._kept_signal: dict[str, tuple[str, str]] = {}  # uuid of a kept output -> (request, signal)
         self._last_stats = 0.0
         self.stopping = False
+        self.rejected_messages = 0
+        """Control messages dropped: undecodable, without this launch's secret, or from a spoofed sender."""
         self.failed_reason: str | None = None
         self._deferred_only = False  # the last step ran nothing: every call was deferred (no free KV slot)
         self.conductor_timeout_s = conductor_timeout_s
@@ -156,12 +159,15 @@ class Worker:
         try:
             env = m.decode(payload)
         except Exception as exc:
+            self.rejected_messages += 1
             log.warning("%s: dropped an undecodable control message from %r: %s", self.name, sender, exc)
             return
         if env.token != self.token:
-            log.warning("%s: rejected a message from %r with a foreign deployment token", self.name, sender)
+            self.rejected_messages += 1
+            log.warning("%s: rejected a message from %r without this launch's deployment secret", self.name, sender)
             return
         if env.sender != sender or not (sender == CONDUCTOR or _RANK_NAME.fullmatch(sender)):
+            self.rejected_messages += 1
             log.warning("%s: rejected a message from unknown sender %r (claims to be %r)", self.name, sender,
                         env.sender)
             return
@@ -862,6 +868,9 @@ class Worker:
             edge_bytes_received=int(st.get("bytes_received", 0)),
             host_staging_copies=int(st.get("host_staging_copies", 0)),
             engine=dict(engine),
+            rejected_messages=self.rejected_messages,
+            edge_histograms=st.get("histograms", []),
+            **process_sample(),
         ))
 
 

@@ -124,7 +124,7 @@ class Server:
         raise TimeoutError(f"server not healthy within {timeout:.0f} s:\n{self.log()}")
 
     def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-6000:]
+        return self.log_path.read_text(errors="replace")[-12000:]
 
     def kill_node(self, node: int) -> None:
         """SIGKILL one torchrun agent and every rank it started: the host dies (its workers run in their own

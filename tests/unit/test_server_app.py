@@ -65,9 +65,9 @@ def test_metrics_has_backend_and_http_counters(client):
     assert resp.status_code == 200
     assert resp.headers["content-type"].startswith("text/plain")
     assert "fake_requests_total 2" in resp.text
-    assert 'mstar_http_requests_total{route="/generate",code="200"} 2' in resp.text
-    assert 'mstar_http_requests_total{route="/generate",code="422"} 1' in resp.text
-    assert "mstar_http_client_disconnects_total 0" in resp.text
+    assert 'mstar_http_requests_total{code="200",route="/generate"} 2.0' in resp.text
+    assert 'mstar_http_requests_total{code="400",route="/generate"} 1.0' in resp.text
+    assert "mstar_http_client_disconnects_total 0.0" in resp.text
 
 
 def test_models_lists_the_served_model(client):
@@ -243,18 +243,18 @@ CHAT_BAD = [
 NATIVE_BAD = [
     (b"{\"prompt\": ", 400, "not valid JSON"),
     (b"\"hi\"", 400, "must be a JSON object"),
-    ({"prompt": "a", "messages": MSGS}, 422, "exactly one of 'prompt'"),
-    ({"stream": True}, 422, "exactly one of 'prompt'"),
-    ({"prompt": ""}, 422, "prompt"),
-    ({"prompt": 5}, 422, "prompt: Input should be a valid string"),
-    ({"messages": []}, 422, "messages"),
-    ({"prompt": "a", "model_kwargs": {"max_tokens": 0}}, 422, "model_kwargs.max_tokens"),
+    ({"prompt": "a", "messages": MSGS}, 400, "exactly one of 'prompt'"),
+    ({"stream": True}, 400, "exactly one of 'prompt'"),
+    ({"prompt": ""}, 400, "prompt"),
+    ({"prompt": 5}, 400, "prompt: Input should be a valid string"),
+    ({"messages": []}, 400, "messages"),
+    ({"prompt": "a", "model_kwargs": {"max_tokens": 0}}, 400, "model_kwargs.max_tokens"),
     ({"prompt": "a", "model_kwargs": {"max_tokens": 99}}, 400, "model_kwargs.max_tokens is 99"),
-    ({"prompt": "a", "model_kwargs": {"temperature": -1}}, 422, "model_kwargs.temperature"),
-    ({"prompt": "a", "model_kwargs": {"seed": "7"}}, 422, "model_kwargs.seed"),
-    ({"prompt": "a", "model_kwargs": []}, 422, "model_kwargs"),
-    ({"prompt": "a", "stream": True, "modelkwargs": {}}, 422, "modelkwargs: Extra inputs are not permitted"),
-    ({"prompt": "a", "request_id": "has space"}, 422, "request_id"),
+    ({"prompt": "a", "model_kwargs": {"temperature": -1}}, 400, "model_kwargs.temperature"),
+    ({"prompt": "a", "model_kwargs": {"seed": "7"}}, 400, "model_kwargs.seed"),
+    ({"prompt": "a", "model_kwargs": []}, 400, "model_kwargs"),
+    ({"prompt": "a", "stream": True, "modelkwargs": {}}, 400, "modelkwargs: Extra inputs are not permitted"),
+    ({"prompt": "a", "request_id": "has space"}, 400, "request_id"),
     ({"prompt": "a", "model": "other"}, 400, "not served here"),
 ]
 
@@ -447,7 +447,7 @@ def test_disconnect_during_stream_aborts_the_backend(path, body):
                               disconnect_after=lambda s: fake.hanging.is_set() and len(_bodies(s)) >= 2))
     assert fake.aborted.is_set() and fake.n_closed == 1
     assert not any(b"finish_reason\":\"stop" in m["body"] for m in _bodies(sent))
-    assert "mstar_http_client_disconnects_total 1" in TestClient(app).get("/metrics").text
+    assert "mstar_http_client_disconnects_total 1.0" in TestClient(app).get("/metrics").text
 
 
 def test_failed_send_closes_the_backend_generator():
@@ -464,4 +464,28 @@ def test_disconnect_while_waiting_for_a_whole_response_aborts_the_backend(path, 
     sent = asyncio.run(_drive(app, path, body, disconnect_after=lambda s: fake.hanging.is_set()))
     assert fake.aborted.is_set() and fake.n_closed == 1
     assert not _bodies(sent)
-    assert "mstar_http_client_disconnects_total 1" in TestClient(app).get("/metrics").text
+    assert "mstar_http_client_disconnects_total 1.0" in TestClient(app).get("/metrics").text
+
+
+# ------------------------------------------------------------------------------- one error format each
+
+
+@pytest.mark.parametrize("extra,needle", [
+    ({"max_token": 5}, "unknown field 'max_token' (did you mean 'max_tokens'?)"),
+    ({"temprature": 0.5, "foo": 1}, "unknown fields 'temprature' (did you mean 'temperature'?), 'foo'"),
+])
+def test_chat_rejects_misspelled_fields_naming_them(client, fake, extra, needle):
+    resp = client.post(CHAT, json={"messages": MSGS, **extra})
+    assert resp.status_code == 400 and needle in resp.json()["error"]["message"]
+    assert resp.json()["error"]["type"] == "invalid_request_error" and fake.calls == []
+
+
+def test_chat_accepts_openais_own_fields_it_ignores(client):
+    body = {"messages": MSGS, "user": "u1", "frequency_penalty": 0, "logprobs": False, "metadata": {"a": "b"}}
+    assert client.post(CHAT, json=body).status_code == 200
+
+
+@pytest.mark.parametrize("body", [{}, {"prompt": 5}, {"prompt": "a", "extra": 1}, {"prompt": "a", "model": "x"}])
+def test_native_client_errors_are_all_400_with_a_string_error(client, body):
+    resp = client.post("/generate", json=body)
+    assert resp.status_code == 400 and isinstance(resp.json()["error"], str)

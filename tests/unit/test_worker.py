@@ -155,8 +155,10 @@ def test_broken_batch_fails_exactly_its_requests_and_the_rank_lives():
 def test_foreign_token_is_rejected():
     worker, channel, *_ = make_worker()
     deliver(worker, channel, run_walk("a", 0), token="someone-else")
+    worker._handle("conductor", b"not msgpack")
     turn(worker)
     assert dones(channel) == {}
+    assert worker.rejected_messages == 2  # counted, and reported in Stats for /metrics
 
 
 def test_unknown_or_spoofing_sender_is_rejected():
