@@ -12,8 +12,9 @@ travels in the ``NodeDone`` of the node that raised it, so the loop ends after t
 Values: an edge whose consumer is on another rank goes straight to that rank inside the ``NodeDone`` (inline up
 to ``inline_max_bytes``, else a :class:`~mstar_dist.control.messages.WireTensor` descriptor followed by a p2p
 send on the pair: NCCL device to device on GPUs). A value no node of a rank consumes is the :data:`REMOTE`
-placeholder in that rank's copy: it is never emitted, streamed or reported as a walk output there (the rank
-that produced it does that). Nothing passes through the conductor.
+placeholder in that rank's copy and is never reported as a walk output there; a copy emits to the client and
+streams only for its own nodes (``WalkRun.emitting_nodes``): the rank that ran a node does that. Nothing passes
+through the conductor.
 
 A node's runs are numbered per walk (``seq``): a node has at most one outstanding call at a time, and its calls
 become ready in the same order in every copy, so (node, seq) names the same run everywhere.
