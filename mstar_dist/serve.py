@@ -19,12 +19,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=None, help="HTTP port (overrides server.port)")
     p.add_argument("--max-concurrent-requests", type=int, default=None, help="overrides limits.max_concurrent_requests")
     p.add_argument("--request-timeout", type=float, default=None, help="seconds; overrides limits.request_timeout_s")
+    p.add_argument("--intra-host-tensor-protocol", choices=["p2p", "mooncake", "shm"], default=None,
+                   help="transport for tensors whose consumer is on the same host (overrides transport.intra_host)")
+    p.add_argument("--inter-host-tensor-protocol", choices=["p2p", "mooncake", "shm"], default=None,
+                   help="transport for tensors whose consumer is on another host (overrides transport.inter_host)")
     p.add_argument("--startup-timeout", type=float, default=300.0,
                    help="seconds every rank has to join, load and report READY (default 300)")
     p.add_argument("--log-level", default=os.environ.get("MSTAR_LOG_LEVEL", "INFO"),
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.add_argument("--log-stats", action="store_true",
-                   help="rank 0 logs throughput, queue and per-rank live tensors every 10 s")
+                   help="rank 0 logs throughput, queue, per-rank live tensors and every data-plane edge (bytes, "
+                        "count, p50/p99 transfer time) every 10 s")
     p.add_argument("--dry-run", action="store_true", help="validate the config and print the placement, then exit")
     return p.parse_args(argv)
 

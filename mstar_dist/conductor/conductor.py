@@ -361,7 +361,7 @@ class Conductor:
         for name, value in step.inputs.items():
             wanted = consumers.get(name) or ranks[:1]
             if isinstance(value, m.TensorRef):
-                self._route_kept(req, name, value, wanted, keep=name in step.keep, release=release)
+                self._route_kept(req, name, value, wanted, keep=name in step.keep, release=release, walk=step.walk)
             else:
                 value = encode_tensor(value)
             for rank in ranks:
@@ -404,14 +404,14 @@ class Conductor:
         return {name: sorted(r) for name, r in out.items()}
 
     def _route_kept(self, req: _Request, name: str, ref: m.TensorRef, ranks: list[int], *, keep: bool,
-                    release: dict[int, list[str]]) -> None:
+                    release: dict[int, list[str]], walk: str) -> None:
         """Push a kept tensor from its producer to each consuming rank; one persist count is consumed per dispatch
         (by exactly one of them) unless the model keeps the tensor for a later walk."""
         releaser = None if keep else (ref.rank if ref.rank in ranks else ranks[-1])
         for rank in ranks:
             if rank != ref.rank:
                 self._send(ref.rank, m.Push(request_id=req.wire_id, uuid=ref.uuid, dst=rank,
-                                            release=rank == releaser))
+                                            release=rank == releaser, walk=walk, signal=name))
             elif rank == releaser:
                 release[rank].append(name)
 
@@ -557,18 +557,27 @@ class Conductor:
             why = f"silent for {now - seen:.0f} s on host {host}"
             self.dead_ranks[rank] = why
             log.error("rank %d declared dead: %s (limits.rank_timeout_s=%g)", rank, why, self.rank_timeout_s)
+            for peer in range(self.world_size):  # their data planes give up on it: pending transfers end
+                if peer not in self.dead_ranks:
+                    self._send(peer, m.RankDown(rank=rank, reason=why))
             for req in list(self._active.values()):
                 if rank in req.touched or rank in req.nodes.values():
                     self._finish_error(req, 503, f"rank {rank} on host {host} died ({why}); retry the request")
 
     def log_stats(self, now: float) -> None:
-        """One log line: generation throughput since the last line, load, and the per-rank leak canary."""
+        """One log line: generation throughput since the last line, load, and the per-rank leak canary; then one
+        line per data-plane edge (walk, producer -> consumer, signal, transport) with its bytes, count and
+        p50/p99 transfer time."""
         since, tokens = self._stats_mark
         rate = (self.metrics.tokens_generated - tokens) / max(now - since, 1e-9)
         live = {r: st.live_tensors for r, st in sorted(self.metrics.rank_stats.items())}
         log.info("stats: %.1f tok/s, %d running, %d queued, finished %s, live tensors per rank %s, dead ranks %s",
                  rate, len(self._active), len(self._queue), dict(self.metrics.finished), live,
                  sorted(self.dead_ranks))
+        for e in self.metrics.edges():
+            log.info("edge %s: rank %d -> rank %d, %s via %s: %d transfer(s), %d bytes, p50 %.3f ms, p99 %.3f ms",
+                     e.walk or "-", e.src, e.dst, e.signal or "-", e.via, e.count, e.nbytes, e.p50_s * 1e3,
+                     e.p99_s * 1e3)
         self._stats_mark = (now, self.metrics.tokens_generated)
 
     def unservable_walks(self) -> list[str]:

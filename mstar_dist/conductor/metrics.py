@@ -1,4 +1,6 @@
-"""Conductor-side metrics in Prometheus text format (docs/architecture.md §7: per-rank live tensors are the leak canary)."""
+"""Conductor-side metrics in Prometheus text format (docs/architecture.md §7: per-rank live tensors are the leak
+canary; ``mstar_dist_shm_bytes_used`` / ``mstar_dist_mooncake_bytes_used`` the arenas' occupancy, 0 at idle;
+``mstar_dist_edge_*`` the per-edge transfer statistics)."""
 
 from __future__ import annotations
 
@@ -47,6 +49,10 @@ class Metrics:
         if reason not in ("abort", "error"):
             self.latency.observe(seconds)
 
+    def edges(self) -> list:
+        """Every rank's incoming data-plane edges (``m.EdgeStat``), as last reported."""
+        return [e for _, st in sorted(self.rank_stats.items()) for e in st.edges]
+
     def render(self, *, active: int, queued: int) -> str:
         lines = [
             "# TYPE mstar_dist_requests_received_total counter",
@@ -83,6 +89,22 @@ class Metrics:
                 st = self.rank_stats.get(rank)
                 value = getattr(st, attr) if st is not None else 0
                 lines.append(f'mstar_dist_{name}{{rank="{rank}"}} {value}')
+        for via in sorted({v for st in self.rank_stats.values() for v in st.arena_bytes_used}):
+            lines.append(f"# TYPE mstar_dist_{via}_bytes_used gauge")
+            for rank in sorted(self.rank_stats):
+                used = self.rank_stats[rank].arena_bytes_used
+                if via in used:
+                    lines.append(f'mstar_dist_{via}_bytes_used{{rank="{rank}"}} {used[via]}')
+        edges = self.edges()
+        for name, kind in (("edge_transfers_total", "counter"), ("edge_transfer_bytes_total", "counter"),
+                           ("edge_transfer_seconds", "summary")):
+            lines.append(f"# TYPE mstar_dist_{name} {kind}")
+        for e in edges:
+            labels = (f'walk="{e.walk}",src="{e.src}",dst="{e.dst}",signal="{e.signal}",transport="{e.via}"')
+            lines.append(f"mstar_dist_edge_transfers_total{{{labels}}} {e.count}")
+            lines.append(f"mstar_dist_edge_transfer_bytes_total{{{labels}}} {e.nbytes}")
+            lines.append(f'mstar_dist_edge_transfer_seconds{{{labels},quantile="0.5"}} {e.p50_s:.6f}')
+            lines.append(f'mstar_dist_edge_transfer_seconds{{{labels},quantile="0.99"}} {e.p99_s:.6f}')
         names = sorted({k for st in self.rank_stats.values() for k in st.engine})
         for key in names:
             kind = "counter" if key.endswith("_total") else "gauge"

@@ -31,12 +31,13 @@ from typing import Any
 
 import torch
 
-from mstar_dist.config.cluster import ClusterSpec, RankInfo, device_for, identify
+from mstar_dist.config.cluster import ClusterSpec, HostSpec, RankInfo, device_for, identify
 from mstar_dist.config.deployment import DeploymentConfig, load_config
 from mstar_dist.control import messages as m
 from mstar_dist.control.channel import ControlChannel, default_store, lookup_endpoint, publish_endpoint
 from mstar_dist.graph.model import CompositeModel, Layout
 from mstar_dist.graph.nodes import iter_nodes, node_names
+from mstar_dist.topology.cuts import flows
 from mstar_dist.topology.placement import Placement
 from mstar_dist.worker.worker import CONDUCTOR, Worker, rank_name
 
@@ -61,11 +62,8 @@ class Deployment:
         model = get_model_class(config.model)(config.weights, **dict(config.model_kwargs))
         model.configure(Layout.from_node_groups(config.node_groups))
         walks = {walk: node_names(section) for walk, section in model.graphs().items()}
-        placement = Placement.build(config, walks, cluster.world_size)
-        for key in ("intra_host", "inter_host"):
-            if getattr(config.transport, key) != "p2p":
-                raise ValueError(f"{config.source}: transport.{key} = {getattr(config.transport, key)!r}: only 'p2p' "
-                                 f"is implemented by this runtime (Mooncake is not yet)")
+        placement = Placement.build(config, walks, cluster.world_size,
+                                    flows(model.graphs(), model.partitions(), model.streaming_edges()))
         for group in config.node_groups:
             if group.tp_size != 1:
                 raise ValueError(f"node_groups: tp_size={group.tp_size} is not supported by this runtime yet (use 1)")
@@ -88,6 +86,16 @@ class Deployment:
 
         cuts = cut_signals(self.model.graphs(), self.model.streaming_edges(), self.placement)
         return self.placement.describe(self.cluster, self.config.transport) + "\n" + describe_cuts(cuts)
+
+    def via(self, src: int, dst: int) -> str:
+        """The transport of tensors from global rank ``src`` to ``dst`` (their hosts decide)."""
+        hosts = self.cluster.rank_hosts()
+        return self.config.transport.via(hosts[src] == hosts[dst])
+
+    @property
+    def p2p_pairs(self) -> tuple[tuple[int, int], ...]:
+        """The edge pairs that travel on p2p: the pair groups every rank creates, in this order."""
+        return tuple(p for p in self.placement.edge_pairs if self.via(*p) == "p2p")
 
     def walks_digest(self) -> str:
         """A digest of the model's walks: ranks compare it at startup (a family must build the same walks
@@ -171,15 +179,61 @@ def cpu_threads_for(config: DeploymentConfig, global_rank: int, ranks_on_host: i
     return max(asked) if asked else max(1, cores // max(1, ranks_on_host))
 
 
-def serve(args: argparse.Namespace) -> int:
+def apply_host_env(host: HostSpec) -> None:
+    """Before this rank initialises anything: the cluster spec's ``env`` of its host (e.g. GLOO_SOCKET_IFNAME,
+    NCCL_SOCKET_IFNAME), and its ``transfer_device`` as the NIC NCCL uses (NCCL_IB_HCA) unless the env names one."""
+    for key, value in host.env.items():
+        os.environ[key] = value
+    if host.transfer_device:
+        os.environ.setdefault("NCCL_IB_HCA", host.transfer_device)
+    if host.env or host.transfer_device:
+        log.info("host %s: environment %s, transfer device %s", host.name, dict(host.env), host.transfer_device)
+
+
+def build_data_plane(dep: Deployment, info: RankInfo, device: str, timeout_s: float):
+    """This rank's data plane (docs/architecture.md §7): the pair groups of every p2p edge pair (collective: every
+    rank creates the same ones, in one order, and warms its own), the shm arena and the Mooncake engine when
+    some peer of this rank uses them, behind the per-tensor router."""
     from mstar_dist.distributed.groups import create_pair_groups, warm_pairs
-    from mstar_dist.distributed.init import backend_for_device, init_distributed, shutdown_distributed
+    from mstar_dist.distributed.init import backend_for_device
     from mstar_dist.transport.p2p import P2PTransport
+    from mstar_dist.transport.router import Router
+
+    rank, cfg = info.global_rank, dep.config.transport
+    needed = {dep.via(rank, peer) for peer in dep.placement.peers_of(rank)}
+    transports: dict[str, Any] = {}
+    pairs = create_pair_groups(dep.p2p_pairs, global_rank=rank, backend=backend_for_device(device),
+                               timeout_s=timeout_s)
+    warm_pairs(pairs, rank, device)
+    if "p2p" in needed:
+        transports["p2p"] = P2PTransport(rank, pairs, torch.device(device))
+    if "shm" in needed:
+        from mstar_dist.transport.shm import ShmTransport, sweep_orphans
+
+        sweep_orphans()
+        transports["shm"] = ShmTransport(rank, launch_id=dep.token[:16], arena_bytes=cfg.arena_bytes, device=device)
+    if "mooncake" in needed:
+        from mstar_dist.transport.mooncake import MooncakeTransport
+
+        host = dep.cluster.hosts[info.node_rank]
+        transports["mooncake"] = MooncakeTransport(rank, host_addr=info.addr, protocol=cfg.mooncake_protocol,
+                                                   device_name=host.transfer_device, arena_bytes=cfg.arena_bytes,
+                                                   device=device)
+    log.info("rank %d data plane: %s to peers %s", rank, ", ".join(sorted(transports)) or "none",
+             list(dep.placement.peers_of(rank)))
+    return Router(global_rank=rank, rank_hosts=dep.cluster.rank_hosts(), transports=transports,
+                  intra_host=cfg.intra_host, inter_host=cfg.inter_host, inline_max_bytes=cfg.inline_max_bytes,
+                  device=torch.device(device))
+
+
+def serve(args: argparse.Namespace) -> int:
+    from mstar_dist.distributed.init import init_distributed, shutdown_distributed
     from mstar_dist.transport.store import TensorStore
 
     config = load_config(args.config).with_overrides(
         host=args.host, port=args.port, max_concurrent_requests=args.max_concurrent_requests,
-        request_timeout_s=args.request_timeout,
+        request_timeout_s=args.request_timeout, intra_host=args.intra_host_tensor_protocol,
+        inter_host=args.inter_host_tensor_protocol,
     )
     env = os.environ
     world_size = int(env.get("WORLD_SIZE", "0")) or (_world_from_config(config) if args.dry_run else 1)
@@ -192,6 +246,7 @@ def serve(args: argparse.Namespace) -> int:
     rank = info.global_rank
     where = f"rank {rank} on host {info.host_name}"
     configure_logging(logging.getLogger().level, f"rank {rank}")
+    apply_host_env(dep.cluster.hosts[info.node_rank])
     device = device_for(info, torch.cuda.is_available())
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
@@ -203,16 +258,13 @@ def serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
 
-    channel = conductor_channel = conductor = http = None
+    channel = conductor_channel = conductor = http = data_plane = None
     rc = 0
     try:
         init_distributed(global_rank=rank, world_size=world_size, device=device, timeout_s=args.startup_timeout)
         store = default_store()
         check_same_walks(store, rank, world_size, dep.walks_digest(), args.startup_timeout)
-        pairs = create_pair_groups(dep.placement.edge_pairs, global_rank=rank, backend=backend_for_device(device),
-                                   timeout_s=args.startup_timeout)
-        warm_pairs(pairs, rank, device)
-        transport = P2PTransport(rank, pairs, torch.device(device))
+        data_plane = build_data_plane(dep, info, device, args.startup_timeout)
 
         channel = ControlChannel(rank_name(rank), info.addr)
         publish_endpoint(store, rank_name(rank), channel.endpoint)
@@ -237,8 +289,9 @@ def serve(args: argparse.Namespace) -> int:
                                          m.Ready(rank=rank, host=info.host_name, load_seconds=time.monotonic() - t0)))
         worker = Worker(
             global_rank=rank, graphs=dep.model.graphs(), components=components, channel=channel,
-            transport=transport, store=TensorStore(), token=dep.token, device=torch.device(device),
+            transport=data_plane, store=TensorStore(), token=dep.token, device=torch.device(device),
             inline_max_bytes=dep.config.transport.inline_max_bytes,
+            backpressure_timeout_s=dep.config.transport.backpressure_timeout_s,
             streaming_edges=dep.model.streaming_edges(),
             conductor_timeout_s=None if dep.placement.is_conductor(rank) else dep.config.limits.rank_timeout_s,
         )
@@ -268,6 +321,8 @@ def serve(args: argparse.Namespace) -> int:
         for ch in (channel, conductor_channel):
             if ch is not None:
                 ch.close()
+        if data_plane is not None:
+            data_plane.close()  # unlinks the shm segment, drops registrations, stops gloo waiter threads
         shutdown_distributed()
     log.info("%s exits with status %d", where, rc)
     return rc

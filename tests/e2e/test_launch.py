@@ -49,11 +49,16 @@ def test_config_mistake_is_a_clear_error_without_traceback(tmp_path):
     assert "node_groups[1].tp_size = 0" in out.stderr and "Traceback" not in out.stderr
 
 
-def test_unimplemented_transport_is_refused_not_ignored(tmp_path):
-    data = yaml.safe_load((REPO / "launch/configs/smollm2_pd.yaml").read_text())
+def test_dry_run_names_the_transport_of_every_cross_host_pair(tmp_path):
+    data = yaml.safe_load((REPO / "launch/configs/smollm2_pd_2host.yaml").read_text())
     data["transport"]["inter_host"] = "mooncake"
-    bad = tmp_path / "mooncake.yaml"
-    bad.write_text(yaml.safe_dump(data))
-    out = subprocess.run([sys.executable, "-m", "mstar_dist.serve", str(bad), "--dry-run"], cwd=REPO,
-                         capture_output=True, text=True, timeout=60, env={"WORLD_SIZE": "2", "PATH": "/usr/bin"})
-    assert out.returncode == 2 and "transport.inter_host = 'mooncake'" in out.stderr
+    cfg = tmp_path / "mooncake.yaml"
+    cfg.write_text(yaml.safe_dump(data))
+    out = subprocess.run([sys.executable, "-m", "mstar_dist.serve", str(cfg), "--dry-run"], cwd=REPO,
+                         capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin"})
+    assert out.returncode == 0, out.stderr
+    assert "node-a -> node-b: 1 rank pair(s) via mooncake" in out.stdout
+    flag = subprocess.run([sys.executable, "-m", "mstar_dist.serve", str(cfg), "--dry-run",
+                           "--inter-host-tensor-protocol", "shm"], cwd=REPO, capture_output=True, text=True,
+                          timeout=60, env={"PATH": "/usr/bin"})
+    assert "node-a -> node-b: 1 rank pair(s) via shm" in flag.stdout, flag.stderr
