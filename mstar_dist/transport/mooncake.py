@@ -124,6 +124,7 @@ class _RecvTransfer:
     def _finish(self) -> None:
         t, offset = self._t, self._offset
         t._acks.put(self.src, self.loc.slot)  # the producer's slot is free now
+        t._leases += 1
         out = wrap_bytes(t._pool_np, offset, self.loc.nbytes, str_to_dtype(self.wire.dtype), self.wire.shape,
                          lambda: t._local_free.put(-1, offset))
         if not self.wire.host and self.device.type != "cpu":
@@ -180,6 +181,7 @@ class MooncakeTransport:
         self._registered: dict[int, list] = {}  # data_ptr -> [nbytes, refcount]
         self._pending: set[_RecvTransfer] = set()
         self._zombies: list[tuple[int, int]] = []  # (batch, offset) of reads abandoned mid-flight
+        self._leases = 0  # received tensors (wrapping our pool) still alive here
         self._dead: dict[int, str] = {}
         self._stats = dict(sends=0, recvs=0, bytes_sent=0, bytes_received=0, host_staging_copies=0,
                            registered_sends=0)
@@ -263,7 +265,7 @@ class MooncakeTransport:
         return peer in self._dead
 
     def stats(self) -> dict:
-        return {**self._stats, "inflight": len(self._pending), "bytes_used": self.bytes_used,
+        return {**self._stats, "inflight": len(self._pending), "bytes_used": self.bytes_used, "leases": self._leases,
                 "slots_lent": len(self._lent), "arena_bytes": self._alloc.size, "dead_peers": sorted(self._dead)}
 
     def close(self) -> None:
@@ -306,6 +308,7 @@ class MooncakeTransport:
 
     def _reclaim_local(self) -> None:
         for offsets in self._local_free.drain().values():
+            self._leases -= len(offsets)
             for offset in offsets:
                 self._alloc.free(offset)
         if self._zombies:

@@ -18,6 +18,7 @@ Ranks are global ranks; used from the rank's worker thread only.
 from __future__ import annotations
 
 import collections
+import gc
 import math
 import time
 from collections.abc import Mapping
@@ -100,6 +101,7 @@ class Router:
         self._transports = dict(transports)
         self._intra, self._inter = intra_host, inter_host
         self.edges = EdgeStats()
+        self._last_gc = 0.0
 
     @property
     def transports(self) -> Mapping[str, DataPlane]:
@@ -177,6 +179,21 @@ class Router:
     def is_dead(self, peer: int) -> bool:
         plane = self._transports.get(self.via(peer))
         return plane is None or plane.is_dead(peer)
+
+    def collect_garbage_if_held(self, every_s: float = 1.0) -> bool:
+        """Run Python's cycle collector when received arena tensors are still alive, at most every ``every_s``.
+
+        A wrapped tensor goes back to its producer when the last reference to it dies; one caught in a reference
+        cycle (a finished walk's bookkeeping) dies only when the cycle collector runs, which an idle process
+        may never do. The worker calls this when it is idle, so arena occupancy returns to 0 at idle."""
+        now = time.monotonic()
+        if now - self._last_gc < every_s:
+            return False
+        self._last_gc = now
+        if not any(plane.stats().get("leases", 0) for plane in self._transports.values()):
+            return False
+        gc.collect()
+        return True
 
     def arena_bytes_used(self) -> dict[str, int]:
         return {name: int(st["bytes_used"]) for name, plane in self._transports.items()

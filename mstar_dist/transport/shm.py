@@ -119,7 +119,9 @@ class ShmTransport:
         self._peers: dict[str, _Segment] = {}
         self._dead: dict[int, str] = {}
         self._stats = dict(sends=0, recvs=0, bytes_sent=0, bytes_received=0, host_staging_copies=0)
+        self._leases = 0  # wrapped tensors of peers' slots that are still alive here
         self._closed = False
+        log.info("rank %d: shared-memory arena %s (%d bytes)", global_rank, self._own.path, self._own.size)
 
     @property
     def segment(self) -> str:
@@ -176,6 +178,7 @@ class ShmTransport:
                 raise TransferFailed(f"shm descriptor from rank {src} points past segment {loc.segment} "
                                      f"({loc.offset}+{loc.nbytes} > {seg.size})")
             released, slot = self._released, loc.slot
+            self._leases += 1
             out = wrap_bytes(seg.array, loc.offset, loc.nbytes, dtype, wire.shape, lambda: released.put(src, slot))
         target = torch.device("cpu") if wire.host else (device or self.device)
         if target.type != "cpu":
@@ -185,8 +188,10 @@ class ShmTransport:
 
     def poll(self) -> list[tuple[int, m.TransferAck]]:
         """Acknowledgements for the slots whose wrapped tensors were let go (none to dead peers)."""
+        released = self._released.drain()
+        self._leases -= sum(len(slots) for slots in released.values())
         return [(peer, m.TransferAck(via=self.name, slots=slots))
-                for peer, slots in sorted(self._released.drain().items()) if peer not in self._dead]
+                for peer, slots in sorted(released.items()) if peer not in self._dead]
 
     def on_ack(self, src: int, ack: m.TransferAck) -> None:
         self._lent.give_back(src, ack.slots)
@@ -203,6 +208,7 @@ class ShmTransport:
 
     def stats(self) -> dict:
         return {**self._stats, "inflight": 0, "bytes_used": self.bytes_used, "slots_lent": len(self._lent),
+                "leases": self._leases,
                 "arena_bytes": self._alloc.size, "dead_peers": sorted(self._dead)}
 
     def close(self) -> None:

@@ -137,6 +137,7 @@ class Worker:
                 timeout_ms = 1
             else:
                 timeout_ms = 20
+                self.transport.collect_garbage_if_held()  # idle: received arena tensors in cycles go back
             stashed, self._stash = self._stash, []
             for sender, payload in stashed or self.channel.recv(timeout_ms):
                 self._handle(sender, payload)
