@@ -27,9 +27,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds every rank has to join, load and report READY (default 300)")
     p.add_argument("--log-level", default=os.environ.get("MSTAR_LOG_LEVEL", "INFO"),
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    p.add_argument("--log-stats", action="store_true",
+    p.add_argument("--log-stats", nargs="?", type=float, const=10.0, default=None, metavar="SECONDS",
                    help="rank 0 logs throughput, queue, per-rank live tensors and every data-plane edge (bytes, "
-                        "count, p50/p99 transfer time) every 10 s")
+                        "count, p50/p99 transfer time) every SECONDS (default 10)")
     p.add_argument("--dry-run", action="store_true", help="validate the config and print the placement, then exit")
     return p.parse_args(argv)
 

@@ -248,6 +248,30 @@ class Placement:
             if host[s] != host[d]
         ]
 
+    def describe_ranks(self, cluster: ClusterSpec) -> str:
+        """The hosts (devices, transfer device, environment) and the rank map: every global rank's host, node
+        rank, local rank, device, address and components."""
+        rows = [("rank", "host", "node_rank", "local_rank", "device", "addr", "components")]
+        for rank in range(self.world_size):
+            i = cluster.rank_info(rank)
+            rows.append((str(rank), i.host_name, str(i.node_rank), str(i.local_rank), str(i.device_index), i.addr,
+                         " ".join(self._labels(rank)) or "-"))
+        hosts = [f"  {h.name} ({h.addr}): devices {list(h.devices)}"
+                 + (f", transfer_device {h.transfer_device}" if h.transfer_device else "")
+                 + (", env " + " ".join(f"{k}={v}" for k, v in sorted(h.env.items())) if h.env else "")
+                 for h in cluster.hosts]
+        return "hosts:\n" + "\n".join(hosts) + "\nrank map:\n" + _table(rows)
+
+    def describe_groups(self, p2p_pairs: tuple[tuple[int, int], ...], transport: TransportConfig) -> str:
+        """TP groups, the data plane's choice, and the pair groups every rank creates (in creation order)."""
+        tp = ", ".join("[" + ",".join(map(str, g)) + "]" for g in self.tp_groups) or "none"
+        lines = [f"TP groups: {len(self.tp_groups)}: {tp}",
+                 f"data plane: inline up to {transport.inline_max_bytes} B; intra_host={transport.intra_host}, "
+                 f"inter_host={transport.inter_host}; {len(self.edge_pairs)} rank pair(s) carry values",
+                 f"pair groups (p2p): {len(p2p_pairs)}" + (": " if p2p_pairs else "")
+                 + ", ".join(f"{s}->{d}" for s, d in p2p_pairs)]
+        return "\n".join(lines)
+
     def _labels(self, rank: int) -> tuple[str, ...]:
         return tuple(sorted(f"{w}/{n}" for n, ws in self.components_on(rank).items() for w in ws))
 
@@ -263,13 +287,12 @@ class Placement:
                     w, n, str(rep.index), str(len(rep.ranks)), ",".join(map(str, rep.ranks)),
                     " ".join(f"{i.host_name}:{i.device_index}" for i in infos),
                 ))
-        widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
         lines = [
             f"placement: world_size={self.world_size} on {len(cluster.hosts)} host(s), "
             f"{len(self.hosting_ranks)} hosting rank(s), {len(self.edge_pairs)} edge pair(s), "
-            f"{len(self.tp_groups)} TP group(s)"
+            f"{len(self.tp_groups)} TP group(s)",
+            _table(rows),
         ]
-        lines += ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
         lines.append(f"cross-host edges: {len(cut)} (intra_host={transport.intra_host}, inter_host={transport.inter_host})")
         by_hosts: dict[tuple[str, str], list[CutEdge]] = {}
         for e in cut:
@@ -283,6 +306,11 @@ class Placement:
             if len(edges) > 16:
                 lines.append(f"    ... {len(edges) - 16} more")
         return "\n".join(lines)
+
+
+def _table(rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
+    return "\n".join("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
 
 
 def _replicas(group: NodeGroup) -> tuple[Replica, ...]:

@@ -81,11 +81,18 @@ class Deployment:
 
 
     def describe(self) -> str:
-        """The placement table, cross-host rank pairs and every cut edge (the dry run and startup report)."""
+        """The dry run and startup report: rank map, placement per walk (replicas), TP groups, the data plane's
+        transports and the pair groups it creates, cross-host rank pairs with their transport, every cut edge."""
         from mstar_dist.topology.cuts import cut_signals, describe_cuts
 
         cuts = cut_signals(self.model.graphs(), self.model.streaming_edges(), self.placement)
-        return self.placement.describe(self.cluster, self.config.transport) + "\n" + describe_cuts(cuts)
+        return "\n".join([
+            f"deployment: model {self.config.model}, {self.config.source}",
+            self.placement.describe_ranks(self.cluster),
+            self.placement.describe(self.cluster, self.config.transport),
+            self.placement.describe_groups(self.p2p_pairs, self.config.transport),
+            describe_cuts(cuts),
+        ])
 
     def via(self, src: int, dst: int) -> str:
         """The transport of tensors from global rank ``src`` to ``dst`` (their hosts decide)."""
@@ -297,7 +304,7 @@ def serve(args: argparse.Namespace) -> int:
         )
         if conductor_channel is not None:
             conductor = _start_conductor(dep, conductor_channel, args.startup_timeout,
-                                         log_stats_s=10.0 if args.log_stats else None)
+                                         log_stats_s=args.log_stats)
             http = _start_http(dep, conductor)
         worker.run(should_stop=stop.is_set)
         if worker.stopping and worker.failed_reason:
