@@ -48,10 +48,13 @@ def join(spec: ClusterSpec, node_rank: int, master_addr: str, port: int, timeout
     if not 0 <= node_rank < n:
         return f"node rank {node_rank} is not a host of the cluster spec (node ranks 0..{n - 1})"
     wait = datetime.timedelta(seconds=timeout_s + GRACE_S)
+    head = spec.hosts[0]
+    if node_rank != 0 and not _wait_for_listener(master_addr, port, time.monotonic() + timeout_s + GRACE_S):
+        # polled ourselves: the store client's own retries back off to seconds
+        return f"cannot reach host {head.name!r} (node rank 0) at {master_addr}:{port} within {timeout_s + GRACE_S:g} s"
     try:
         store = TCPStore(master_addr, port, is_master=node_rank == 0, timeout=wait, wait_for_workers=False)
     except Exception as exc:  # node 0 never came up: name it
-        head = spec.hosts[0]
         return (f"cannot reach host {head.name!r} (node rank 0) at {master_addr}:{port} within "
                 f"{timeout_s + GRACE_S:g} s: {exc}")
     store.set(f"mstar_dist/joined/{node_rank}", socket.gethostname())
@@ -76,6 +79,16 @@ def join(spec: ClusterSpec, node_rank: int, master_addr: str, port: int, timeout
         readers = [k for k in readers if not store.check([f"mstar_dist/read/{k}"])]
         time.sleep(0.05)
     return error
+
+
+def _wait_for_listener(addr: str, port: int, deadline: float) -> bool:
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((addr, port), timeout=1).close()
+            return True
+        except OSError:
+            time.sleep(0.1)
+    return False
 
 
 def main(argv: list[str] | None = None) -> int:

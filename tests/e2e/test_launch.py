@@ -62,3 +62,23 @@ def test_dry_run_names_the_transport_of_every_cross_host_pair(tmp_path):
                            "--inter-host-tensor-protocol", "shm"], cwd=REPO, capture_output=True, text=True,
                           timeout=60, env={"PATH": "/usr/bin"})
     assert "node-a -> node-b: 1 rank pair(s) via shm" in flag.stdout, flag.stderr
+
+
+@pytest.mark.parametrize("node_rank, words", [
+    (0, "host 'node-b' (node rank 1 of 2, addr 127.0.0.2, global ranks 1..1) never joined within 4 s"),
+    (1, "cannot reach host 'node-a' (node rank 0) at 127.0.0.1"),
+])
+def test_a_host_that_never_joins_is_named_within_the_startup_timeout(node_rank, words):
+    import os
+    import time
+
+    from tests.e2e.server import free_port
+
+    t0 = time.monotonic()
+    out = subprocess.run(["bash", str(REPO / "launch/serve_node.sh"), str(REPO / "launch/configs/smollm2_pd_2host.yaml")],
+                         cwd=REPO, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "NODE_RANK": str(node_rank), "MASTER_ADDR": "127.0.0.1",
+                              "MASTER_PORT": str(free_port()), "STARTUP_TIMEOUT": "4", "PYTHON": sys.executable})
+    elapsed = time.monotonic() - t0
+    assert out.returncode != 0 and words in out.stderr, out.stderr
+    assert elapsed < 4 + 5 + 8, f"took {elapsed:.1f} s: the startup timeout plus a few seconds"

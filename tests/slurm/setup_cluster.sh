@@ -25,10 +25,26 @@ stop_pids() {
 
 if [ "$cmd" = down ]; then
   if [ -f "$dir/slurm.conf" ]; then
-    SLURM_CONF="$dir/slurm.conf" scancel --user="$(id -un)" 2>/dev/null || true
-    sleep 1
+    export SLURM_CONF="$dir/slurm.conf"
+    scancel --user="$(id -un)" 2>/dev/null || true
+    for _ in $(seq 150); do  # let the jobs end before their node daemons go
+      [ -z "$(squeue -h 2>/dev/null)" ] && break
+      sleep 0.2
+    done
   fi
+  # job step daemons are children of our slurmd: gather them (and theirs) before stopping it
+  steps=()
+  for f in "$dir"/slurmd-*.pid; do
+    [ -e "$f" ] || continue
+    todo=("$(cat "$f")")
+    while [ ${#todo[@]} -gt 0 ]; do
+      kids=($(pgrep -P "${todo[0]}" || true))
+      todo=("${todo[@]:1}" "${kids[@]}")
+      steps+=("${kids[@]}")
+    done
+  done
   stop_pids
+  for pid in "${steps[@]}"; do kill -9 "$pid" 2>/dev/null || true; done
   rm -rf "$dir"
   exit 0
 fi
