@@ -7,6 +7,8 @@ segments by a handshake on first contact), on this host's address, with the conf
 raises naming the host address, protocol and device.
 
 A send makes the bytes readable by the consumer and puts their address in the descriptor:
+- a tensor that lives in our pool already (one we received, or a view of it: a rank forwarding what it got)
+  is exposed where it is; the transfer holds it until the consumer's ack;
 - a contiguous host tensor of at least ``REGISTER_MIN_BYTES`` over tcp is registered where it is (no copy); the
   transfer holds the tensor until the consumer's ack, and the registration is dropped then;
 - anything else is copied into a first-fit slot of the pool (CUDA tensors are staged through it: counted in
@@ -201,6 +203,11 @@ class MooncakeTransport:
         if nbytes == 0:
             self._count_send(0)
             return Done(tensor), m.MooncakeLocation(self.session, 0, 0, -1)
+        if self._in_pool(tensor, nbytes):  # a tensor we received (or one of its views): readable where it is
+            transfer = _SendTransfer(self, tensor, dst)
+            slot = self._lent.lend(dst, nbytes, lambda: setattr(transfer, "acked", True))
+            self._count_send(nbytes)
+            return transfer, m.MooncakeLocation(self.session, tensor.data_ptr(), nbytes, slot)
         if (self.protocol == "tcp" and nbytes >= REGISTER_MIN_BYTES and tensor.device.type == "cpu"
                 and tensor.is_contiguous()):
             placed = self._register(tensor, dst, nbytes)
@@ -301,6 +308,11 @@ class MooncakeTransport:
         slot = self._lent.lend(dst, nbytes, reclaim)
         self._stats["registered_sends"] += 1
         return transfer, m.MooncakeLocation(self.session, ptr, nbytes, slot)
+
+    def _in_pool(self, tensor: torch.Tensor, nbytes: int) -> bool:
+        ptr = tensor.data_ptr()
+        return (tensor.device.type == "cpu" and tensor.is_contiguous() and self._pool_addr <= ptr
+                and ptr + nbytes <= self._pool_addr + self._pool.numel())
 
     def _count_send(self, nbytes: int) -> None:
         self._stats["sends"] += 1
