@@ -24,14 +24,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="every route but /health needs 'Authorization: Bearer KEY' (default: $MSTAR_API_KEY; "
                         "unset: no authentication)")
     p.add_argument("--max-body-bytes", type=int, default=None, help="overrides server.max_body_bytes (413 above)")
+    p.add_argument("--intra-host-tensor-protocol", choices=["p2p", "mooncake", "shm"], default=None,
+                   help="transport for tensors whose consumer is on the same host (overrides transport.intra_host)")
+    p.add_argument("--inter-host-tensor-protocol", choices=["p2p", "mooncake", "shm"], default=None,
+                   help="transport for tensors whose consumer is on another host (overrides transport.inter_host)")
     p.add_argument("--startup-timeout", type=float, default=300.0,
                    help="seconds every rank has to join, load and report READY (default 300)")
     p.add_argument("--log-level", default=os.environ.get("MSTAR_LOG_LEVEL", "INFO"),
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.add_argument("--log-format", default=os.environ.get("MSTAR_LOG_FORMAT", "text"), choices=["text", "json"],
                    help="text (default), or json: one JSON object a line (time, level, rank, host, logger, message)")
-    p.add_argument("--log-stats", action="store_true",
-                   help="rank 0 logs throughput, queue and per-rank live tensors every 10 s")
+    p.add_argument("--log-stats", nargs="?", type=float, const=10.0, default=None, metavar="SECONDS",
+                   help="rank 0 logs throughput, queue, per-rank live tensors and every data-plane edge (bytes, "
+                        "count, p50/p99 transfer time) every SECONDS (default 10)")
     p.add_argument("--dry-run", action="store_true", help="validate the config and print the placement, then exit")
     return p.parse_args(argv)
 

@@ -52,9 +52,10 @@ class Buckets:
 
 
 class MeteredTransport:
-    """Wraps a transport (``send``/``recv`` returning transfers with ``done()``) and records the size and the
-    time of every transfer; everything else passes through. ``stats()["histograms"]`` is the snapshot list
-    a rank puts in its ``Stats``. Used on the rank's main thread only (like the transport itself)."""
+    """Wraps one data-plane transport (``post_send``/``post_recv``, mstar_dist/transport/base.py) and records the
+    size and the time of every transfer; everything else passes through. ``stats()["histograms"]`` is the snapshot
+    list a rank puts in its ``Stats`` (the router gathers every transport's). Used on the rank's main thread only
+    (like the transport itself)."""
 
     def __init__(self, inner: Any, name: str) -> None:
         self.inner = inner
@@ -62,12 +63,15 @@ class MeteredTransport:
         self._bytes = {d: Buckets(BYTE_BOUNDS) for d in ("send", "recv")}
         self._seconds = {d: Buckets(SECOND_BOUNDS) for d in ("send", "recv")}
 
-    def send(self, tensor, dst: int):
-        return self._meter(self.inner.send(tensor, dst), "send", tensor.numel() * tensor.element_size())
+    def post_send(self, tensor, dst: int):
+        transfer, location = self.inner.post_send(tensor, dst)
+        return self._meter(transfer, "send", tensor.numel() * tensor.element_size()), location
 
-    def recv(self, shape, dtype, src: int, device=None):
-        nbytes = math.prod(int(s) for s in shape) * dtype.itemsize
-        return self._meter(self.inner.recv(shape, dtype, src, device=device), "recv", nbytes)
+    def post_recv(self, wire, src: int, device=None):
+        from mstar_dist.transport.inline import str_to_dtype
+
+        nbytes = math.prod(int(s) for s in wire.shape) * str_to_dtype(wire.dtype).itemsize
+        return self._meter(self.inner.post_recv(wire, src, device=device), "recv", nbytes)
 
     def _meter(self, transfer: Any, direction: str, nbytes: int) -> _MeteredTransfer:
         self._bytes[direction].observe(nbytes)

@@ -1,17 +1,22 @@
-"""Edge-transfer benchmark: our p2p edge path vs raw `dist.send/recv` on the same pair groups, side by side.
+"""Edge-transfer benchmark: every data-plane transport vs raw `dist.send/recv` on gloo (or NCCL), side by side.
 
-    torchrun --standalone --nproc-per-node 2 scripts/bench_edges.py --device cuda   # NCCL, two GPUs
-    torchrun --standalone --nproc-per-node 2 scripts/bench_edges.py --device cpu    # gloo
+    torchrun --standalone --nproc-per-node 2 scripts/bench_edges.py --device cpu    # gloo, shm, mooncake
+    torchrun --standalone --nproc-per-node 2 scripts/bench_edges.py --device cuda   # NCCL (p2p only by default)
+    # two hosts (e.g. the network-namespace rig): torchrun --nnodes 2 --node-rank K --master-addr A ... on each
 
-"ours" is what the runtime does per edge: a msgpack descriptor over the ZMQ ControlChannel, then
-`P2PTransport.send` / `recv` on the directed pair group, completion seen by the consumer's `Transfer.wait`.
-"raw" is `dist.send` / `dist.recv` on the same groups with the shape known in advance and one reused buffer;
-"raw_fresh" is the same with a new receive buffer each time (as `recv` allocates), to separate allocation cost
-(page faults on CPU, ~nothing with CUDA's caching allocator) from our protocol's cost.
+"raw" is `dist.send` / `dist.recv` on the pair groups with the shape known in advance and one reused buffer;
+"raw_fresh" the same with a new receive buffer each time (as a real receive allocates), which separates
+allocation cost (page faults on CPU, ~nothing with CUDA's caching allocator) from protocol cost. Every other
+path is what the runtime does per edge on that transport (transport/base.py): `post_send`, the descriptor
+(`WireTensor` in a control message over the ZMQ channel), `post_recv` on the consumer, completion seen by
+polling `done()`, and for the arena transports the consumer's `TransferAck` when it lets the tensor go:
+- p2p: the directed pair groups (gloo for host tensors, NCCL for CUDA ones);
+- shm: the producer copies into its /dev/shm arena, the consumer wraps the bytes (no copy);
+- mooncake: the Mooncake transfer engine over tcp (P2PHANDSHAKE), the consumer reads one-sided.
 
-One-way time = half a ping-pong measured on rank 0 (0 -> 1 on pair 0->1, back on pair 1->0), so no clock
-is shared between ranks and the number also holds across hosts. The two paths alternate iteration by
-iteration, so drift hits both alike. Prints a table and writes JSON (medians, GB/s, ratio ours/raw, versions,
+One-way time = half a ping-pong measured on rank 0 (0 -> 1, and back: rank 1 sends what it received), so no
+clock is shared between ranks and the number also holds across hosts. The paths alternate iteration by
+iteration, so drift hits all alike. Prints a table and writes JSON (medians, GB/s, ratios over raw, versions,
 device names, command line). Not a timed test: ratios only mean something measured in one run.
 """
 
@@ -35,21 +40,18 @@ import torch.distributed as dist
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from mstar_dist.control import messages as m  # noqa: E402
 from mstar_dist.control.channel import ControlChannel, default_store, lookup_endpoint, publish_endpoint  # noqa: E402
 from mstar_dist.distributed.groups import create_pair_groups, warm_pairs  # noqa: E402
 from mstar_dist.distributed.init import backend_for_device, init_distributed, shutdown_distributed  # noqa: E402
-from mstar_dist.transport.inline import dtype_to_str, str_to_dtype  # noqa: E402
-from mstar_dist.transport.p2p import P2PTransport  # noqa: E402
+from mstar_dist.transport.base import ArenaFull, DataPlane  # noqa: E402
+from mstar_dist.transport.inline import dtype_to_str  # noqa: E402
+from mstar_dist.transport.p2p import P2PTransport, Transfer  # noqa: E402
 
 SIZES = [("4 KiB", 4 << 10), ("1 MiB", 1 << 20), ("16 MiB", 16 << 20), ("64 MiB", 64 << 20), ("256 MiB", 256 << 20)]
 
 
-class Desc(msgspec.Struct, array_like=True):
-    """Same fields as the runtime's TensorDesc (control/messages.py) minus the request bookkeeping."""
-
-    seq: int
-    shape: list[int]
-    dtype: str
+TOKEN = "bench-edges"
 
 
 class Host(msgspec.Struct):
@@ -60,7 +62,6 @@ class Host(msgspec.Struct):
 
 
 _enc = msgspec.msgpack.Encoder()
-_desc_dec = msgspec.msgpack.Decoder(Desc)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -72,6 +73,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-bytes", type=int, default=256 << 20, help="skip sizes above this")
     p.add_argument("--bind-addr", default=None, help="control-socket address (default: the address that "
                    "routes to MASTER_ADDR, 127.0.0.1 on one host)")
+    p.add_argument("--transports", default=None,
+                   help="comma-separated subset of p2p,shm,mooncake (default: all three on cpu, p2p on cuda)")
+    p.add_argument("--arena-bytes", type=int, default=None,
+                   help="shm arena / Mooncake pool per rank (default: twice the largest size)")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/edges_<device>.json)")
     return p.parse_args(argv)
 
@@ -85,13 +90,14 @@ def _route_addr(master: str) -> str:
 
 
 class Bench:
-    def __init__(self, rank: int, device: str, channel: ControlChannel, transport: P2PTransport, groups) -> None:
+    def __init__(self, rank: int, device: str, channel: ControlChannel, planes: dict[str, DataPlane], groups) -> None:
         self.rank, self.peer = rank, 1 - rank
         self.device = torch.device(device)
-        self.channel, self.transport = channel, transport
+        self.channel, self.planes = channel, planes
         self.out_group = groups[(rank, self.peer)].group
         self.in_group = groups[(self.peer, rank)].group
-        self.seq = 0
+        self._wires: list[m.WireTensor] = []
+        self.other: list[bytes] = []
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -107,8 +113,8 @@ class Bench:
             dist.recv(buf, group=self.in_group, group_src=0)
             dist.send(buf, group=self.out_group, group_dst=0)
 
-    # raw_fresh: raw with a freshly allocated receive buffer, as `recv` allocates one per transfer. It splits
-    # ours/raw into allocation cost (page faults on CPU; ~free with CUDA's caching allocator) and protocol cost.
+    # raw_fresh: raw with a freshly allocated receive buffer, as a real receive allocates one per transfer. It
+    # splits a transport's cost into allocation (page faults on CPU; ~free with CUDA's caching allocator) and protocol.
     def raw_fresh_once(self, buf: torch.Tensor) -> None:
         if self.rank == 0:
             dist.send(buf, group=self.out_group, group_dst=1)
@@ -119,31 +125,73 @@ class Bench:
             dist.recv(got, group=self.in_group, group_src=0)
             dist.send(got, group=self.out_group, group_dst=0)
 
-    def _ours_send(self, t: torch.Tensor):
-        self.channel.send(f"rank{self.peer}", _enc.encode(Desc(self.seq, list(t.shape), dtype_to_str(t.dtype))))
-        self.seq += 1
-        return self.transport.send(t, self.peer)
+    # -- the runtime's path on one transport --------------------------------------------------------------------
+    def _pump(self, timeout_ms: int = 0) -> None:
+        """Send the acks we owe, apply the ones we are owed, keep descriptors for `_recv`."""
+        for plane in self.planes.values():
+            for peer, ack in plane.poll():
+                self.channel.send(f"rank{peer}", m.encode(TOKEN, f"rank{self.rank}", ack))
+        for _, payload in self.channel.recv(timeout_ms):
+            try:
+                body = m.decode(payload).body
+            except msgspec.ValidationError:  # the peer's host report (it may finish first)
+                self.other.append(payload)
+                continue
+            if isinstance(body, m.TransferAck):
+                self.planes[body.via].on_ack(self.peer, body)
+            else:
+                self._wires.extend(body.values)
 
-    def _ours_recv(self) -> torch.Tensor:
-        while not (msgs := self.channel.recv(timeout_ms=1000)):
-            pass
-        (sender, payload), = msgs
-        d = _desc_dec.decode(payload)
-        return self.transport.recv(d.shape, str_to_dtype(d.dtype), self.peer).wait(300)
+    def _send(self, plane: DataPlane, t: torch.Tensor):
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                transfer, at = plane.post_send(t, self.peer)
+                break
+            except ArenaFull:
+                if time.monotonic() > deadline:
+                    raise
+                self._pump(1)
+        wire = m.WireTensor(shape=list(t.shape), dtype=dtype_to_str(t.dtype), host=t.device.type == "cpu",
+                            via=plane.name, at=at)
+        self.channel.send(f"rank{self.peer}", m.encode(TOKEN, f"rank{self.rank}",
+                                                         m.StreamItems(request_id="bench", signal=plane.name,
+                                                                       values=[wire])))
+        return transfer
 
-    def ours_once(self, buf: torch.Tensor) -> None:
+    def _recv(self, plane: DataPlane) -> torch.Tensor:
+        while not self._wires:
+            self._pump(1)
+        transfer = plane.post_recv(self._wires.pop(0), self.peer)
+        self._wait(transfer)
+        return transfer.tensor
+
+    def _wait(self, transfer) -> None:
+        if isinstance(transfer, Transfer):  # p2p: block in the transfer itself, as the old bench did
+            transfer.wait(300)
+            return
+        while not transfer.done():  # arena transports: poll, letting acknowledgements in
+            self._pump(0)
+            time.sleep(20e-6)
+
+    def ours_once(self, name: str, buf: torch.Tensor) -> None:
+        plane = self.planes[name]
         if self.rank == 0:
-            out = self._ours_send(buf)
-            self._ours_recv()
-            out.wait(300)
+            out = self._send(plane, buf)
+            got = self._recv(plane)
+            self._wait(out)
+            self._sync()
         else:
-            got = self._ours_recv()
-            self._ours_send(got).wait(300)
+            got = self._recv(plane)
+            self._wait(self._send(plane, got))
+        del got  # the arena slot goes back (acknowledged on a later pump)
+        self._pump(0)
 
     def measure(self, nbytes: int, iters: int, warmup: int) -> dict:
         buf = torch.ones(nbytes // 4, dtype=torch.float32, device=self.device)
         self._sync()
-        paths = {"raw": self.raw_once, "raw_fresh": self.raw_fresh_once, "ours": self.ours_once}
+        paths = {"raw": self.raw_once, "raw_fresh": self.raw_fresh_once}
+        paths.update({name: (lambda b, _n=name: self.ours_once(_n, b)) for name in self.planes})
         samples: dict[str, list[float]] = {name: [] for name in paths}
         for i in range(warmup + iters):
             for name, fn in paths.items():
@@ -182,41 +230,64 @@ def _host_info(rank: int, device: str) -> Host:
     return Host(rank, socket.gethostname(), device, name)
 
 
+def build_planes(names: list[str], rank: int, device: str, groups, host_addr: str, arena_bytes: int) -> dict:
+    planes: dict[str, DataPlane] = {}
+    for name in names:
+        if name == "p2p":
+            planes[name] = P2PTransport(rank, groups, device)
+        elif name == "shm":
+            from mstar_dist.transport.shm import ShmTransport, sweep_orphans
+
+            sweep_orphans()
+            planes[name] = ShmTransport(rank, launch_id=f"bench{os.getpid()}", arena_bytes=arena_bytes, device=device)
+        elif name == "mooncake":
+            from mstar_dist.transport.mooncake import MooncakeTransport
+
+            planes[name] = MooncakeTransport(rank, host_addr=host_addr, protocol="tcp", arena_bytes=arena_bytes,
+                                             device=device)
+        else:
+            raise ValueError(f"unknown transport {name!r}: expected p2p, shm or mooncake")
+    return planes
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if world != 2:
         raise ValueError(f"bench_edges needs exactly 2 ranks, got WORLD_SIZE={world}")
     device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if args.device == "cuda" else "cpu"
+    names = (args.transports or ("p2p,shm,mooncake" if args.device == "cpu" else "p2p")).split(",")
+    sizes = [(label, n) for label, n in SIZES if n <= args.max_bytes]
+    arena = args.arena_bytes or 2 * max(n for _, n in sizes)
     channel = None
+    planes: dict[str, DataPlane] = {}
     try:
         init_distributed(global_rank=rank, world_size=world, device=device, timeout_s=600)
         groups = create_pair_groups([(0, 1), (1, 0)], global_rank=rank, backend=backend_for_device(device),
                                     timeout_s=600)
         warm_pairs(groups, rank, device)
-        transport = P2PTransport(rank, groups, device)
-        channel = ControlChannel(f"rank{rank}", args.bind_addr or _route_addr(os.environ["MASTER_ADDR"]))
+        addr = args.bind_addr or _route_addr(os.environ["MASTER_ADDR"])
+        planes = build_planes(names, rank, device, groups, addr, arena)
+        channel = ControlChannel(f"rank{rank}", addr)
         store = default_store()
         publish_endpoint(store, f"rank{rank}", channel.endpoint)
         channel.connect(f"rank{1 - rank}", lookup_endpoint(store, f"rank{1 - rank}", 120))
-        bench = Bench(rank, device, channel, transport, groups)
+        bench = Bench(rank, device, channel, planes, groups)
         results = []
-        for label, nbytes in SIZES:
-            if nbytes > args.max_bytes:
-                continue
+        for label, nbytes in sizes:
             r = bench.measure(nbytes, args.iters * (5 if nbytes <= 1 << 20 else 1), args.warmup)
-            r.update(size=label, bytes=nbytes,
-                     ratio_ours_over_raw=r["ours"]["median_us"] / r["raw"]["median_us"],
-                     ratio_ours_over_raw_fresh=r["ours"]["median_us"] / r["raw_fresh"]["median_us"])
+            r.update(size=label, bytes=nbytes, paths=["raw", "raw_fresh", *planes])
+            for name in ("raw_fresh", *planes):
+                r[f"ratio_{name}_over_raw"] = r[name]["median_us"] / r["raw"]["median_us"]
             results.append(r)
             if rank == 0:
                 print(f"{label:>8}  " + "   ".join(
-                    f"{name} {r[name]['median_us']:9.1f} us {r[name]['gbps']:7.2f} GB/s" for name in
-                    ("raw", "raw_fresh", "ours")) + f"   ours/raw {r['ratio_ours_over_raw']:.2f}"
-                    f"   ours/raw_fresh {r['ratio_ours_over_raw_fresh']:.2f}", flush=True)
-        _report(args, rank, device, channel, transport, results)
-        transport.close()
+                    f"{name} {r[name]['median_us']:9.1f} us {r[name]['gbps']:6.2f} GB/s"
+                    for name in r["paths"]), flush=True)
+        _report(args, rank, device, channel, planes, results, bench.other)
     finally:
+        for plane in planes.values():
+            plane.close()
         if channel is not None:
             channel.close()
         shutdown_distributed()
@@ -232,16 +303,23 @@ def _command_line() -> str:
     return f"python {script} {argv}"
 
 
-def _report(args, rank: int, device: str, channel: ControlChannel, transport: P2PTransport, results) -> None:
+def _report(args, rank: int, device: str, channel: ControlChannel, planes: dict, results, early: list) -> None:
     me = _host_info(rank, device)
     if rank == 1:
         channel.send("rank0", _enc.encode(me))
+        time.sleep(0.2)  # let it leave before the channel closes
         return
-    while not (msgs := channel.recv(timeout_ms=10_000)):
-        pass
-    peer = msgspec.msgpack.decode(msgs[0][1], type=Host)
+    peer, deadline = None, time.monotonic() + 60
+    while peer is None:  # late acknowledgements may come first
+        if time.monotonic() > deadline:
+            raise TimeoutError("rank 1's host report did not arrive within 60 s")
+        for payload in early + [p for _, p in channel.recv(timeout_ms=1000)]:
+            try:
+                peer = msgspec.msgpack.decode(payload, type=Host)
+            except msgspec.ValidationError:
+                continue
     nccl = ".".join(map(str, torch.cuda.nccl.version())) if args.device == "cuda" else None
-    stats = transport.stats()
+    stats = {name: plane.stats() for name, plane in planes.items()}
     doc = {
         "benchmark": "edges",
         "device": args.device,
@@ -255,12 +333,14 @@ def _report(args, rank: int, device: str, channel: ControlChannel, transport: P2
         "iters": args.iters,
         "iters_up_to_1MiB": args.iters * 5,
         "warmup": args.warmup,
-        "method": "one-way = median of half a ping-pong on rank 0; raw, raw_fresh and ours alternate per iteration",
+        "method": "one-way = median of half a ping-pong on rank 0; raw, raw_fresh and every transport alternate "
+                  "per iteration; a transport's path is post_send + descriptor over ZMQ + post_recv + done(), "
+                  "arena slots acknowledged over ZMQ",
         "load_average": os.getloadavg(),
         "results": results,
         "rank0_transport_stats": stats,
     }
-    assert stats["host_staging_copies"] == 0, stats
+    assert all(st["host_staging_copies"] == 0 for st in stats.values()), stats
     out = Path(args.out) if args.out else REPO / "bench" / "results" / f"edges_{args.device}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1) + "\n")

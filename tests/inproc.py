@@ -1,7 +1,8 @@
 """An in-process deployment for tests: a conductor and N workers wired by an in-memory control bus, no processes.
 
-Messages still go through the real msgpack encoding; tensors that would use the p2p transport are handed over
-directly. ``InProcDeployment.generate(params)`` runs the loop until the request's events end.
+Messages still go through the real msgpack encoding; tensors that would use the data plane are handed over
+directly (``Direct``, behind the real ``Router``). ``InProcDeployment.generate(params)`` runs the loop until the
+request's events end.
 """
 
 from __future__ import annotations
@@ -14,7 +15,10 @@ from mstar_dist.conductor.conductor import Conductor
 from mstar_dist.config.deployment import parse_config
 from mstar_dist.graph.nodes import node_names
 from mstar_dist.server.backend import BackendError, Finished
+from mstar_dist.topology.cuts import flows
 from mstar_dist.topology.placement import Placement
+from mstar_dist.transport.base import Done
+from mstar_dist.transport.router import Router
 from mstar_dist.transport.store import TensorStore
 from mstar_dist.worker.worker import Worker
 
@@ -46,35 +50,56 @@ class BusChannel:
 
 
 class Direct:
-    """Transfers complete at once; a receive takes the sender's tensor from the shared table by order."""
+    """A data plane (``transport.base.DataPlane``) whose transfers complete at once: a receive takes the sender's
+    tensor from the shared table, in order (like a p2p pair)."""
 
-    def __init__(self, rank: int, wires: dict):
-        self.rank, self.wires = rank, wires
+    name = "p2p"
 
-    def send(self, tensor, dst):
+    def __init__(self, rank: int, wires: dict, pairs: frozenset = frozenset()):
+        self.rank, self.wires, self.pairs = rank, wires, pairs
+        self.dead: set[int] = set()
+
+    def post_send(self, tensor, dst):
+        assert (self.rank, dst) in self.pairs, (
+            f"rank {self.rank} sends to rank {dst}, a pair the placement creates no group for: {sorted(self.pairs)}")
         self.wires.setdefault((self.rank, dst), collections.deque()).append(tensor.clone())
-        return _Done(tensor)
+        return Done(tensor), None
 
-    def recv(self, shape, dtype, src, device=None):
-        return _Done(self.wires[(src, self.rank)].popleft())
+    def post_recv(self, wire, src, device=None):
+        return Done(self.wires[(src, self.rank)].popleft())
+
+    def poll(self):
+        return []
+
+    def on_ack(self, src, ack):
+        pass
+
+    def abort_peer(self, peer, reason):
+        self.dead.add(peer)
+
+    def is_dead(self, peer):
+        return peer in self.dead
 
     def stats(self):
         return {}
 
+    def close(self):
+        pass
 
-class _Done:
-    def __init__(self, tensor):
-        self.tensor = tensor
 
-    def done(self):
-        return True
+def direct_router(rank: int, wires: dict, world_size: int, inline_max_bytes: int, pairs=frozenset()) -> Router:
+    """The worker's data plane over `Direct`, every rank on one host; sends only on `pairs` (src, dst)."""
+    return Router(global_rank=rank, rank_hosts={r: "h" for r in range(world_size)},
+                  transports={"p2p": Direct(rank, wires, frozenset(pairs))}, intra_host="p2p", inter_host="p2p",
+                  inline_max_bytes=inline_max_bytes, device=torch.device("cpu"))
 
 
 class InProcDeployment:
     def __init__(self, model, config: dict, world_size: int, max_concurrent: int = 16):
         cfg = parse_config(config, "inproc")
         graphs = model.graphs()
-        placement = Placement.build(cfg, {w: node_names(s) for w, s in graphs.items()}, world_size)
+        placement = Placement.build(cfg, {w: node_names(s) for w, s in graphs.items()}, world_size,
+                                    flows(graphs, model.partitions(), model.streaming_edges()))
         self.bus, wires = Bus(), {}
         self.workers = []
         for rank in range(world_size):
@@ -82,7 +107,8 @@ class InProcDeployment:
                           for node, walks in placement.components_on(rank).items()}
             self.workers.append(Worker(
                 global_rank=rank, graphs=graphs, components=components, channel=self.bus.channel(f"rank{rank}"),
-                transport=Direct(rank, wires), store=TensorStore(), token=TOKEN, device=torch.device("cpu"),
+                transport=direct_router(rank, wires, world_size, cfg.transport.inline_max_bytes, placement.edge_pairs),
+                store=TensorStore(), token=TOKEN, device=torch.device("cpu"),
                 inline_max_bytes=cfg.transport.inline_max_bytes, streaming_edges=model.streaming_edges()))
         self.conductor = Conductor(model=model, placement=placement, channel=self.bus.channel("conductor"),
                                    token=TOKEN, world_size=world_size, max_concurrent=max_concurrent,

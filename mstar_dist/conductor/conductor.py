@@ -399,7 +399,7 @@ class Conductor:
         for name, value in step.inputs.items():
             wanted = consumers.get(name) or ranks[:1]
             if isinstance(value, m.TensorRef):
-                self._route_kept(req, name, value, wanted, keep=name in step.keep, release=release)
+                self._route_kept(req, name, value, wanted, keep=name in step.keep, release=release, walk=step.walk)
             else:
                 value = encode_tensor(value)
             for rank in ranks:
@@ -443,7 +443,7 @@ class Conductor:
         return {name: sorted(r) for name, r in out.items()}
 
     def _route_kept(self, req: _Request, name: str, ref: m.TensorRef, ranks: list[int], *, keep: bool,
-                    release: dict[int, list[str]]) -> None:
+                    release: dict[int, list[str]], walk: str) -> None:
         """Push a kept tensor from its producer to each consuming rank; one persist count is consumed per dispatch
         (by exactly one of them) unless the model keeps the tensor for a later walk."""
         releaser = None if keep else (ref.rank if ref.rank in ranks else ranks[-1])
@@ -451,7 +451,7 @@ class Conductor:
             if rank != ref.rank:
                 tp_dst = next((list(r) for r in req.replicas.values() if r[0] == rank and len(r) > 1), [])
                 self._send(ref.rank, m.Push(request_id=req.wire_id, uuid=ref.uuid, dst=rank,
-                                            release=rank == releaser, tp_dst=tp_dst))
+                                            release=rank == releaser, tp_dst=tp_dst, walk=walk, signal=name))
             elif rank == releaser:
                 release[rank].append(name)
 
@@ -613,18 +613,27 @@ class Conductor:
         """``rank`` serves no more: new requests avoid it, and every request touching it fails with a 503."""
         host = self.rank_hosts.get(rank, "?")
         self.dead_ranks[rank] = why
+        for peer in range(self.world_size):  # their data planes give up on it: pending transfers end
+            if peer not in self.dead_ranks:
+                self._send(peer, m.RankDown(rank=rank, reason=why))
         for req in list(self._active.values()):
             if rank in req.touched or any(rank in ranks for ranks in req.replicas.values()):
                 self._finish_error(req, 503, f"rank {rank} on host {host} {verb} ({why}); retry the request")
 
     def log_stats(self, now: float) -> None:
-        """One log line: generation throughput since the last line, load, and the per-rank leak canary."""
+        """One log line: generation throughput since the last line, load, and the per-rank leak canary; then one
+        line per data-plane edge (walk, producer -> consumer, signal, transport) with its bytes, count and
+        p50/p99 transfer time."""
         since, tokens = self._stats_mark
         rate = (self.metrics.tokens_generated - tokens) / max(now - since, 1e-9)
         live = {r: st.live_tensors for r, st in sorted(self.metrics.rank_stats.items())}
         log.info("stats: %.1f tok/s, %d running, %d queued, finished %s, live tensors per rank %s, dead ranks %s",
                  rate, len(self._active), len(self._queue), dict(self.metrics.finished), live,
                  sorted(self.dead_ranks))
+        for e in self.metrics.edges():
+            log.info("edge %s: rank %d -> rank %d, %s via %s: %d transfer(s), %d bytes, p50 %.3f ms, p99 %.3f ms",
+                     e.walk or "-", e.src, e.dst, e.signal or "-", e.via, e.count, e.nbytes, e.p50_s * 1e3,
+                     e.p99_s * 1e3)
         self._stats_mark = (now, self.metrics.tokens_generated)
 
     def unservable_walks(self) -> list[str]:

@@ -7,7 +7,9 @@ Series (docs/architecture.md §7: per-rank live tensors are the leak canary):
   * per rank, from each rank's latest ``Stats``: up, live tensors and bytes, edge bytes, staging copies, process
     RSS / CPU seconds / open fds, control messages rejected, engine counters, and edge transfer size and time
     histograms per transport and direction;
-  * rank 0's own ``process_*`` series (prometheus_client's process collector).
+  * rank 0's own ``process_*`` series (prometheus_client's process collector);
+  * the arenas' occupancy per rank (``mstar_dist_shm_bytes_used``, ``mstar_dist_mooncake_bytes_used``: 0 at idle)
+    and per data-plane flow (walk, src -> dst, signal, transport): transfers, bytes, p50/p99 seconds.
 Threading: the conductor thread writes; ``render`` runs on the HTTP thread and only reads (copies) plain values.
 """
 
@@ -18,7 +20,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram, ProcessCollector, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric, SummaryMetricFamily,
+)
+from prometheus_client.samples import Sample
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
@@ -85,6 +90,10 @@ class Metrics:
             for _ in range(n):
                 self.itl.observe(gap_s / n)
 
+    def edges(self) -> list:
+        """Every rank's incoming data-plane flows (``m.EdgeStat``), as last reported."""
+        return [e for _, st in sorted(dict(self.rank_stats).items()) for e in st.edges]
+
     def render(self) -> str:
         """The Prometheus text exposition (format 0.0.4) of every series."""
         return generate_latest(self.registry).decode()
@@ -100,6 +109,8 @@ class _StateCollector:
         yield from self._requests()
         yield from self._ranks()
         yield from self._edges()
+        yield from self._arenas()
+        yield from self._flows()
 
     def _requests(self) -> Iterator[Metric]:
         m = self.m
@@ -165,6 +176,34 @@ class _StateCollector:
                     buckets.append((bound, cumulative))
                 families[h.unit].add_metric([str(rank), h.transport, h.direction], buckets, h.total)
         yield from families.values()
+
+
+    def _arenas(self) -> Iterator[Metric]:
+        stats = dict(self.m.rank_stats)
+        for via in sorted({v for st in stats.values() for v in st.arena_bytes_used}):
+            family = GaugeMetricFamily(f"mstar_dist_{via}_bytes_used", f"Bytes of the rank's {via} arena lent out "
+                                       "and not yet acknowledged (0 at idle).", labels=["rank"])
+            for rank, st in sorted(stats.items()):
+                if via in st.arena_bytes_used:
+                    family.add_metric([str(rank)], st.arena_bytes_used[via])
+            yield family
+
+    def _flows(self) -> Iterator[Metric]:
+        labels = ["walk", "src", "dst", "signal", "transport"]
+        count = CounterMetricFamily("mstar_dist_edge_transfers", "Data-plane transfers per flow (into the "
+                                    "consuming rank).", labels=labels)
+        size = CounterMetricFamily("mstar_dist_edge_flow_bytes", "Bytes per data-plane flow.", labels=labels)
+        secs = SummaryMetricFamily("mstar_dist_edge_flow_seconds", "Seconds from a descriptor's arrival to its "
+                                   "data being ready, per flow (p50, p99 over the last transfers).", labels=labels)
+        for e in self.m.edges():
+            key = [e.walk, str(e.src), str(e.dst), e.signal, e.via]
+            count.add_metric(key, e.count)
+            size.add_metric(key, e.nbytes)
+            secs.add_metric(key, count_value=e.count, sum_value=0.0)
+            for q, v in (("0.5", e.p50_s), ("0.99", e.p99_s)):
+                secs.samples.append(Sample("mstar_dist_edge_flow_seconds", {**dict(zip(labels, key)),
+                                                                            "quantile": q}, v))
+        yield from (count, size, secs)
 
 
 def _family(name: str, doc: str, labels: list[str]) -> Metric:

@@ -31,8 +31,11 @@ from mstar_dist.config.schema import (
     read_unique_strs,
 )
 
-TRANSPORTS = ("p2p", "mooncake")
+TRANSPORTS = ("p2p", "mooncake", "shm")
 """Transport names allowed in ``transport.intra_host`` / ``transport.inter_host``."""
+
+MOONCAKE_PROTOCOLS = ("tcp", "rdma")
+"""Values of ``transport.mooncake_protocol``."""
 
 
 @dataclass(frozen=True)
@@ -87,17 +90,34 @@ class TransportConfig:
     """How tensors move between ranks (docs/architecture.md §7)."""
 
     intra_host: str = "p2p"
-    """Transport when every consumer is on the producer's host: p2p | mooncake."""
+    """Transport when every consumer is on the producer's host: p2p | mooncake | shm (p2p = NCCL for CUDA
+    tensors, gloo for host tensors; shm = a shared-memory arena, host tensors)."""
     inter_host: str = "p2p"
-    """Transport when any consumer is on another host: p2p | mooncake."""
+    """Transport when any consumer is on another host: p2p | mooncake | shm (shm only where the "hosts" share
+    /dev/shm, e.g. the one-machine rigs; a consumer that cannot open the segment fails the transfer, naming it)."""
     inline_max_bytes: int = 65536
     """Tensors of at most this many bytes ride inside the control message. 0 turns inlining off (the one
     zero this config accepts: it is a meaningful setting, not a mistake)."""
+    arena_bytes: int = 268435456
+    """Per rank: the shared-memory segment (shm) or registered pool (mooncake) that holds tensors until their
+    consumers let go of them. A tensor bigger than this cannot use those transports."""
+    backpressure_timeout_s: float = 10.0
+    """How long a send waits for room in a full arena before its request fails with an error naming the arena."""
+    mooncake_protocol: str = "tcp"
+    """Mooncake's transport: tcp (MC_FORCE_TCP is set) | rdma (the host's ``transfer_device`` names the NIC)."""
 
     def __post_init__(self) -> None:
         read_choice(self.intra_host, "intra_host", TRANSPORTS)
         read_choice(self.inter_host, "inter_host", TRANSPORTS)
         read_int(self.inline_max_bytes, "inline_max_bytes", minimum=0)
+        read_int(self.arena_bytes, "arena_bytes", minimum=1 << 20)
+        object.__setattr__(self, "backpressure_timeout_s",
+                           read_positive_float(self.backpressure_timeout_s, "backpressure_timeout_s"))
+        read_choice(self.mooncake_protocol, "mooncake_protocol", MOONCAKE_PROTOCOLS)
+
+    def via(self, same_host: bool) -> str:
+        """The transport for a tensor whose consumer is (``same_host``) or is not on the producer's host."""
+        return self.intra_host if same_host else self.inter_host
 
 
 @dataclass(frozen=True)
@@ -211,10 +231,13 @@ class DeploymentConfig:
         max_concurrent_requests: int | None = None,
         request_timeout_s: float | None = None,
         max_body_bytes: int | None = None,
+        intra_host: str | None = None,
+        inter_host: str | None = None,
     ) -> DeploymentConfig:
         """A copy with CLI flag values in place of the file's; None keeps the file's value."""
         server = {k: v for k, v in (("host", host), ("port", port), ("max_body_bytes", max_body_bytes))
                   if v is not None}
+        transport = {k: v for k, v in (("intra_host", intra_host), ("inter_host", inter_host)) if v is not None}
         limits = {
             k: v
             for k, v in (("max_concurrent_requests", max_concurrent_requests), ("request_timeout_s", request_timeout_s))
@@ -228,7 +251,11 @@ class DeploymentConfig:
             new_limits = dataclasses.replace(self.limits, **limits)
         except ConfigError as e:
             raise e.under("limits", "command line") from None
-        return dataclasses.replace(self, server=new_server, limits=new_limits)
+        try:
+            new_transport = dataclasses.replace(self.transport, **transport)
+        except ConfigError as e:
+            raise e.under("transport", "command line") from None
+        return dataclasses.replace(self, server=new_server, limits=new_limits, transport=new_transport)
 
     def to_dict(self) -> dict[str, Any]:
         """The YAML form; ``parse_config(cfg.to_dict(), ...) == cfg``."""

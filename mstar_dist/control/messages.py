@@ -27,16 +27,51 @@ class TensorRef(msgspec.Struct, frozen=True, tag=True):
     nbytes: int
 
 
+class ShmLocation(msgspec.Struct, frozen=True, tag=True):
+    """Where a tensor waits in the producer's shared-memory arena (``transport/shm.py``)."""
+
+    segment: str
+    """Name of the producer's segment under /dev/shm."""
+    offset: int
+    """Byte offset of the tensor's bytes in the segment."""
+    nbytes: int
+    slot: int
+    """The producer's id for this allocation: the consumer names it in its ``TransferAck``."""
+
+
+class MooncakeLocation(msgspec.Struct, frozen=True, tag=True):
+    """Where a tensor waits in the producer's registered memory (``transport/mooncake.py``): the consumer reads
+    it one-sided from ``session`` and acknowledges with a ``TransferAck``."""
+
+    session: str
+    """The producer's transfer-engine session, ``host:rpc_port`` (P2PHANDSHAKE)."""
+    addr: int
+    """Virtual address of the bytes in the producer's process."""
+    nbytes: int
+    slot: int
+
+
+Location = Union[ShmLocation, MooncakeLocation]
+
+
 class WireTensor(msgspec.Struct, frozen=True, tag=True):
-    """A tensor that follows the message carrying this descriptor on the sender -> receiver pair (p2p, NCCL
-    device to device for CUDA tensors, gloo for host ones). The sender posts its sends in the order of the
-    descriptors it sends; the receiver posts a receive for each descriptor when the message arrives, in
-    message order (FIFO per sender), so sends and receives pair up without ids (docs/architecture.md)."""
+    """A tensor moved by the data plane (docs/architecture.md §7). ``via`` names the transport the producer chose
+    and ``at`` where the bytes wait, so the consumer never guesses.
+
+    p2p (``at`` is None): the tensor follows the message carrying this descriptor on the sender -> receiver pair
+    (NCCL device to device for CUDA tensors, gloo for host ones); the sender posts its sends in the order of
+    the descriptors it sends and the receiver posts a receive for each descriptor in message order (FIFO per
+    sender), so sends and receives pair up without ids. shm / mooncake: the bytes wait at ``at`` in the
+    producer's arena until the consumer's ``TransferAck``."""
 
     shape: list[int]
     dtype: str
     host: bool = False
-    """A host (CPU) tensor: it travels on the pair's gloo half and is received into host memory."""
+    """A host (CPU) tensor: it is received into host memory (p2p: it travels on the pair's gloo half)."""
+    via: str = "p2p"
+    """The transport that carries it: "p2p", "shm" or "mooncake"."""
+    at: Location | None = None
+    """Where the bytes are (arena transports); None for p2p."""
 
 
 class Remote(msgspec.Struct, frozen=True, tag=True):
@@ -46,7 +81,7 @@ class Remote(msgspec.Struct, frozen=True, tag=True):
 
 Value = Union[InlineTensor, TensorRef, Remote]
 Carried = Union[InlineTensor, WireTensor]
-"""A value moving between two workers: inline when small, else on the pair right after the message."""
+"""A value moving between two workers: inline when small, else a descriptor of a data-plane transfer."""
 
 
 class Sampling(msgspec.Struct, frozen=True):
@@ -87,7 +122,7 @@ class RunWalk(msgspec.Struct, tag=True):
 
 
 class Push(msgspec.Struct, tag=True):
-    """Send the stored tensor ``uuid`` to global rank ``dst`` (descriptor first, then the p2p send).
+    """Send the stored tensor ``uuid`` to global rank ``dst`` (a ``TensorDesc``, then the data-plane transfer).
 
     With ``release`` the producer drops its persisted reference once the send completes.
     """
@@ -100,6 +135,9 @@ class Push(msgspec.Struct, tag=True):
     """When the tensor is a TP shard (its producer is a TP replica): the consuming replica's ranks; shard r goes
     to ``tp_dst[r]`` (the receiving rank's own shard goes to ``dst`` = ``tp_dst[0]``; the producer's followers
     are told by ``TPPush``)."""
+    walk: str = ""
+    """The consuming walk and the input the tensor becomes there (edge statistics labels)."""
+    signal: str = ""
 
 
 class StopLoops(msgspec.Struct, tag=True):
@@ -122,6 +160,14 @@ class Shutdown(msgspec.Struct, tag=True):
     error: bool = False
 
 
+class RankDown(msgspec.Struct, tag=True):
+    """The conductor declared global rank ``rank`` dead: the receiver aborts its data plane to it (pending
+    transfers fail, arena slots lent to it are reclaimed)."""
+
+    rank: int
+    reason: str
+
+
 class Heartbeat(msgspec.Struct, tag=True):
     """The conductor is alive (sent to every live rank every second); a rank that hears nothing from the
     conductor for its rank timeout exits non-zero instead of serving nobody forever."""
@@ -133,8 +179,9 @@ class Heartbeat(msgspec.Struct, tag=True):
 
 
 class AbortPair(msgspec.Struct, tag=True):
-    """The sender gave up on the directed pair (src, dst) (a post failed, a transfer timed out): the receiver
-    marks it dead too, so no later send or receive on it is matched against the wrong partner (docs/architecture.md §7)."""
+    """The sender gave up on its data plane to the receiver after a failure on the pair (src, dst) (a post failed,
+    a transfer timed out): the receiver marks its side dead too, so no later send or receive is matched against
+    the wrong partner (docs/architecture.md §7)."""
 
     src: int
     dst: int
@@ -142,15 +189,26 @@ class AbortPair(msgspec.Struct, tag=True):
 
 
 class TensorDesc(msgspec.Struct, tag=True):
-    """Precedes a p2p send on the pair (src, receiver): the receiver posts its recv in descriptor order."""
+    """A kept tensor that ``src`` sends to the receiver on the conductor's ``Push`` (the receiver posts its
+    receive when this arrives: for p2p in descriptor order)."""
 
     request_id: str
     uuid: str
     src: int
-    shape: list[int]
-    dtype: str
-    host: bool = False
-    """A host (CPU) tensor: it travels on the pair's gloo half and is received into host memory."""
+    value: Carried
+    """The tensor, inline or as a data-plane descriptor."""
+    walk: str = ""
+    """The walk that consumes it (labels the edge in the per-edge statistics)."""
+    signal: str = ""
+    """The walk input it becomes (labels the edge)."""
+
+
+class TransferAck(msgspec.Struct, tag=True):
+    """Consumer -> producer: these arena slots (``ShmLocation.slot`` / ``MooncakeLocation.slot``) of transport
+    ``via`` were read (or abandoned); the producer may reuse them."""
+
+    via: str
+    slots: list[int]
 
 
 class NodeDone(msgspec.Struct, tag=True):
@@ -297,6 +355,19 @@ class Leaving(msgspec.Struct, tag=True):
     rank: int
     host: str
     reason: str
+class EdgeStat(msgspec.Struct, array_like=True):
+    """Transfers into the reporting rank on one edge since it started: (walk, src -> dst, signal, transport)."""
+
+    walk: str
+    src: int
+    dst: int
+    signal: str
+    via: str
+    count: int
+    nbytes: int
+    p50_s: float
+    """Median seconds from the descriptor's arrival to the data being ready, over the last transfers."""
+    p99_s: float
 
 
 class Stats(msgspec.Struct, tag=True):
@@ -321,10 +392,16 @@ class Stats(msgspec.Struct, tag=True):
     edge_histograms: list[EdgeHistogram] = []
     """Sizes and times of this rank's data-plane transfers per transport and direction (``mstar_dist/telemetry``)."""
 
+    arena_bytes_used: dict[str, int] = {}
+    """Transport ("shm", "mooncake") -> bytes of this rank's arena lent out and not yet acknowledged."""
+    edges: list[EdgeStat] = []
+    """Per-edge transfer statistics (collected always; logged with ``--log-stats``)."""
+
+
 
 Message = Union[
-    RunWalk, Push, StopLoops, RemoveRequest, Shutdown, Heartbeat, AbortPair, TensorDesc, NodeDone, StreamItems,
-    StreamEnd, TPStep, TPPush, Emit, WalkDone, Ready, LoadFailed, Leaving, Stats,
+    RunWalk, Push, StopLoops, RemoveRequest, Shutdown, Heartbeat, RankDown, AbortPair, TensorDesc, TransferAck,
+    NodeDone, StreamItems, StreamEnd, TPStep, TPPush, Emit, WalkDone, Ready, LoadFailed, Leaving, Stats,
 ]
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mstar_dist.graph.nodes import EMIT_TO_CLIENT, Section, iter_nodes
-from mstar_dist.graph.partitions import StreamingEdge
-from mstar_dist.topology.placement import Placement
+from mstar_dist.graph.partitions import Partition, StreamingEdge
+from mstar_dist.topology.placement import Flow, Placement
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,30 @@ def cut_signals(graphs: dict[str, Section], streams: list[StreamingEdge], placem
                 cuts.add(CutSignal(walk, edge.signal, node.name, edge.dst, _ranks(placement, walk, node.name),
                                    _ranks(placement, dst_walk, edge.dst), edge.stream))
     return sorted(cuts, key=lambda c: (c.walk, c.signal, c.src_node, c.dst_node))
+
+
+def flows(graphs: dict[str, Section], partitions: list[Partition], streams: list[StreamingEdge]) -> tuple[Flow, ...]:
+    """Where values can move between nodes (docs/architecture.md §7), which decides the pair groups:
+    - inside a walk, between any two of its nodes (a node's outputs go to the ranks of the nodes that consume
+      them, and results of a walk across ranks travel between its nodes' ranks);
+    - between the walks of one partition, from any node to any node (a kept output, like the P/D KV cache, is
+      pushed from the walk that made it to the walk that consumes it);
+    - along each streaming edge, from its producing node to its consumer node.
+    Sorted, without duplicates."""
+    nodes = {walk: sorted(n.name for n in iter_nodes(section)) for walk, section in graphs.items()}
+    out = set()
+    for walk, names in nodes.items():
+        out.update(Flow(walk, a, walk, b) for a in names for b in names if a != b)
+    for partition in partitions:
+        walks = [w for w in partition.walks if w in nodes]
+        out.update(Flow(w1, a, w2, b) for w1 in walks for w2 in walks if w1 != w2 for a in nodes[w1] for b in nodes[w2])
+    for edge in streams:
+        dst_walk = _walk_of(graphs, edge.dst_node)
+        for walk, section in graphs.items():
+            for node in iter_nodes(section):
+                if any(e.stream and e.signal == edge.signal for e in node.outputs):
+                    out.add(Flow(walk, node.name, dst_walk, edge.dst_node))
+    return tuple(sorted(out))
 
 
 def describe_cuts(cuts: list[CutSignal]) -> str:

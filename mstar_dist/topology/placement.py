@@ -29,6 +29,18 @@ class Replica:
     """Global ranks of this copy; ranks[rank_in_group] holds TP shard rank_in_group."""
 
 
+@dataclass(frozen=True, order=True)
+class Flow:
+    """A value may move from ``src_node`` in ``src_walk`` to ``dst_node`` in ``dst_walk`` (an edge inside a walk,
+    a kept walk output consumed by a later walk, or a streaming edge). Built from the model by
+    ``topology.cuts.flows``; the placement turns flows into the rank pairs the data plane must connect."""
+
+    src_walk: str
+    src_node: str
+    dst_walk: str
+    dst_node: str
+
+
 @dataclass(frozen=True)
 class CutEdge:
     """A directed rank pair whose ranks are on different hosts, and the transport it uses."""
@@ -61,19 +73,24 @@ class Placement:
     """Walk name -> node names of that walk's graph."""
     source: str = field(default="<config>", compare=False)
     """Config file named in error messages."""
+    flows: tuple[Flow, ...] | None = None
+    """Where values may move (``topology.cuts.flows``); None: anywhere between hosting ranks."""
     _group_of: dict[tuple[str, str], int] = field(init=False, repr=False, compare=False, hash=False)
     _replicas: dict[tuple[str, str], tuple[Replica, ...]] = field(init=False, repr=False, compare=False, hash=False)
     _components: dict[int, dict[str, frozenset[str]]] = field(init=False, repr=False, compare=False, hash=False)
 
     @classmethod
-    def build(cls, config: DeploymentConfig, walks: Mapping[str, frozenset[str]], world_size: int) -> Placement:
-        """Check `config.node_groups` against `walks` and `world_size`; ValueError with every number."""
+    def build(cls, config: DeploymentConfig, walks: Mapping[str, frozenset[str]], world_size: int,
+              flows: tuple[Flow, ...] | None = None) -> Placement:
+        """Check `config.node_groups` against `walks` and `world_size`; ValueError with every number. `flows`
+        (the model's, from ``topology.cuts.flows``) narrows `edge_pairs` to the pairs some value can use."""
         if config.cluster is not None and config.cluster.world_size != world_size:
             raise ConfigError(
                 "cluster", f"the hosts list {config.cluster.world_size} devices but WORLD_SIZE={world_size}",
                 source=config.source,
             )
-        return cls(world_size=world_size, node_groups=config.node_groups, walks=walks, source=config.source)
+        return cls(world_size=world_size, node_groups=config.node_groups, walks=walks, source=config.source,
+                   flows=None if flows is None else tuple(sorted(set(flows))))
 
     def __post_init__(self) -> None:
         try:
@@ -186,10 +203,22 @@ class Placement:
 
     @property
     def edge_pairs(self) -> tuple[tuple[int, int], ...]:
-        """Every directed (src, dst) pair of distinct hosting ranks, sorted: a tensor persisted by any walk may
-        be consumed by any later walk, so every hosting rank may send to every other one."""
-        ranks = self.hosting_ranks
-        return tuple((s, d) for s in ranks for d in ranks if s != d)
+        """The directed (src, dst) pairs of distinct ranks that some value can use, sorted: for every flow, every
+        rank of a producer replica to every rank of a consumer replica (a request may pair any two). Without
+        flows, every pair of hosting ranks."""
+        if self.flows is None:
+            ranks = self.hosting_ranks
+            return tuple((s, d) for s in ranks for d in ranks if s != d)
+        pairs = set()
+        for f in self.flows:
+            src = {r for rep in self.replicas(f.src_walk, f.src_node) for r in rep.ranks}
+            dst = {r for rep in self.replicas(f.dst_walk, f.dst_node) for r in rep.ranks}
+            pairs.update((s, d) for s in src for d in dst if s != d)
+        return tuple(sorted(pairs))
+
+    def peers_of(self, global_rank: int) -> tuple[int, ...]:
+        """Global ranks that `global_rank` sends to or receives from (over `edge_pairs`), sorted."""
+        return tuple(sorted({d if s == global_rank else s for s, d in self.edge_pairs if global_rank in (s, d)}))
 
     def is_conductor(self, global_rank: int) -> bool:
         """Whether `global_rank` runs the conductor and HTTP front end (rank 0)."""
@@ -219,6 +248,30 @@ class Placement:
             if host[s] != host[d]
         ]
 
+    def describe_ranks(self, cluster: ClusterSpec) -> str:
+        """The hosts (devices, transfer device, environment) and the rank map: every global rank's host, node
+        rank, local rank, device, address and components."""
+        rows = [("rank", "host", "node_rank", "local_rank", "device", "addr", "components")]
+        for rank in range(self.world_size):
+            i = cluster.rank_info(rank)
+            rows.append((str(rank), i.host_name, str(i.node_rank), str(i.local_rank), str(i.device_index), i.addr,
+                         " ".join(self._labels(rank)) or "-"))
+        hosts = [f"  {h.name} ({h.addr}): devices {list(h.devices)}"
+                 + (f", transfer_device {h.transfer_device}" if h.transfer_device else "")
+                 + (", env " + " ".join(f"{k}={v}" for k, v in sorted(h.env.items())) if h.env else "")
+                 for h in cluster.hosts]
+        return "hosts:\n" + "\n".join(hosts) + "\nrank map:\n" + _table(rows)
+
+    def describe_groups(self, p2p_pairs: tuple[tuple[int, int], ...], transport: TransportConfig) -> str:
+        """TP groups, the data plane's choice, and the pair groups every rank creates (in creation order)."""
+        tp = ", ".join("[" + ",".join(map(str, g)) + "]" for g in self.tp_groups) or "none"
+        lines = [f"TP groups: {len(self.tp_groups)}: {tp}",
+                 f"data plane: inline up to {transport.inline_max_bytes} B; intra_host={transport.intra_host}, "
+                 f"inter_host={transport.inter_host}; {len(self.edge_pairs)} rank pair(s) carry values",
+                 f"pair groups (p2p): {len(p2p_pairs)}" + (": " if p2p_pairs else "")
+                 + ", ".join(f"{s}->{d}" for s, d in p2p_pairs)]
+        return "\n".join(lines)
+
     def _labels(self, rank: int) -> tuple[str, ...]:
         return tuple(sorted(f"{w}/{n}" for n, ws in self.components_on(rank).items() for w in ws))
 
@@ -234,13 +287,12 @@ class Placement:
                     w, n, str(rep.index), str(len(rep.ranks)), ",".join(map(str, rep.ranks)),
                     " ".join(f"{i.host_name}:{i.device_index}" for i in infos),
                 ))
-        widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
         lines = [
             f"placement: world_size={self.world_size} on {len(cluster.hosts)} host(s), "
             f"{len(self.hosting_ranks)} hosting rank(s), {len(self.edge_pairs)} edge pair(s), "
-            f"{len(self.tp_groups)} TP group(s)"
+            f"{len(self.tp_groups)} TP group(s)",
+            _table(rows),
         ]
-        lines += ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
         lines.append(f"cross-host edges: {len(cut)} (intra_host={transport.intra_host}, inter_host={transport.inter_host})")
         by_hosts: dict[tuple[str, str], list[CutEdge]] = {}
         for e in cut:
@@ -254,6 +306,11 @@ class Placement:
             if len(edges) > 16:
                 lines.append(f"    ... {len(edges) - 16} more")
         return "\n".join(lines)
+
+
+def _table(rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
+    return "\n".join("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
 
 
 def _replicas(group: NodeGroup) -> tuple[Replica, ...]:

@@ -51,6 +51,8 @@ import torch
 import torch.distributed as dist
 
 from mstar_dist.distributed.groups import PairGroup
+from mstar_dist.transport.base import PeerDeadError
+from mstar_dist.transport.inline import str_to_dtype
 
 __all__ = ["P2PTransport", "PairDeadError", "Transfer"]
 
@@ -63,7 +65,7 @@ _NATIVE_DTYPES = frozenset(
 )
 
 
-class PairDeadError(RuntimeError):
+class PairDeadError(PeerDeadError):
     """An op was attempted (or pending) on a directed pair that was aborted or timed out."""
 
 
@@ -213,7 +215,10 @@ class Transfer:
 
 
 class P2PTransport:
-    """Sends and receives tensors on this rank's directed pair groups. One per rank, used from one thread."""
+    """Sends and receives tensors on this rank's directed pair groups. One per rank, used from one thread.
+    Implements ``transport.base.DataPlane`` (``post_send`` / ``post_recv`` / ``abort_peer`` ...)."""
+
+    name = "p2p"
 
     def __init__(self, global_rank: int, pair_groups: dict[tuple[int, int], PairGroup], device: str) -> None:
         """`pair_groups`: this rank's pairs from `create_pair_groups`; `device`: the rank's compute device,
@@ -299,8 +304,35 @@ class P2PTransport:
             waiter.stop()
         self._waiters.clear()
 
-    def is_dead(self, src: int, dst: int) -> bool:
+    def is_pair_dead(self, src: int, dst: int) -> bool:
         return (src, dst) in self._dead
+
+    # -- the DataPlane seam (transport/base.py) ---------------------------------------------------------------
+    def post_send(self, tensor: torch.Tensor, dst: int) -> tuple[Transfer, None]:
+        """`send`; p2p descriptors carry no location (the pair's FIFO order pairs sends with receives)."""
+        return self.send(tensor, dst), None
+
+    def post_recv(self, wire, src: int, device: torch.device | None = None) -> Transfer:
+        """`recv` for a `WireTensor` descriptor from global rank `src` (host tensors into host memory)."""
+        return self.recv(wire.shape, str_to_dtype(wire.dtype), src, device="cpu" if wire.host else device)
+
+    def poll(self) -> list:
+        """Nothing to acknowledge: a pair's transfers complete on both sides."""
+        return []
+
+    def on_ack(self, src: int, ack) -> None:
+        log.warning("rank %d: ignoring a %s acknowledgement from rank %d: p2p needs none", self.global_rank,
+                    ack.via, src)
+
+    def abort_peer(self, peer: int, reason: str) -> None:
+        """`abort_pair` both directions with global rank `peer` (the pairs that exist)."""
+        for pair in ((self.global_rank, peer), (peer, self.global_rank)):
+            if pair in self._groups:
+                self.abort_pair(*pair, reason=reason)
+
+    def is_dead(self, peer: int) -> bool:
+        """Whether a pair with global rank `peer` is dead (either direction)."""
+        return (self.global_rank, peer) in self._dead or (peer, self.global_rank) in self._dead
 
     def progress(self) -> list[Transfer]:
         """Poll every in-flight transfer once; return those that completed now. Never blocks.

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from mstar_dist.config.cluster import ClusterSpec, RankInfo, device_for, identify
+from mstar_dist.config.cluster import ClusterSpec, HostSpec, RankInfo, device_for, identify
 from mstar_dist.config.deployment import DeploymentConfig, load_config
 from mstar_dist.config.schema import ConfigError
 from mstar_dist.control import messages as m
@@ -43,6 +43,7 @@ from mstar_dist.graph.model import CompositeModel, Layout
 from mstar_dist.logs import announce, configure_logging
 from mstar_dist.graph.nodes import iter_nodes, node_names
 from mstar_dist.telemetry import MeteredTransport
+from mstar_dist.topology.cuts import flows
 from mstar_dist.topology.placement import Placement
 from mstar_dist.worker.worker import CONDUCTOR, Worker, rank_name
 
@@ -69,11 +70,8 @@ class Deployment:
         check_weights(config, model)
         model.configure(Layout.from_node_groups(config.node_groups))
         walks = {walk: node_names(section) for walk, section in model.graphs().items()}
-        placement = Placement.build(config, walks, cluster.world_size)
-        for key in ("intra_host", "inter_host"):
-            if getattr(config.transport, key) != "p2p":
-                raise ValueError(f"{config.source}: transport.{key} = {getattr(config.transport, key)!r}: only 'p2p' "
-                                 f"is implemented by this runtime (Mooncake is not yet)")
+        placement = Placement.build(config, walks, cluster.world_size,
+                                    flows(model.graphs(), model.partitions(), model.streaming_edges()))
         _check_tp(config, model, walks)
         graphs = model.graphs()
         for edge in model.streaming_edges():
@@ -86,11 +84,28 @@ class Deployment:
 
 
     def describe(self) -> str:
-        """The placement table, cross-host rank pairs and every cut edge (the dry run and startup report)."""
+        """The dry run and startup report: rank map, placement per walk (replicas), TP groups, the data plane's
+        transports and the pair groups it creates, cross-host rank pairs with their transport, every cut edge."""
         from mstar_dist.topology.cuts import cut_signals, describe_cuts
 
         cuts = cut_signals(self.model.graphs(), self.model.streaming_edges(), self.placement)
-        return self.placement.describe(self.cluster, self.config.transport) + "\n" + describe_cuts(cuts)
+        return "\n".join([
+            f"deployment: model {self.config.model}, {self.config.source}",
+            self.placement.describe_ranks(self.cluster),
+            self.placement.describe(self.cluster, self.config.transport),
+            self.placement.describe_groups(self.p2p_pairs, self.config.transport),
+            describe_cuts(cuts),
+        ])
+
+    def via(self, src: int, dst: int) -> str:
+        """The transport of tensors from global rank ``src`` to ``dst`` (their hosts decide)."""
+        hosts = self.cluster.rank_hosts()
+        return self.config.transport.via(hosts[src] == hosts[dst])
+
+    @property
+    def p2p_pairs(self) -> tuple[tuple[int, int], ...]:
+        """The edge pairs that travel on p2p: the pair groups every rank creates, in this order."""
+        return tuple(p for p in self.placement.edge_pairs if self.via(*p) == "p2p")
 
     def walks_digest(self) -> str:
         """A digest of the model's walks: ranks compare it at startup (a family must build the same walks
@@ -215,16 +230,64 @@ def cpu_threads_for(config: DeploymentConfig, global_rank: int, ranks_on_host: i
     return max(asked) if asked else max(1, cores // max(1, ranks_on_host))
 
 
+def apply_host_env(host: HostSpec) -> None:
+    """Before this rank initialises anything: the cluster spec's ``env`` of its host (e.g. GLOO_SOCKET_IFNAME,
+    NCCL_SOCKET_IFNAME), and its ``transfer_device`` as the NIC NCCL uses (NCCL_IB_HCA) unless the env names one."""
+    for key, value in host.env.items():
+        os.environ[key] = value
+    if host.transfer_device:
+        os.environ.setdefault("NCCL_IB_HCA", host.transfer_device)
+    if host.env or host.transfer_device:
+        log.info("host %s: environment %s, transfer device %s", host.name, dict(host.env), host.transfer_device)
+
+
+def build_data_plane(dep: Deployment, info: RankInfo, device: str, timeout_s: float):
+    """This rank's data plane (docs/architecture.md §7): the pair groups of every p2p edge pair (collective: every
+    rank creates the same ones, in one order, and warms its own), the shm arena and the Mooncake engine when
+    some peer of this rank uses them, behind the per-tensor router."""
+    from mstar_dist.distributed.groups import create_pair_groups, warm_pairs
+    from mstar_dist.distributed.init import backend_for_device
+    from mstar_dist.transport.p2p import P2PTransport
+    from mstar_dist.transport.router import Router
+
+    rank, cfg = info.global_rank, dep.config.transport
+    needed = {dep.via(rank, peer) for peer in dep.placement.peers_of(rank)}
+    transports: dict[str, Any] = {}
+    pairs = create_pair_groups(dep.p2p_pairs, global_rank=rank, backend=backend_for_device(device),
+                               timeout_s=timeout_s)
+    warm_pairs(pairs, rank, device)
+    if "p2p" in needed:
+        transports["p2p"] = MeteredTransport(P2PTransport(rank, pairs, torch.device(device)), "p2p")
+    if "shm" in needed:
+        from mstar_dist.transport.shm import ShmTransport, sweep_orphans
+
+        sweep_orphans()
+        transports["shm"] = MeteredTransport(ShmTransport(rank, launch_id=dep.token[:16], arena_bytes=cfg.arena_bytes,
+                                                          device=device), "shm")
+    if "mooncake" in needed:
+        from mstar_dist.transport.mooncake import MooncakeTransport
+
+        host = dep.cluster.hosts[info.node_rank]
+        transports["mooncake"] = MeteredTransport(MooncakeTransport(
+            rank, host_addr=info.addr, protocol=cfg.mooncake_protocol, device_name=host.transfer_device,
+            arena_bytes=cfg.arena_bytes, device=device), "mooncake")
+    log.info("rank %d data plane: %s to peers %s", rank, ", ".join(sorted(transports)) or "none",
+             list(dep.placement.peers_of(rank)))
+    return Router(global_rank=rank, rank_hosts=dep.cluster.rank_hosts(), transports=transports,
+                  intra_host=cfg.intra_host, inter_host=cfg.inter_host, inline_max_bytes=cfg.inline_max_bytes,
+                  device=torch.device(device))
+
+
 def serve(args: argparse.Namespace) -> int:
-    from mstar_dist.distributed.groups import create_pair_groups, create_tp_groups, warm_pairs
+    from mstar_dist.distributed.groups import create_tp_groups
     from mstar_dist.distributed.init import backend_for_device, init_distributed, shutdown_distributed
     from mstar_dist.server.http_server import reserve_port
-    from mstar_dist.transport.p2p import P2PTransport
     from mstar_dist.transport.store import TensorStore
 
     config = load_config(args.config).with_overrides(
         host=args.host, port=args.port, max_concurrent_requests=args.max_concurrent_requests,
         request_timeout_s=args.request_timeout, max_body_bytes=args.max_body_bytes,
+        intra_host=args.intra_host_tensor_protocol, inter_host=args.inter_host_tensor_protocol,
     )
     env = os.environ
     world_size = int(env.get("WORLD_SIZE", "0")) or (_world_from_config(config) if args.dry_run else 1)
@@ -237,6 +300,7 @@ def serve(args: argparse.Namespace) -> int:
     rank = info.global_rank
     where = f"rank {rank} on host {info.host_name}"
     configure_logging(logging.getLogger().level, rank=rank, host=info.host_name, fmt=args.log_format)
+    apply_host_env(dep.cluster.hosts[info.node_rank])
     device = device_for(info, torch.cuda.is_available())
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
@@ -249,7 +313,7 @@ def serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
 
-    channel = conductor_channel = conductor = http = None
+    channel = conductor_channel = conductor = http = data_plane = None
     rc = 0
     try:
         init_distributed(global_rank=rank, world_size=world_size, device=device, timeout_s=args.startup_timeout)
@@ -259,10 +323,7 @@ def serve(args: argparse.Namespace) -> int:
         check_same_walks(store, rank, world_size, dep.walks_digest(), args.startup_timeout)
         tp_groups = create_tp_groups(dep.placement.tp_groups, global_rank=rank, backend=backend_for_device(device),
                                      timeout_s=args.startup_timeout)  # TP groups first, then pairs (§2)
-        pairs = create_pair_groups(dep.placement.edge_pairs, global_rank=rank, backend=backend_for_device(device),
-                                   timeout_s=args.startup_timeout)
-        warm_pairs(pairs, rank, device)
-        transport = MeteredTransport(P2PTransport(rank, pairs, torch.device(device)), "p2p")
+        data_plane = build_data_plane(dep, info, device, args.startup_timeout)
 
         channel = ControlChannel(rank_name(rank), info.addr)
         publish_endpoint(store, rank_name(rank), channel.endpoint)
@@ -287,15 +348,16 @@ def serve(args: argparse.Namespace) -> int:
                                          m.Ready(rank=rank, host=info.host_name, load_seconds=time.monotonic() - t0)))
         worker = Worker(
             global_rank=rank, graphs=dep.model.graphs(), components=components, channel=channel,
-            transport=transport, store=TensorStore(), token=dep.token, device=torch.device(device),
+            transport=data_plane, store=TensorStore(), token=dep.token, device=torch.device(device),
             inline_max_bytes=dep.config.transport.inline_max_bytes,
+            backpressure_timeout_s=dep.config.transport.backpressure_timeout_s,
             streaming_edges=dep.model.streaming_edges(),
             conductor_timeout_s=None if dep.placement.is_conductor(rank) else dep.config.limits.rank_timeout_s,
             tp_roles=tp_roles_for(dep.placement, rank),
         )
         if conductor_channel is not None:
             conductor = _start_conductor(dep, conductor_channel, args.startup_timeout,
-                                         log_stats_s=10.0 if args.log_stats else None)
+                                         log_stats_s=args.log_stats)
             http = _start_http(dep, conductor, api_key=args.api_key, sock=http_sock)
         worker.run(should_stop=stop.is_set)
         if stop.is_set() and not worker.stopping and not dep.placement.is_conductor(rank):
@@ -323,6 +385,8 @@ def serve(args: argparse.Namespace) -> int:
         for ch in (channel, conductor_channel):
             if ch is not None:
                 ch.close()
+        if data_plane is not None:
+            data_plane.close()  # unlinks the shm segment, drops registrations, stops gloo waiter threads
         shutdown_distributed()
     log.info("%s exits with status %d", where, rc)
     return rc

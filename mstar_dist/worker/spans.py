@@ -10,11 +10,11 @@ travels in the ``NodeDone`` of the node that raised it, so the loop ends after t
 (docs/architecture.md, "Walks across ranks").
 
 Values: an edge whose consumer is on another rank goes straight to that rank inside the ``NodeDone`` (inline up
-to ``inline_max_bytes``, else a :class:`~mstar_dist.control.messages.WireTensor` descriptor followed by a p2p
-send on the pair: NCCL device to device on GPUs). A value no node of a rank consumes is the :data:`REMOTE`
-placeholder in that rank's copy and is never reported as a walk output there; a copy emits to the client and
-streams only for its own nodes (``WalkRun.emitting_nodes``): the rank that ran a node does that. Nothing passes
-through the conductor.
+to ``inline_max_bytes``, else a :class:`~mstar_dist.control.messages.WireTensor` descriptor of a data-plane
+transfer: p2p on the pair, NCCL device to device on GPUs, or the shm / mooncake arena, see
+``transport/router.py``). A value no node of a rank consumes is the :data:`REMOTE` placeholder in that rank's
+copy and is never reported as a walk output there; a copy emits to the client and streams only for its own nodes
+(``WalkRun.emitting_nodes``): the rank that ran a node does that. Nothing passes through the conductor.
 
 A node's runs are numbered per walk (``seq``): a node has at most one outstanding call at a time, and its calls
 become ready in the same order in every copy, so (node, seq) names the same run everywhere.
@@ -32,7 +32,8 @@ import torch
 from mstar_dist.control import messages as m
 from mstar_dist.graph.nodes import EMIT_TO_CLIENT, GraphNode, Section, iter_nodes
 from mstar_dist.graph.walk import NodeCall, NodeResult, WalkRun
-from mstar_dist.transport.inline import decode_tensor, encode_tensor, str_to_dtype
+from mstar_dist.transport.base import Done
+from mstar_dist.transport.router import Router
 
 
 class _Remote:
@@ -137,20 +138,8 @@ class Span:
         return stops
 
 
-def carry(value: Any, *, inline_max_bytes: int, what: str) -> tuple[m.Carried, torch.Tensor | None]:
-    """How a tensor travels to a peer: inline when small (returns no tensor to send), else a descriptor and the
-    tensor the caller must send on the pair right after the message (in descriptor order)."""
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{what} is a {type(value).__name__}; only tensors cross ranks")
-    if value.numel() * value.element_size() <= inline_max_bytes:
-        return encode_tensor(value), None
-    wire = m.WireTensor(shape=list(value.shape), dtype=str(value.dtype).removeprefix("torch."),
-                        host=value.device.type == "cpu")
-    return wire, value
-
-
-def receive(value: m.Carried, *, src: int, transport: Any, device: torch.device) -> Any:
-    """A tensor (inline value) or the posted receive of a :class:`WireTensor` from global rank ``src``."""
-    if isinstance(value, m.WireTensor):
-        return transport.recv(value.shape, str_to_dtype(value.dtype), src, device="cpu" if value.host else None)
-    return decode_tensor(value, device)
+def receive(value: m.Carried, *, src: int, plane: Router, walk: str, signal: str) -> Any:
+    """A tensor (inline values and other transfers done at once) or the posted receive of a data-plane
+    descriptor from global rank ``src``; ``walk``/``signal`` label the edge in the statistics."""
+    transfer = plane.post_recv(value, src, walk=walk, signal=signal)
+    return transfer.tensor if isinstance(transfer, Done) else transfer

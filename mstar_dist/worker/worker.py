@@ -36,8 +36,10 @@ from mstar_dist.graph.partitions import StreamingEdge
 from mstar_dist.graph.streaming import StreamBuffer
 from mstar_dist.graph.walk import GraphError, NodeCall, WalkRun
 from mstar_dist.telemetry import process_sample
+from mstar_dist.transport.base import ArenaFull, Done
 from mstar_dist.transport.inline import decode_tensor, encode_tensor
-from mstar_dist.worker.spans import REMOTE, Arrived, Span, carry, is_remote, receive
+from mstar_dist.transport.router import Router
+from mstar_dist.worker.spans import REMOTE, Arrived, Span, is_remote, receive
 from mstar_dist.worker.tp import Follower, TPRole, shard_uuid, step_for
 
 log = logging.getLogger(__name__)
@@ -69,7 +71,8 @@ class _Outgoing:
 
 
 class Worker:
-    """One rank's worker. ``channel`` is this rank's ControlChannel (already connected to every peer)."""
+    """One rank's worker. ``channel`` is this rank's ControlChannel (already connected to every peer);
+    ``transport`` its data plane (``transport/router.py``: inline, p2p, shm, mooncake chosen per tensor)."""
 
     def __init__(
         self,
@@ -78,7 +81,7 @@ class Worker:
         graphs: dict[str, Section],
         components: dict[str, Component],
         channel: Any,
-        transport: Any,
+        transport: Router,
         store: Any,
         token: str,
         device: torch.device,
@@ -87,6 +90,7 @@ class Worker:
         streaming_edges: list[StreamingEdge] = (),
         conductor_timeout_s: float | None = None,
         tp_roles: dict[str, TPRole] | None = None,
+        backpressure_timeout_s: float = 10.0,
     ):
         self.global_rank = global_rank
         self.graphs = graphs
@@ -98,7 +102,9 @@ class Worker:
         self.device = device
         self.inline_max_bytes = inline_max_bytes
         self.transfer_timeout_s = transfer_timeout_s
+        self.backpressure_timeout_s = backpressure_timeout_s
         self.name = rank_name(global_rank)
+        self._stash: list[tuple[str, bytes]] = []  # messages set aside while a send waited for arena room
         self._runs: dict[tuple[str, str], WalkRun] = {}  # (request, walk): partitions may share a rank
         self._waiting: dict[str, _Waiting] = {}
         self._incoming: dict[str, Any] = {}  # uuid -> Transfer (posted in descriptor order)
@@ -143,7 +149,9 @@ class Worker:
                 timeout_ms = 1
             else:
                 timeout_ms = 20
-            for sender, payload in self.channel.recv(timeout_ms):
+                self.transport.collect_garbage_if_held()  # idle: received arena tensors in cycles go back
+            stashed, self._stash = self._stash, []
+            for sender, payload in stashed or self.channel.recv(timeout_ms):
                 self._handle(sender, payload)
             self._poll_transfers()
             self._run_follower_steps()
@@ -188,6 +196,11 @@ class Worker:
             self._follower.steps.append(body)
         elif isinstance(body, m.TPPush):
             self._on_tp_push(body)
+        elif isinstance(body, m.TransferAck):
+            if sender != CONDUCTOR:
+                self.transport.on_ack(int(sender[4:]), body)
+        elif isinstance(body, m.RankDown):
+            self.transport.abort_peer(body.rank, f"rank {body.rank} was declared dead: {body.reason}")
         elif isinstance(body, m.AbortPair):
             self._abort_pair(body.src, body.dst, f"peer rank{body.src if body.dst == self.global_rank else body.dst}: "
                                                  f"{body.reason}", tell_peer=False)
@@ -232,10 +245,10 @@ class Worker:
             self._start_walk(msg, {})
 
     def _on_tensor_desc(self, desc: m.TensorDesc) -> None:
-        # Post the receive now, in descriptor order, whatever the request's state: the sender is already sending.
+        # Post the receive now, in descriptor order, whatever the request's state: the sender is already sending
+        # (and an arena slot read or dropped goes back to the producer).
         try:
-            transfer = self.transport.recv(desc.shape, _dtype(desc.dtype), desc.src,
-                                           device="cpu" if desc.host else None)
+            transfer = self.transport.post_recv(desc.value, desc.src, walk=desc.walk, signal=desc.signal)
         except Exception as exc:
             # the sender's isend is already posted: with no matching receive, every later transfer on the pair
             # would pair up with the wrong partner. The pair is dead for good, on both sides.
@@ -259,26 +272,18 @@ class Worker:
                 self._send(rank_name(follower), m.TPPush(request_id=request_id, signal=signal, dst=msg.tp_dst[i],
                                                          uuid=shard_uuid(msg.uuid, i), release=msg.release))
         if self._pair_dead(self.global_rank, msg.dst):
-            log.error("%s: push of %s for %s: pair (%d, %d) is dead", self.name, msg.uuid, msg.request_id,
-                      self.global_rank, msg.dst)
-            return  # no descriptor: the consumer's wait for this input times out and fails the request
-        self._send(
-            rank_name(msg.dst),
-            m.TensorDesc(
-                request_id=msg.request_id,
-                uuid=wire_uuid or msg.uuid,
-                src=self.global_rank,
-                shape=list(tensor.shape),
-                dtype=str(tensor.dtype).removeprefix("torch."),
-                host=tensor.device.type == "cpu",
-            ),
-        )
-        try:
-            transfer = self.transport.send(tensor, msg.dst)
-        except Exception as exc:  # the descriptor is out: the consumer posted a receive that nothing will match
-            log.error("%s: cannot send %s to rank %d: %s", self.name, msg.uuid, msg.dst, exc)
-            self._abort_pair(self.global_rank, msg.dst, f"posting a send failed: {exc}")
+            self._fail_push(msg, f"the data plane to rank {msg.dst} is dead")
             return
+        try:
+            transfer, value = self._post_send(tensor, msg.dst)
+        except Exception as exc:  # nothing was posted, no descriptor goes out
+            if not isinstance(exc, ArenaFull):
+                self._abort_pair(self.global_rank, msg.dst, f"posting a send failed: {exc}")
+            self._fail_push(msg, f"cannot send {msg.signal or msg.uuid!r} to rank {msg.dst}: {exc}")
+            return
+        self._send(rank_name(msg.dst), m.TensorDesc(request_id=msg.request_id, uuid=wire_uuid or msg.uuid,
+                                                    src=self.global_rank, value=value, walk=msg.walk,
+                                                    signal=msg.signal))
         self._outgoing.append(_Outgoing(transfer, msg.uuid, msg.release, msg.dst))
 
     # ---- tensor parallelism (see mstar_dist/worker/tp.py) ----
@@ -339,6 +344,68 @@ class Worker:
             raise RuntimeError(f"shard {uuid} did not arrive: {state}")
         return transfer.tensor
 
+    def _fail_push(self, msg: m.Push, error: str) -> None:
+        """The consumer will get no descriptor: fail the request now rather than at its input timeout."""
+        log.error("%s: push of %s for %s: %s", self.name, msg.uuid, msg.request_id, error)
+        self._send(CONDUCTOR, m.WalkDone(request_id=msg.request_id, walk=msg.walk, rank=self.global_rank,
+                                         outputs={}, error=error))
+
+    def _post_send(self, tensor: torch.Tensor, dst: int) -> tuple[Any, m.Carried]:
+        """Post ``tensor`` for global rank ``dst`` on the data plane; returns the transfer and the value for the
+        message. Backpressure: while the chosen arena is full, lets acknowledgements in (other messages wait in
+        order) and retries, for at most ``backpressure_timeout_s``; then ArenaFull naming the arena."""
+        deadline = None
+        while True:
+            try:
+                return self.transport.post_send(tensor, dst)
+            except ArenaFull as exc:
+                now = time.monotonic()
+                deadline = deadline or now + self.backpressure_timeout_s
+                if now > deadline:
+                    raise ArenaFull(f"{exc}, still after {self.backpressure_timeout_s:g} s "
+                                    f"(transport.backpressure_timeout_s): its consumers hold what it sent") from None
+                self._let_acks_in()
+
+    def _let_acks_in(self) -> None:
+        """Send the acknowledgements we owe, apply the ones that arrived, and stash every other message."""
+        for peer, ack in self.transport.poll():
+            self._send(rank_name(peer), ack)
+        for sender, payload in self.channel.recv(1):
+            try:
+                env = m.decode(payload)
+            except Exception:
+                env = None
+            if (env is not None and isinstance(env.body, m.TransferAck) and env.token == self.token
+                    and env.sender == sender and _RANK_NAME.fullmatch(sender)):
+                self.transport.on_ack(int(sender[4:]), env.body)
+            else:
+                self._stash.append((sender, payload))
+
+    def _post_values(self, values: list[tuple[str, Any]], dst: int, what: str) -> tuple[list, list]:
+        """Post each (signal, tensor) for global rank ``dst``, in order; returns the values for the message and
+        the transfers to watch. On a failure nothing stays posted: arena slots are taken back, and a pair left
+        out of step (a p2p send nobody will receive) is aborted on both sides; then it raises."""
+        carried, transfers = [], []
+        try:
+            for signal, value in values:
+                if not isinstance(value, torch.Tensor):
+                    raise TypeError(f"{what} {signal!r} is a {type(value).__name__}; only tensors cross ranks")
+                if self._pair_dead(self.global_rank, dst):
+                    raise RuntimeError(f"the data plane to rank {dst} is dead")
+                transfer, value = self._post_send(value, dst)
+                carried.append(value)
+                if not isinstance(transfer, Done):
+                    transfers.append(_Outgoing(transfer, "", False, dst))
+        except Exception as exc:
+            p2p = any(isinstance(c, m.WireTensor) and c.at is None for c in carried)
+            if p2p or not isinstance(exc, (ArenaFull, TypeError)):
+                self._abort_pair(self.global_rank, dst, f"posting a send failed: {exc}")
+            else:
+                for value in carried:
+                    self.transport.cancel(dst, value, str(exc))
+            raise
+        return carried, transfers
+
     def _remove(self, request_id: str) -> None:
         self._removed[request_id] = None
         while len(self._removed) > 100_000:
@@ -367,6 +434,8 @@ class Worker:
 
     # ---- transfers ----
     def _poll_transfers(self) -> None:
+        for peer, ack in self.transport.poll():  # arena slots we read or let go: the producers may reuse them
+            self._send(rank_name(peer), ack)
         still = []
         now = time.monotonic()
         for out in self._outgoing:
@@ -575,10 +644,9 @@ class Worker:
                 log.error("%s: request %s streamed %r with no consumer route", self.name, request_id, signal)
                 continue
             dst = routes[signal]
-            carried = [carry(v, inline_max_bytes=self.inline_max_bytes, what=f"streamed {signal!r}") for v in values]
-            self._send(rank_name(dst), m.StreamItems(request_id=request_id, signal=signal,
-                                                     values=[c for c, _ in carried]))
-            self._post_sends([t for _, t in carried if t is not None], dst)
+            carried, transfers = self._post_values([(signal, v) for v in values], dst, "streamed")
+            self._send(rank_name(dst), m.StreamItems(request_id=request_id, signal=signal, values=carried))
+            self._outgoing.extend(transfers)
 
     def _finish(self, run: WalkRun) -> None:
         self._flush_emits()
@@ -627,19 +695,18 @@ class Worker:
                                          outputs={}, error=f"{type(exc).__name__}: {exc}", status=status))
 
     def _abort_pair(self, src: int, dst: int, reason: str, tell_peer: bool = True) -> None:
-        """Declare the directed pair (src, dst) dead for good here and, unless the peer told us, on the peer."""
-        abort = getattr(self.transport, "abort_pair", None)
-        if abort is None or self._pair_dead(src, dst):
-            return
-        log.error("%s: pair (%d -> %d) is dead for good: %s", self.name, src, dst, reason)
-        abort(src, dst, reason=reason)
+        """After a failure on the directed pair (src, dst): declare the data plane to the peer dead for good here
+        and, unless the peer told us, on the peer."""
         peer = dst if src == self.global_rank else src
+        if self.transport.is_dead(peer):
+            return
+        log.error("%s: data plane to rank %d (pair %d -> %d) is dead for good: %s", self.name, peer, src, dst, reason)
+        self.transport.abort_peer(peer, reason)
         if tell_peer and peer != self.global_rank:
             self._send(rank_name(peer), m.AbortPair(src=src, dst=dst, reason=reason))
 
     def _pair_dead(self, src: int, dst: int) -> bool:
-        is_dead = getattr(self.transport, "is_dead", None)  # test transports may not track pairs
-        return bool(is_dead and is_dead(src, dst))
+        return self.transport.is_dead(dst if src == self.global_rank else src)
 
     def _fail_request(self, request_id: str, error: str) -> None:
         """Fail every walk of a request on this rank (reported to the conductor once per walk)."""
@@ -665,31 +732,20 @@ class Worker:
         seq = span.seq(call)
         span.forget(call)
         for peer in span.peers:
-            carried = {s: carry(result.outputs[s], inline_max_bytes=self.inline_max_bytes,
-                                what=f"output {s!r} of node {call.node!r}")
-                       for s in span.consumed_on(call.node, peer) if s in result.outputs}
+            signals = [s for s in span.consumed_on(call.node, peer) if s in result.outputs]
+            carried, transfers = self._post_values([(s, result.outputs[s]) for s in signals], peer,
+                                                   f"node {call.node!r} output")
             self._send(rank_name(peer), m.NodeDone(
                 request_id=run.request_id, walk=run.walk, node=call.node, seq=seq, signals=produced,
-                values={s: c for s, (c, _) in carried.items()}, stop=bool(result.stop), stop_loops=stops,
+                values=dict(zip(signals, carried)), stop=bool(result.stop), stop_loops=stops,
             ))
-            self._post_sends([t for _, t in carried.values() if t is not None], peer)
-
-    def _post_sends(self, tensors: list[torch.Tensor], dst: int) -> None:
-        """Post p2p sends to global rank ``dst`` in descriptor order (the descriptors already left)."""
-        for tensor in tensors:
-            if self._pair_dead(self.global_rank, dst):
-                raise RuntimeError(f"the pair to rank {dst} is dead")
-            try:
-                self._outgoing.append(_Outgoing(self.transport.send(tensor, dst), "", False, dst))
-            except Exception as exc:  # the descriptor is out: the peer posted a receive nothing will match
-                self._abort_pair(self.global_rank, dst, f"posting a send failed: {exc}")
-                raise
+            self._outgoing.extend(transfers)
 
     def _on_node_done(self, msg: m.NodeDone, src: int) -> None:
         values: dict[str, Any] = {}
         for signal, value in msg.values.items():  # receives in message order: the sender sends in this order
             try:
-                values[signal] = receive(value, src=src, transport=self.transport, device=self.device)
+                values[signal] = receive(value, src=src, plane=self.transport, walk=msg.walk, signal=signal)
             except Exception as exc:
                 values[signal] = _Failed(f"{type(exc).__name__}: {exc}")
                 self._abort_pair(src, self.global_rank, f"posting a receive failed: {exc}")
@@ -761,7 +817,8 @@ class Worker:
             self._stream_in[key].append(None)
         else:  # post the receives now, in message order: the producer is already sending
             src = int(sender.removeprefix("rank"))
-            self._stream_in[key].extend(receive(v, src=src, transport=self.transport, device=self.device)
+            walk = f"{edge.src_partition}->{edge.dst_partition}"  # the edge crosses partitions: label it by both
+            self._stream_in[key].extend(receive(v, src=src, plane=self.transport, walk=walk, signal=msg.signal)
                                         for v in msg.values)
         self._take_stream_items(key)
 
@@ -853,7 +910,7 @@ class Worker:
         if now - self._last_stats < 0.5:
             return
         self._last_stats = now
-        st = self.transport.stats() if self.transport is not None else {}
+        st = self.transport.stats()
         engine: dict[str, int] = collections.Counter()
         for component in self.components.values():
             try:
@@ -871,6 +928,8 @@ class Worker:
             rejected_messages=self.rejected_messages,
             edge_histograms=st.get("histograms", []),
             **process_sample(),
+            arena_bytes_used=self.transport.arena_bytes_used(),
+            edges=self.transport.edges.snapshot(),
         ))
 
 
@@ -909,9 +968,3 @@ def _state(transfer: Any) -> str:
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}"
 
-
-def _dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r} in a tensor descriptor")
-    return dtype

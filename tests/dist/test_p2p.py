@@ -148,7 +148,7 @@ def _abort_rank(rank: int) -> list[str]:
         with pytest.raises(TimeoutError) as exc:
             late.wait(0.3)
         errors.append(str(exc.value))
-        assert r.transport.is_dead(2, 1)
+        assert r.transport.is_pair_dead(2, 1)
         r.channel.send("rank2", b"go")
         r.transport.send(torch.arange(5), dst=2).wait(10)  # the same peer, other direction, still works
     elif rank == 0:

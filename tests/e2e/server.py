@@ -59,11 +59,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+_HEALTH = """
+import httpx
+try:
+    print(httpx.get("{url}", timeout=2).status_code)
+except httpx.HTTPError:
+    print(0)
+"""
+
+
 class Server:
     """``torchrun --standalone --nproc-per-node N -m mstar_dist.serve CONFIG`` in its own process group."""
 
     def __init__(self, config: str | Path, nproc: int, *, overrides: dict | None = None, args: tuple = (),
-                 startup_timeout: float = 240.0, nodes: list[int] | None = None, rdzv: str = "static"):
+                 startup_timeout: float = 240.0, nodes: list[int] | None = None, rdzv: str = "static",
+                 netns=None):
+        """``netns`` (a ``tests.e2e.netns.NetnsPair``): node k runs inside namespace k, the rendezvous is on
+        namespace 0's address, and every HTTP call must be made from inside namespace 0 (``netns.run_in``)."""
         data = yaml.safe_load(Path(config).read_text())
         data["weights"] = WEIGHTS
         for key, value in (overrides or {}).items():
@@ -75,6 +87,8 @@ class Server:
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(self._tmp.name) / "server.log"
         master_port = free_port()
+        self.netns = netns
+        master_addr = netns.addrs[0] if netns is not None else "127.0.0.1"
         nodes = list(nodes) if nodes else [nproc]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
                "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
@@ -86,7 +100,7 @@ class Server:
             if len(nodes) == 1:
                 flags = ["--standalone", f"--master-port={master_port}"]
             elif rdzv == "static":
-                flags = [f"--nnodes={len(nodes)}", f"--node-rank={node_rank}", "--master-addr=127.0.0.1",
+                flags = [f"--nnodes={len(nodes)}", f"--node-rank={node_rank}", f"--master-addr={master_addr}",
                          f"--master-port={master_port}"]
             else:  # c10d: node ranks arrive in any order; hosts are named by MSTAR_NODE_RANK
                 flags = [f"--nnodes={len(nodes)}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{master_port}",
@@ -94,7 +108,7 @@ class Server:
                          f"--rdzv-conf=is_host={'true' if node_rank == 0 else 'false'}"]
                 node_env["MSTAR_NODE_RANK"] = str(node_rank)
             cmd = [
-                sys.executable, "-m", "torch.distributed.run", *flags, f"--nproc-per-node={n}",
+                *(netns.exec_prefix(node_rank) if netns is not None else []), sys.executable, "-m", "torch.distributed.run", *flags, f"--nproc-per-node={n}",
                 "-m", "mstar_dist.serve", str(self.config_path),
                 "--port", str(self.port), "--startup-timeout", str(startup_timeout), *args,
             ]
@@ -114,6 +128,12 @@ class Server:
             for proc in self.procs:
                 if proc.poll() is not None:
                     raise RuntimeError(f"a torchrun agent exited with {proc.returncode} before /health:\n{self.log()}")
+            if self.netns is not None:
+                if self.netns.run_in(0, _HEALTH.format(url=f"{self.base_url}/health")).strip() == "200":
+                    self.ready_seconds = time.monotonic() - self.started_at
+                    return
+                time.sleep(1.0)
+                continue
             try:
                 if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
                     self.ready_seconds = time.monotonic() - self.started_at

@@ -49,11 +49,36 @@ def test_config_mistake_is_a_clear_error_without_traceback(tmp_path):
     assert "node_groups[1].tp_size = 0" in out.stderr and "Traceback" not in out.stderr
 
 
-def test_unimplemented_transport_is_refused_not_ignored(tmp_path):
-    data = yaml.safe_load((REPO / "launch/configs/smollm2_pd.yaml").read_text())
+def test_dry_run_names_the_transport_of_every_cross_host_pair(tmp_path):
+    data = yaml.safe_load((REPO / "launch/configs/smollm2_pd_2host.yaml").read_text())
     data["transport"]["inter_host"] = "mooncake"
-    bad = tmp_path / "mooncake.yaml"
-    bad.write_text(yaml.safe_dump(data))
-    out = subprocess.run([sys.executable, "-m", "mstar_dist.serve", str(bad), "--dry-run"], cwd=REPO,
-                         capture_output=True, text=True, timeout=60, env={"WORLD_SIZE": "2", "PATH": "/usr/bin"})
-    assert out.returncode == 2 and "transport.inter_host = 'mooncake'" in out.stderr
+    cfg = tmp_path / "mooncake.yaml"
+    cfg.write_text(yaml.safe_dump(data))
+    out = subprocess.run([sys.executable, "-m", "mstar_dist.serve", str(cfg), "--dry-run"], cwd=REPO,
+                         capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin"})
+    assert out.returncode == 0, out.stderr
+    assert "node-a -> node-b: 1 rank pair(s) via mooncake" in out.stdout
+    flag = subprocess.run([sys.executable, "-m", "mstar_dist.serve", str(cfg), "--dry-run",
+                           "--inter-host-tensor-protocol", "shm"], cwd=REPO, capture_output=True, text=True,
+                          timeout=60, env={"PATH": "/usr/bin"})
+    assert "node-a -> node-b: 1 rank pair(s) via shm" in flag.stdout, flag.stderr
+
+
+@pytest.mark.parametrize("node_rank, words", [
+    (0, "host 'node-b' (node rank 1 of 2, addr 127.0.0.2, global ranks 1..1) never joined within 4 s"),
+    (1, "cannot reach host 'node-a' (node rank 0) at 127.0.0.1"),
+])
+def test_a_host_that_never_joins_is_named_within_the_startup_timeout(node_rank, words):
+    import os
+    import time
+
+    from tests.e2e.server import free_port
+
+    t0 = time.monotonic()
+    out = subprocess.run(["bash", str(REPO / "launch/serve_node.sh"), str(REPO / "launch/configs/smollm2_pd_2host.yaml")],
+                         cwd=REPO, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "NODE_RANK": str(node_rank), "MASTER_ADDR": "127.0.0.1",
+                              "MASTER_PORT": str(free_port()), "STARTUP_TIMEOUT": "4", "PYTHON": sys.executable})
+    elapsed = time.monotonic() - t0
+    assert out.returncode != 0 and words in out.stderr, out.stderr
+    assert elapsed < 4 + 5 + 8, f"took {elapsed:.1f} s: the startup timeout plus a few seconds"

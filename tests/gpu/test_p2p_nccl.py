@@ -97,7 +97,7 @@ def _timeout_rank(rank: int) -> str:
         with pytest.raises(TimeoutError) as exc:
             transport.recv((4,), torch.float32, src=0).wait(1.0)  # rank 0 never sends on 0->1
         msg = str(exc.value)
-        assert transport.is_dead(0, 1)
+        assert transport.is_pair_dead(0, 1)
         transport.send(torch.full((5,), 3.0, device=dev), dst=0).wait(30)
     else:
         got = transport.recv((5,), torch.float32, src=1).wait(30)

@@ -137,8 +137,9 @@ def test_cfg_parallel_moves_each_steps_latents_between_the_ranks(weights):
     dep = deployment(BagelImage, weights["image"], IMAGE["cfg_parallel"])
     sent = []
     for worker in dep.workers:
-        original = worker.transport.send
-        worker.transport.send = lambda t, dst, _o=original, _r=worker.global_rank: sent.append((_r, dst)) or _o(t, dst)
+        plane = worker.transport.transports["p2p"]
+        original = plane.post_send
+        plane.post_send = lambda t, dst, _o=original, _r=worker.global_rank: sent.append((_r, dst)) or _o(t, dst)
     (events,) = dep.run([image("a", steps=4)])
     assert isinstance(events[-1], Finished)
     # per step: v_cond 1 -> 0, v_uncond 2 -> 0, the next latents 0 -> 1 and 0 -> 2 (4 KB each: above

@@ -200,3 +200,26 @@ def test_uniform_among_ties():
     counts = Counter(choose(hosts={"b"}, seed=s).ranks[0] for s in range(2000))
     assert set(counts) == {2, 3} and all(850 < c < 1150 for c in counts.values()), counts
     assert choose(seed=7) == choose(seed=7)  # seeded draws repeat
+
+
+# -- pair groups only where values can flow (docs/architecture.md §7) ----------------------------------------------
+
+def test_pairs_follow_the_flows_not_every_pair_of_hosting_ranks():
+    from mstar_dist.graph.nodes import Edge, GraphNode
+    from mstar_dist.graph.partitions import Partition, StreamingEdge
+    from mstar_dist.graph.streaming import Fixed
+    from mstar_dist.topology.cuts import flows
+
+    llm = GraphNode("LLM", inputs=("x",), outputs=(Edge("codes", "CODEC", stream=True), Edge("kv", persist=True)))
+    graphs = {"prefill": llm, "decode": llm, "speech": GraphNode("CODEC", inputs=("codes",))}
+    parts = [Partition("text", ("prefill", "decode")), Partition("audio", ("speech",))]
+    streams = [StreamingEdge("codes", "text", "audio", "CODEC", Fixed(4))]
+    walks = {"prefill": frozenset({"LLM"}), "decode": frozenset({"LLM"}), "speech": frozenset({"CODEC"})}
+    groups = [group(["LLM"], [0, 2], ["prefill"]), group(["LLM"], [1, 3], ["decode"]),
+              group(["CODEC"], [4], ["speech"])]
+    p = Placement.build(config(groups), walks, 5, flows(graphs, parts, streams))
+    kv = {(s, d) for s in (0, 2) for d in (1, 3)}
+    codes = {(s, 4) for s in (0, 1, 2, 3)}
+    assert set(p.edge_pairs) == kv | {(d, s) for s, d in kv} | codes  # never 0<->2, 1<->3 or 4 -> anyone
+    assert p.peers_of(4) == (0, 1, 2, 3) and p.peers_of(0) == (1, 3, 4)
+    assert len(Placement.build(config(groups), walks, 5).edge_pairs) == 20  # without flows: all 5 x 4

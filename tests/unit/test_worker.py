@@ -13,6 +13,8 @@ from mstar_dist.engine.component import Component
 from mstar_dist.graph.nodes import EMIT_TO_CLIENT, Edge, GraphNode, Loop
 from mstar_dist.graph.walk import NodeResult
 from mstar_dist.transport.inline import decode_tensor, encode_tensor
+from mstar_dist.transport.base import ArenaFull
+from mstar_dist.transport.router import Router
 from mstar_dist.transport.store import TensorStore
 from mstar_dist.worker.worker import Worker
 
@@ -43,7 +45,7 @@ class Counter(Component):
             if x < 0:
                 out.append(ValueError(f"negative x {x}"))
             else:
-                out.append(NodeResult({"x": torch.tensor([x + 1]), "kept": torch.full((4,), float(x))}))
+                out.append(NodeResult({"x": torch.tensor([x + 1]), "kept": torch.full((400,), float(x))}))
         return out
 
 
@@ -70,35 +72,50 @@ class FakeTransfer:
 
 
 class FakeTransport:
+    """A p2p-like data plane whose transfers finish when the test says so."""
+
+    name = "p2p"
+
     def __init__(self):
         self.sends, self.recvs = [], []
-        self.dead: set[tuple[int, int]] = set()
+        self.dead: set[int] = set()
         self.fail_sends = False
 
-    def abort_pair(self, src, dst, reason=""):
-        self.dead.add((src, dst))
+    def abort_peer(self, peer, reason=""):
+        self.dead.add(peer)
 
-    def is_dead(self, src, dst):
-        return (src, dst) in self.dead
+    def is_dead(self, peer):
+        return peer in self.dead
 
-    def send(self, tensor, dst):
+    def post_send(self, tensor, dst):
         if self.fail_sends:
             raise RuntimeError("NCCL error")
         self.sends.append(FakeTransfer(tensor))
-        return self.sends[-1]
+        return self.sends[-1], None
 
-    def recv(self, shape, dtype, src, device=None):
-        self.recvs.append(FakeTransfer(torch.full(shape, 7.0, dtype=dtype)))
+    def post_recv(self, wire, src, device=None):
+        self.recvs.append(FakeTransfer(torch.full(wire.shape, 7.0, dtype=getattr(torch, wire.dtype))))
         return self.recvs[-1]
+
+    def poll(self):
+        return []
+
+    def on_ack(self, src, ack):
+        pass
 
     def stats(self):
         return {}
 
+    def close(self):
+        pass
+
 
 def make_worker():
     channel, transport, store = FakeChannel(), FakeTransport(), TensorStore()
+    router = Router(global_rank=1, rank_hosts={0: "h", 1: "h", 2: "h"}, transports={"p2p": transport},
+                    intra_host="p2p", inter_host="p2p", inline_max_bytes=1024, device=torch.device("cpu"))
     comp = Counter()
-    worker = Worker(global_rank=1, graphs=GRAPHS, components={"C": comp}, channel=channel, transport=transport,
+    worker = Worker(global_rank=1, graphs=GRAPHS, components={"C": comp}, channel=channel, transport=router,
                     store=store, token=TOKEN, device=torch.device("cpu"), inline_max_bytes=1024)
     return worker, channel, transport, store, comp
 
@@ -195,8 +212,8 @@ def test_remote_input_waits_for_its_descriptor_then_runs_on_the_received_tensor(
     deliver(worker, channel, run_walk("p", 0, iters=1, big=ref))
     turn(worker)
     assert dones(channel) == {}  # nothing runs before the tensor arrives
-    deliver(worker, channel, m.TensorDesc(request_id="p", uuid="u1", src=0, shape=[2], dtype="float32"),
-            sender="rank0")
+    deliver(worker, channel, m.TensorDesc(request_id="p", uuid="u1", src=0,
+                                          value=m.WireTensor(shape=[2], dtype="float32")), sender="rank0")
     assert len(transport.recvs) == 1
     turn(worker)
     assert dones(channel) == {}
@@ -214,7 +231,7 @@ def test_persisted_output_is_pushed_then_freed():
     deliver(worker, channel, m.Push(request_id="k", uuid=ref.uuid, dst=2))
     desc = [b for peer, b in channel.sent if isinstance(b, m.TensorDesc)]
     assert desc and desc[0].uuid == ref.uuid and [p for p, b in channel.sent if b is desc[0]] == ["rank2"]
-    assert torch.equal(transport.sends[0].tensor, torch.full((4,), 5.0))
+    assert torch.equal(transport.sends[0].tensor, torch.full((400,), 5.0))
     turn(worker)
     assert store.live_tensors == 1  # still sending
     transport.sends[0].finished = True
@@ -244,18 +261,20 @@ def test_worker_stops_when_the_conductor_goes_silent():
     assert worker.stopping and "conductor (rank 0) has been silent" in worker.failed_reason
 
 
-def test_a_send_that_cannot_be_posted_kills_the_pair_on_both_sides():
+def test_a_send_that_cannot_be_posted_kills_the_pair_on_both_sides_and_fails_the_request_at_once():
     worker, channel, transport, *_ = make_worker()
     deliver(worker, channel, run_walk("k", 5, walk="keep"))
     turn(worker)
     ref = dones(channel)["k"].outputs["kept"]
     transport.fail_sends = True
-    deliver(worker, channel, m.Push(request_id="k", uuid=ref.uuid, dst=2))
+    deliver(worker, channel, m.Push(request_id="k", uuid=ref.uuid, dst=2, walk="decode", signal="kv"))
     aborts = [(peer, b) for peer, b in channel.sent if isinstance(b, m.AbortPair)]
     assert aborts == [("rank2", m.AbortPair(src=1, dst=2, reason=aborts[0][1].reason))]
-    assert transport.is_dead(1, 2)
-    deliver(worker, channel, m.Push(request_id="k", uuid=ref.uuid, dst=2))  # dead pair: no descriptor at all
-    assert len([b for _, b in channel.sent if isinstance(b, m.TensorDesc)]) == 1
+    assert transport.is_dead(2)
+    failed = [b for peer, b in channel.sent if isinstance(b, m.WalkDone) and b.error]
+    assert failed and failed[0].walk == "decode" and "cannot send 'kv' to rank 2" in failed[0].error
+    deliver(worker, channel, m.Push(request_id="k", uuid=ref.uuid, dst=2))  # dead: no descriptor at all
+    assert [b for _, b in channel.sent if isinstance(b, m.TensorDesc)] == []
 
 
 def test_peer_abort_fails_a_walk_waiting_on_that_pair_at_once():
@@ -265,5 +284,74 @@ def test_peer_abort_fails_a_walk_waiting_on_that_pair_at_once():
     turn(worker)
     deliver(worker, channel, m.AbortPair(src=0, dst=1, reason="send failed"), sender="rank0")
     turn(worker)
-    assert transport.is_dead(0, 1)
+    assert transport.is_dead(0)
     assert "pair from rank 0 is dead" in dones(channel)["w"].error
+
+
+def test_rank_down_from_the_conductor_aborts_the_data_plane_to_it():
+    worker, channel, transport, *_ = make_worker()
+    ref = m.TensorRef(uuid="u9", rank=0, shape=[2], dtype="float32", nbytes=8)
+    deliver(worker, channel, run_walk("w", 0, iters=1, big=ref))
+    deliver(worker, channel, m.RankDown(rank=0, reason="silent for 31 s"))
+    turn(worker)
+    assert transport.is_dead(0) and "pair from rank 0 is dead" in dones(channel)["w"].error
+
+
+class ArenaTransport(FakeTransport):
+    """An arena data plane with room for ``room`` sends; a TransferAck gives one back."""
+
+    name = "shm"
+
+    def __init__(self, room=1):
+        super().__init__()
+        self.room, self.acked = room, []
+
+    def post_send(self, tensor, dst):
+        if self.room == 0:
+            raise ArenaFull("arena test-arena is full")
+        self.room -= 1
+        self.sends.append(FakeTransfer(tensor))
+        return self.sends[-1], m.ShmLocation("test-arena", 0, 1600, len(self.sends))
+
+    def on_ack(self, src, ack):
+        self.acked.append((src, ack.slots))
+        self.room += len(ack.slots)
+
+
+def arena_worker(room=1):
+    worker, channel, _, store, comp = make_worker()
+    plane = ArenaTransport(room)
+    worker.transport = Router(global_rank=1, rank_hosts={0: "h", 1: "h", 2: "h"}, transports={"shm": plane},
+                              intra_host="shm", inter_host="shm", inline_max_bytes=1024, device=torch.device("cpu"))
+    worker.backpressure_timeout_s = 0.5
+    return worker, channel, plane, store
+
+
+def test_a_full_arena_waits_for_acks_while_other_messages_keep_their_order():
+    worker, channel, plane, store = arena_worker(room=1)
+    for rid in ("a", "b"):
+        deliver(worker, channel, run_walk(rid, 5, walk="keep"))
+    turn(worker)
+    refs = {rid: d.outputs["kept"] for rid, d in dones(channel).items()}
+    deliver(worker, channel, m.Push(request_id="a", uuid=refs["a"].uuid, dst=2))
+    # the second push finds the arena full; meanwhile the consumer's ack and an unrelated message arrive
+    channel.inbox += [("rank2", m.encode(TOKEN, "rank2", m.TransferAck(via="shm", slots=[1]))),
+                      ("conductor", m.encode(TOKEN, "conductor", run_walk("c", 0, iters=1)))]
+    worker._handle("conductor", m.encode(TOKEN, "conductor", m.Push(request_id="b", uuid=refs["b"].uuid, dst=2)))
+    assert plane.acked == [(2, [1])]
+    descs = [b for _, b in channel.sent if isinstance(b, m.TensorDesc)]
+    assert [d.request_id for d in descs] == ["a", "b"] and descs[1].value.via == "shm"
+    assert "c" not in dones(channel) and len(worker._stash) == 1  # set aside, not lost
+    worker.run(should_stop=lambda: "c" in dones(channel))
+    assert dones(channel)["c"].error is None
+
+
+def test_an_arena_that_stays_full_fails_the_request_naming_it():
+    worker, channel, plane, store = arena_worker(room=0)
+    deliver(worker, channel, run_walk("a", 5, walk="keep"))
+    turn(worker)
+    ref = dones(channel)["a"].outputs["kept"]
+    deliver(worker, channel, m.Push(request_id="a", uuid=ref.uuid, dst=2, walk="decode", signal="kv"))
+    failed = [b for _, b in channel.sent if isinstance(b, m.WalkDone) and b.error]
+    assert "test-arena is full" in failed[0].error and "transport.backpressure_timeout_s" in failed[0].error
+    assert not plane.is_dead(2)  # a full arena is not a broken peer

@@ -1,0 +1,165 @@
+"""What the arena transports (shm, mooncake) share: a first-fit allocator over one buffer, the table of slots
+lent to peers until they acknowledge, and tensors that wrap arena bytes and report when they are let go.
+
+Lifetime of a slot (docs/architecture.md §7): the producer allocates it and copies the tensor in (or registers
+the tensor's own memory), the descriptor names it, the consumer wraps (shm) or reads (mooncake) it and sends a
+``TransferAck`` naming it, and only then does the producer free it. A peer declared dead gives back every slot
+lent to it. Pure Python, no locks: used from the rank's worker thread; the one exception is the release
+callback of a wrapped tensor, which may run on any thread and only appends to a deque.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import weakref
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+__all__ = ["FirstFit", "LentSlots", "ReleaseQueue", "wrap_bytes"]
+
+ALIGN = 64
+"""Allocation granularity in bytes: every slot starts on a cache line, so every dtype view is aligned."""
+
+
+class FirstFit:
+    """First-fit allocator over ``[0, size)``; blocks are ``ALIGN``-aligned. Free blocks coalesce."""
+
+    def __init__(self, size: int) -> None:
+        if size < ALIGN:
+            raise ValueError(f"arena of {size} bytes is smaller than one {ALIGN}-byte block")
+        self.size = size - size % ALIGN
+        self._free_starts = [0]  # sorted starts of free blocks
+        self._free_len = {0: self.size}
+        self._used: dict[int, int] = {}  # start -> rounded length
+        self.used_bytes = 0
+
+    def alloc(self, nbytes: int) -> int | None:
+        """Start offset of a new block of at least ``nbytes`` (> 0), or None when no free block is big enough."""
+        need = -(-max(nbytes, 1) // ALIGN) * ALIGN
+        for i, start in enumerate(self._free_starts):
+            length = self._free_len[start]
+            if length < need:
+                continue
+            del self._free_len[start]
+            if length == need:
+                del self._free_starts[i]
+            else:
+                self._free_starts[i] = start + need
+                self._free_len[start + need] = length - need
+            self._used[start] = need
+            self.used_bytes += need
+            return start
+        return None
+
+    def free(self, start: int) -> None:
+        """Return the block that starts at ``start``. KeyError for a start that is not allocated."""
+        length = self._used.pop(start)
+        self.used_bytes -= length
+        i = bisect.bisect_left(self._free_starts, start)
+        if i < len(self._free_starts) and start + length == self._free_starts[i]:  # merge with the next
+            nxt = self._free_starts.pop(i)
+            length += self._free_len.pop(nxt)
+        if i > 0:
+            prev = self._free_starts[i - 1]
+            if prev + self._free_len[prev] == start:  # merge into the previous
+                self._free_len[prev] += length
+                return
+        self._free_starts.insert(i, start)
+        self._free_len[start] = length
+
+    @property
+    def largest_free(self) -> int:
+        return max(self._free_len.values(), default=0)
+
+    @property
+    def blocks_used(self) -> int:
+        return len(self._used)
+
+
+@dataclass
+class Lent:
+    """A slot lent to a consumer: where it is and what to do when it comes back."""
+
+    peer: int
+    nbytes: int
+    reclaim: Callable[[], None]
+    """Frees the memory (allocator block, or a registration); called once."""
+
+
+class LentSlots:
+    """Slot id -> what it lent to which peer. Ids are never reused, so a late or duplicate ack is harmless."""
+
+    def __init__(self) -> None:
+        self._slots: dict[int, Lent] = {}
+        self._next = 0
+
+    def lend(self, peer: int, nbytes: int, reclaim: Callable[[], None]) -> int:
+        slot = self._next
+        self._next += 1
+        self._slots[slot] = Lent(peer, nbytes, reclaim)
+        return slot
+
+    def give_back(self, peer: int, slots: list[int]) -> int:
+        """Reclaim ``slots`` that were lent to ``peer`` (others are ignored: not ours to free); returns how many."""
+        n = 0
+        for slot in slots:
+            lent = self._slots.get(slot)
+            if lent is not None and lent.peer == peer:
+                del self._slots[slot]
+                lent.reclaim()
+                n += 1
+        return n
+
+    def reclaim_peer(self, peer: int) -> int:
+        """Reclaim every slot lent to ``peer`` (it is dead); returns how many."""
+        return self.give_back(peer, [s for s, lent in self._slots.items() if lent.peer == peer])
+
+    def reclaim_all(self) -> None:
+        for slot in list(self._slots):
+            self._slots.pop(slot).reclaim()
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def to(self, peer: int) -> int:
+        return sum(1 for lent in self._slots.values() if lent.peer == peer)
+
+
+class ReleaseQueue:
+    """Collects (peer, slot) pairs of wrapped tensors that were let go; drained by the worker thread."""
+
+    def __init__(self) -> None:
+        self._items: collections.deque[tuple[int, int]] = collections.deque()
+
+    def put(self, peer: int, slot: int) -> None:  # may run on any thread (a finalizer): deque.append is atomic
+        self._items.append((peer, slot))
+
+    def drain(self) -> dict[int, list[int]]:
+        """peer -> slots released since the last drain."""
+        out: dict[int, list[int]] = collections.defaultdict(list)
+        while self._items:
+            peer, slot = self._items.popleft()
+            out[peer].append(slot)
+        return dict(out)
+
+
+def wrap_bytes(
+    base: np.ndarray, offset: int, nbytes: int, dtype: torch.dtype, shape: list[int],
+    on_release: Callable[[], None],
+) -> torch.Tensor:
+    """A tensor of ``dtype``/``shape`` over ``base[offset:offset + nbytes]`` (no copy) that calls ``on_release``
+    once nothing refers to that memory any more.
+
+    The tensor's storage holds the numpy view of those bytes; every tensor view derived from it shares that
+    storage, so the view dies (and the finalizer runs) only after the last of them does.
+    """
+    view = base[offset:offset + nbytes]
+    weakref.finalize(view, on_release)
+    flat = torch.from_numpy(view)
+    if dtype != torch.uint8:
+        flat = flat.view(dtype)
+    return flat.view(shape)

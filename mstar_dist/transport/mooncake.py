@@ -1,0 +1,338 @@
+"""Mooncake transport: tensors read one-sided through the Mooncake transfer engine (docs/architecture.md §7).
+
+Setup per rank: one ``TransferEngine`` started with ``P2PHANDSHAKE`` (no metadata server: peers learn each other's
+segments by a handshake on first contact), on this host's address, with the configured protocol (``tcp``, or
+``rdma`` with ``transfer_device`` naming the NIC), and one registered buffer pool of ``arena_bytes``. With
+``tcp`` the engine would still pick RDMA NICs if present, so ``MC_FORCE_TCP=1`` is set first. A failed start
+raises naming the host address, protocol and device.
+
+A send makes the bytes readable by the consumer and puts their address in the descriptor:
+- a tensor that lives in our pool already (one we received, or a view of it: a rank forwarding what it got)
+  is exposed where it is; the transfer holds it until the consumer's ack;
+- a contiguous host tensor of at least ``REGISTER_MIN_BYTES`` over tcp is registered where it is (no copy); the
+  transfer holds the tensor until the consumer's ack, and the registration is dropped then;
+- anything else is copied into a first-fit slot of the pool (CUDA tensors are staged through it: counted in
+  ``host_staging_copies``); the source may be freed at once.
+The session (``host:rpc_port``) rides in the descriptor too, so the consumer needs nothing else. The consumer
+allocates a slot of its own pool, posts an asynchronous read, polls it with ``transfer_check_status`` (never
+blocks: 0 pending, 1 done, <0 failed), acknowledges the producer's slot as soon as the read is done and wraps its
+own slot as the received tensor (no copy; the slot is freed when the tensor is let go).
+
+Errors are return codes, never exceptions: a negative code (−1 at once when the peer process is gone) fails the
+transfer fast with ``TransferFailed`` naming the peer, session and code. A consumer whose own pool is full keeps
+the read pending (``ArenaFull`` is not raised on receive) until room frees up; the worker's transfer timeout
+bounds that wait.
+
+Used from the rank's worker thread; wrapped tensors may be released on any thread (that only queues).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+
+from mstar_dist.control import messages as m
+from mstar_dist.transport.arena import FirstFit, LentSlots, ReleaseQueue, wrap_bytes
+from mstar_dist.transport.base import ArenaFull, Done, PeerDeadError, Transfer, TransferFailed
+from mstar_dist.transport.inline import str_to_dtype
+
+__all__ = ["MooncakeTransport", "PROTOCOLS", "REGISTER_MIN_BYTES"]
+
+log = logging.getLogger(__name__)
+
+PROTOCOLS = ("tcp", "rdma")
+REGISTER_MIN_BYTES = 1 << 20
+"""Host tensors at least this big are registered in place over tcp instead of copied into the pool."""
+
+
+def _engine_class():
+    os.environ.setdefault("GLOG_minloglevel", "1")  # the engine's INFO lines are per connection: warnings and up
+    try:
+        from mooncake.engine import TransferEngine
+    except ImportError as exc:
+        raise RuntimeError(
+            "transport 'mooncake' needs the Mooncake transfer engine: pip install 'mstar_dist[mooncake]' "
+            "(mooncake-transfer-engine; mooncake-transfer-engine-non-cuda on machines without CUDA; it needs "
+            f"libibverbs1 from the system packages): {exc}") from exc
+    return TransferEngine
+
+
+class _SendTransfer:
+    """A send whose source memory is registered in place: done when the consumer acknowledges."""
+
+    def __init__(self, transport: "MooncakeTransport", tensor: torch.Tensor, dst: int) -> None:
+        self._transport, self.tensor, self.dst = transport, tensor, dst
+        self.acked = False
+
+    def done(self) -> bool:
+        if self.acked:
+            return True
+        self._transport._check_peer(self.dst)
+        return False
+
+
+class _RecvTransfer:
+    """A one-sided read into a slot of our pool (waits for a free slot first)."""
+
+    def __init__(self, transport: "MooncakeTransport", wire: m.WireTensor, loc: m.MooncakeLocation, src: int,
+                 device: torch.device) -> None:
+        self._t, self.wire, self.loc, self.src, self.device = transport, wire, loc, src, device
+        self._offset: int | None = None
+        self._batch: int | None = None
+        self._result: torch.Tensor | None = None
+        self._started = time.monotonic()
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        if self._result is None:
+            raise RuntimeError(f"read of {self.loc.nbytes} bytes from rank {self.src} is not done yet")
+        return self._result
+
+    def done(self) -> bool:
+        if self._result is not None:
+            return True
+        t = self._t
+        t._check_peer(self.src)
+        if self._batch is None and not self._start():
+            return False
+        status = t._engine.transfer_check_status(self._batch)
+        if status == 0:
+            return False
+        if status < 0:
+            self._batch = None  # ended (failed): the slot can go back at once
+            self._drop()
+            raise TransferFailed(f"mooncake read of {self.loc.nbytes} bytes from rank {self.src} "
+                                 f"({self.loc.session}) failed with status {status}")
+        self._finish()
+        return True
+
+    def _start(self) -> bool:
+        t = self._t
+        self._offset = t._alloc.alloc(self.loc.nbytes)
+        if self._offset is None:
+            return False  # our pool is full: wait for wrapped tensors to be let go
+        batch = t._engine.batch_transfer_async_read(
+            self.loc.session, [t._pool_addr + self._offset], [self.loc.addr], [self.loc.nbytes])
+        if not batch or batch < 0:  # 0: not even submitted (e.g. the handshake with a dead peer failed)
+            self._drop()
+            raise TransferFailed(f"mooncake could not post a read of {self.loc.nbytes} bytes from rank {self.src} "
+                                 f"({self.loc.session}): code {batch}")
+        self._batch = batch
+        return True
+
+    def _finish(self) -> None:
+        t, offset = self._t, self._offset
+        t._acks.put(self.src, self.loc.slot)  # the producer's slot is free now
+        t._leases += 1
+        out = wrap_bytes(t._pool_np, offset, self.loc.nbytes, str_to_dtype(self.wire.dtype), self.wire.shape,
+                         lambda: t._local_free.put(-1, offset))
+        if not self.wire.host and self.device.type != "cpu":
+            t._stats["host_staging_copies"] += 1
+            out = out.to(self.device)
+        self._result = out
+        t._pending.discard(self)
+
+    def _drop(self) -> None:
+        """Give our slot back (a read still in flight keeps it until the engine reports its end)."""
+        self._t._pending.discard(self)
+        if self._offset is None:
+            return
+        if self._batch is not None and self._result is None:
+            self._t._zombies.append((self._batch, self._offset))
+        else:
+            self._t._alloc.free(self._offset)
+        self._offset = None
+
+
+class MooncakeTransport:
+    """This rank's transfer engine and registered pool. Implements ``transport.base.DataPlane``."""
+
+    name = "mooncake"
+
+    def __init__(self, global_rank: int, *, host_addr: str, protocol: str = "tcp", device_name: str | None = None,
+                 arena_bytes: int, device: str | torch.device = "cpu") -> None:
+        """Start the engine on ``host_addr`` (this host's address in the cluster spec) and register the pool.
+
+        RuntimeError naming the address, protocol and device when the engine cannot start or register."""
+        if protocol not in PROTOCOLS:
+            raise ValueError(f"mooncake protocol {protocol!r} is not one of {', '.join(PROTOCOLS)}")
+        self.global_rank = global_rank
+        self.device = torch.device(device)
+        self.protocol = protocol
+        if protocol == "tcp":
+            os.environ["MC_FORCE_TCP"] = "1"  # protocol "tcp" alone still uses RDMA NICs when it finds them
+        where = f"rank {global_rank}: Mooncake on {host_addr} (protocol {protocol}, device {device_name or 'auto'})"
+        self._engine = _engine_class()()
+        rc = self._engine.initialize(host_addr, "P2PHANDSHAKE", protocol, device_name or "")
+        if rc != 0:
+            raise RuntimeError(f"{where}: transfer engine initialize failed with code {rc}")
+        self.session = f"{host_addr}:{self._engine.get_rpc_port()}"
+        self._pool = torch.empty(arena_bytes, dtype=torch.uint8)
+        self._pool_np = self._pool.numpy()
+        self._pool_addr = self._pool.data_ptr()
+        rc = self._engine.register_memory(self._pool_addr, arena_bytes)
+        if rc != 0:
+            raise RuntimeError(f"{where}: registering the {arena_bytes}-byte pool failed with code {rc}")
+        self._alloc = FirstFit(arena_bytes)
+        self._lent = LentSlots()
+        self._acks = ReleaseQueue()  # (producer, slot) to acknowledge
+        self._local_free = ReleaseQueue()  # (-1, offset) of our pool let go by wrapped tensors
+        self._registered: dict[int, list] = {}  # data_ptr -> [nbytes, refcount]
+        self._pending: set[_RecvTransfer] = set()
+        self._zombies: list[tuple[int, int]] = []  # (batch, offset) of reads abandoned mid-flight
+        self._leases = 0  # received tensors (wrapping our pool) still alive here
+        self._dead: dict[int, str] = {}
+        self._stats = dict(sends=0, recvs=0, bytes_sent=0, bytes_received=0, host_staging_copies=0,
+                           registered_sends=0)
+        self._closed = False
+        log.info("rank %d: Mooncake session %s (%s), pool %d bytes", global_rank, self.session, protocol, arena_bytes)
+
+    @property
+    def bytes_used(self) -> int:
+        """Bytes of this rank's pool in use (lent to consumers, or holding received tensors)."""
+        return self._alloc.used_bytes
+
+    # -- DataPlane ------------------------------------------------------------------------------------------
+    def post_send(self, tensor: torch.Tensor, dst: int) -> tuple[Transfer, m.MooncakeLocation]:
+        """Expose ``tensor`` for global rank ``dst`` to read (in place when possible, else a pool copy)."""
+        self._check_peer(dst)
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes == 0:
+            self._count_send(0)
+            return Done(tensor), m.MooncakeLocation(self.session, 0, 0, -1)
+        if self._in_pool(tensor, nbytes):  # a tensor we received (or one of its views): readable where it is
+            transfer = _SendTransfer(self, tensor, dst)
+            slot = self._lent.lend(dst, nbytes, lambda: setattr(transfer, "acked", True))
+            self._count_send(nbytes)
+            return transfer, m.MooncakeLocation(self.session, tensor.data_ptr(), nbytes, slot)
+        if (self.protocol == "tcp" and nbytes >= REGISTER_MIN_BYTES and tensor.device.type == "cpu"
+                and tensor.is_contiguous()):
+            placed = self._register(tensor, dst, nbytes)
+            if placed is not None:
+                self._count_send(nbytes)
+                return placed
+        if nbytes > self._alloc.size:
+            raise ValueError(f"a tensor of {nbytes} bytes ({list(tensor.shape)} {tensor.dtype}) does not fit rank "
+                             f"{self.global_rank}'s Mooncake pool of {self._alloc.size} bytes; raise "
+                             f"transport.arena_bytes")
+        self._reclaim_local()
+        offset = self._alloc.alloc(nbytes)
+        if offset is None:
+            raise ArenaFull(f"rank {self.global_rank}'s Mooncake pool has {self.bytes_used} of {self._alloc.size} "
+                            f"bytes in use and no free block of {nbytes} bytes")
+        if tensor.device.type != "cpu":
+            self._stats["host_staging_copies"] += 1
+        view = self._pool[offset:offset + nbytes]
+        if tensor.dtype != torch.uint8:
+            view = view.view(tensor.dtype)
+        view.view(tensor.shape).copy_(tensor)
+        slot = self._lent.lend(dst, nbytes, lambda: self._alloc.free(offset))
+        self._count_send(nbytes)
+        return Done(tensor), m.MooncakeLocation(self.session, self._pool_addr + offset, nbytes, slot)
+
+    def post_recv(self, wire: m.WireTensor, src: int, device: torch.device | None = None) -> Transfer:
+        """Read what global rank ``src`` exposed into our pool (asynchronous; poll ``done()``)."""
+        self._check_peer(src)
+        loc = wire.at
+        if not isinstance(loc, m.MooncakeLocation):
+            raise TransferFailed(f"mooncake descriptor from rank {src} has no Mooncake location: {loc!r}")
+        self._stats["recvs"] += 1
+        self._stats["bytes_received"] += loc.nbytes
+        target = torch.device("cpu") if wire.host else (device or self.device)
+        if loc.nbytes == 0 or loc.slot < 0:
+            return Done(torch.empty(wire.shape, dtype=str_to_dtype(wire.dtype), device=target))
+        tr = _RecvTransfer(self, wire, loc, src, target)
+        self._pending.add(tr)
+        self._reclaim_local()
+        tr.done()  # start it now if the pool has room
+        return tr
+
+    def poll(self) -> list[tuple[int, m.TransferAck]]:
+        self._reclaim_local()
+        return [(peer, m.TransferAck(via=self.name, slots=slots))
+                for peer, slots in sorted(self._acks.drain().items()) if peer not in self._dead]
+
+    def on_ack(self, src: int, ack: m.TransferAck) -> None:
+        self._lent.give_back(src, ack.slots)
+
+    def abort_peer(self, peer: int, reason: str) -> None:
+        if peer in self._dead:
+            return
+        self._dead[peer] = reason
+        n = self._lent.reclaim_peer(peer)
+        for tr in [t for t in self._pending if t.src == peer]:
+            tr._drop()  # our slot comes back; a read still running lands in memory nobody will look at
+        log.warning("rank %d: mooncake to rank %d is dead (%s); reclaimed %d slot(s)", self.global_rank, peer,
+                    reason, n)
+
+    def is_dead(self, peer: int) -> bool:
+        return peer in self._dead
+
+    def stats(self) -> dict:
+        return {**self._stats, "inflight": len(self._pending), "bytes_used": self.bytes_used, "leases": self._leases,
+                "slots_lent": len(self._lent), "arena_bytes": self._alloc.size, "dead_peers": sorted(self._dead)}
+
+    def close(self) -> None:
+        """Drop every registration we made; the engine and pool go with the process. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._lent.reclaim_all()
+        for ptr in list(self._registered):
+            self._engine.unregister_memory(ptr)
+        self._registered.clear()
+
+    # -- internals ------------------------------------------------------------------------------------------
+    def _register(self, tensor: torch.Tensor, dst: int, nbytes: int):
+        ptr = tensor.data_ptr()
+        entry = self._registered.get(ptr)
+        if entry is not None and entry[0] != nbytes:
+            return None  # the same address registered with another length: use the pool
+        if entry is None:
+            if self._engine.register_memory(ptr, nbytes) != 0:
+                return None  # e.g. it overlaps another registration: the pool copy still works
+            entry = self._registered[ptr] = [nbytes, 0]
+        entry[1] += 1
+        transfer = _SendTransfer(self, tensor, dst)
+
+        def reclaim() -> None:
+            transfer.acked = True
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self._registered[ptr]
+                self._engine.unregister_memory(ptr)
+
+        slot = self._lent.lend(dst, nbytes, reclaim)
+        self._stats["registered_sends"] += 1
+        return transfer, m.MooncakeLocation(self.session, ptr, nbytes, slot)
+
+    def _in_pool(self, tensor: torch.Tensor, nbytes: int) -> bool:
+        ptr = tensor.data_ptr()
+        return (tensor.device.type == "cpu" and tensor.is_contiguous() and self._pool_addr <= ptr
+                and ptr + nbytes <= self._pool_addr + self._pool.numel())
+
+    def _count_send(self, nbytes: int) -> None:
+        self._stats["sends"] += 1
+        self._stats["bytes_sent"] += nbytes
+
+    def _reclaim_local(self) -> None:
+        for offsets in self._local_free.drain().values():
+            self._leases -= len(offsets)
+            for offset in offsets:
+                self._alloc.free(offset)
+        if self._zombies:
+            still = []
+            for batch, offset in self._zombies:
+                if self._engine.transfer_check_status(batch) == 0:
+                    still.append((batch, offset))
+                else:
+                    self._alloc.free(offset)
+            self._zombies = still
+
+    def _check_peer(self, peer: int) -> None:
+        reason = self._dead.get(peer)
+        if reason is not None:
+            raise PeerDeadError(f"mooncake between rank {self.global_rank} and rank {peer} is dead: {reason}")

@@ -1,0 +1,285 @@
+"""Shared-memory transport: host-memory tensors between ranks of one host through a per-rank arena in /dev/shm
+(docs/architecture.md §7, "shm").
+
+Each rank owns one segment, ``/dev/shm/mstar_dist.<launch>.r<rank>.p<pid>``, created at start (space reserved
+with ``posix_fallocate``, so a full /dev/shm is an error at start, not a SIGBUS mid-transfer) and mapped for
+the rank's lifetime. A send copies the tensor into a first-fit slot of the sender's own segment (the one copy;
+the source can be freed at once) and the descriptor names segment, offset and slot. The consumer maps the
+producer's segment once and wraps the slot as a tensor without copying; when that tensor (and every view of
+it) is let go it acknowledges the slot (``TransferAck`` on the control plane) and the producer frees it. So
+arena occupancy is what consumers still hold, and 0 when the deployment is idle. CUDA tensors are staged
+through host memory on both sides (counted in ``host_staging_copies``); shm is a host-memory transport.
+
+Backpressure: a send that finds no room raises ``ArenaFull``; the worker lets acknowledgements in and retries
+for ``transport.backpressure_timeout_s`` before failing the request with a message naming the arena. A tensor
+bigger than the whole arena is a ValueError at once (raise ``transport.arena_bytes``).
+
+Cleanup: ``close`` (called on every exit path, SIGTERM included) unlinks the segment. The owner holds a shared
+``flock`` on its segment for its whole life, so a segment nobody holds a lock on belongs to a dead process:
+``sweep_orphans`` (run at start) unlinks those, whichever launch or pid namespace they came from. Segments are
+created under a temporary name and renamed once locked, so a sweep never catches one half-made.
+
+Ranks are global ranks; the transport is used from the rank's worker thread (wrapped tensors may be released on
+any thread: that only queues an acknowledgement).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import re
+import uuid
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mstar_dist.control import messages as m
+from mstar_dist.transport.arena import FirstFit, LentSlots, ReleaseQueue, wrap_bytes
+from mstar_dist.transport.base import ArenaFull, Done, PeerDeadError, Transfer, TransferFailed
+from mstar_dist.transport.inline import str_to_dtype
+
+__all__ = ["SEGMENT_PREFIX", "ShmTransport", "sweep_orphans"]
+
+log = logging.getLogger(__name__)
+
+SHM_DIR = Path("/dev/shm")
+SEGMENT_PREFIX = "mstar_dist."
+_SEGMENT_NAME = re.compile(r"mstar_dist\.[0-9A-Za-z_-]+\.r\d+\.p\d+")
+
+
+def sweep_orphans(directory: Path = SHM_DIR) -> list[str]:
+    """Unlink the segments of dead processes under ``directory`` (no one holds their lock); returns their names.
+
+    Safe while other servers run: a live owner holds its lock, and this only takes it without blocking."""
+    removed = []
+    try:
+        names = sorted(p.name for p in directory.iterdir() if _SEGMENT_NAME.fullmatch(p.name))
+    except OSError:
+        return removed
+    for name in names:
+        path = directory / name
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue  # gone meanwhile
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue  # its owner is alive
+        except OSError:
+            continue
+        else:
+            try:
+                path.unlink()
+                removed.append(name)
+            except OSError:
+                pass
+        finally:
+            os.close(fd)
+    if removed:
+        log.warning("removed %d shared-memory segment(s) left by dead servers: %s", len(removed), ", ".join(removed))
+    return removed
+
+
+class _Segment:
+    """A mapped segment (ours, or a peer's) with a numpy view over all of it."""
+
+    def __init__(self, path: Path, fd: int, size: int) -> None:
+        self.path = path
+        self.fd = fd
+        self.size = size
+        self.map = mmap.mmap(fd, size)
+        self.array = np.frombuffer(self.map, dtype=np.uint8)
+        self.tensor = torch.from_numpy(self.array)
+
+
+class ShmTransport:
+    """This rank's arena plus the peers' segments it reads from. Implements ``transport.base.DataPlane``."""
+
+    name = "shm"
+
+    def __init__(self, global_rank: int, *, launch_id: str, arena_bytes: int, device: str | torch.device = "cpu",
+                 directory: Path = SHM_DIR) -> None:
+        """Create and map this rank's segment of ``arena_bytes`` under ``directory``; ``launch_id`` (letters,
+        digits, ``-``/``_``) makes the name unique per server instance. OSError naming the path and the free
+        space when /dev/shm cannot hold it."""
+        if not re.fullmatch(r"[0-9A-Za-z_-]+", launch_id):
+            raise ValueError(f"launch id {launch_id!r} must be letters, digits, '-' or '_'")
+        self.global_rank = global_rank
+        self.device = torch.device(device)
+        self._dir = Path(directory)
+        self._own = self._create(f"{SEGMENT_PREFIX}{launch_id}.r{global_rank}.p{os.getpid()}", arena_bytes)
+        self._alloc = FirstFit(self._own.size)
+        self._lent = LentSlots()
+        self._released = ReleaseQueue()
+        self._peers: dict[str, _Segment] = {}
+        self._dead: dict[int, str] = {}
+        self._stats = dict(sends=0, recvs=0, bytes_sent=0, bytes_received=0, host_staging_copies=0)
+        self._leases = 0  # wrapped tensors of peers' slots that are still alive here
+        self._closed = False
+        log.info("rank %d: shared-memory arena %s (%d bytes)", global_rank, self._own.path, self._own.size)
+
+    @property
+    def segment(self) -> str:
+        """This rank's segment name (under /dev/shm)."""
+        return self._own.path.name
+
+    @property
+    def bytes_used(self) -> int:
+        """Bytes of this rank's arena lent to consumers and not yet acknowledged."""
+        return self._alloc.used_bytes
+
+    # -- DataPlane ------------------------------------------------------------------------------------------
+    def post_send(self, tensor: torch.Tensor, dst: int) -> tuple[Transfer, m.ShmLocation]:
+        """Copy ``tensor`` into a slot of this rank's arena lent to global rank ``dst``; done at once."""
+        self._check_peer(dst)
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes == 0:
+            self._count_send(0)
+            return Done(tensor), m.ShmLocation(self.segment, 0, 0, -1)
+        if nbytes > self._alloc.size:
+            raise ValueError(f"a tensor of {nbytes} bytes ({list(tensor.shape)} {tensor.dtype}) does not fit rank "
+                             f"{self.global_rank}'s shared-memory arena of {self._alloc.size} bytes; raise "
+                             f"transport.arena_bytes")
+        offset = self._alloc.alloc(nbytes)
+        if offset is None:
+            raise ArenaFull(f"rank {self.global_rank}'s shared-memory arena {self.segment} has {self.bytes_used} of "
+                            f"{self._alloc.size} bytes lent to consumers and no free block of {nbytes} bytes "
+                            f"(largest {self._alloc.largest_free})")
+        if tensor.device.type != "cpu":
+            self._stats["host_staging_copies"] += 1
+        dst_view = self._own.tensor[offset:offset + nbytes]
+        if tensor.dtype != torch.uint8:
+            dst_view = dst_view.view(tensor.dtype)
+        dst_view.view(tensor.shape).copy_(tensor)
+        slot = self._lent.lend(dst, nbytes, lambda: self._alloc.free(offset))
+        self._count_send(nbytes)
+        return Done(tensor), m.ShmLocation(self.segment, offset, nbytes, slot)
+
+    def post_recv(self, wire: m.WireTensor, src: int, device: torch.device | None = None) -> Transfer:
+        """Wrap the bytes global rank ``src`` lent us (no copy; CUDA consumers get a device copy and the slot back
+        at once). The slot is acknowledged when the returned tensor is let go."""
+        self._check_peer(src)
+        loc = wire.at
+        if not isinstance(loc, m.ShmLocation):
+            raise TransferFailed(f"shm descriptor from rank {src} has no shared-memory location: {loc!r}")
+        dtype = str_to_dtype(wire.dtype)
+        self._stats["recvs"] += 1
+        self._stats["bytes_received"] += loc.nbytes
+        if loc.nbytes == 0 or loc.slot < 0:
+            out = torch.empty(wire.shape, dtype=dtype)
+        else:
+            seg = self._peer_segment(loc.segment, src)
+            if loc.offset + loc.nbytes > seg.size:
+                raise TransferFailed(f"shm descriptor from rank {src} points past segment {loc.segment} "
+                                     f"({loc.offset}+{loc.nbytes} > {seg.size})")
+            released, slot = self._released, loc.slot
+            self._leases += 1
+            out = wrap_bytes(seg.array, loc.offset, loc.nbytes, dtype, wire.shape, lambda: released.put(src, slot))
+        target = torch.device("cpu") if wire.host else (device or self.device)
+        if target.type != "cpu":
+            self._stats["host_staging_copies"] += 1
+            out = out.to(target)
+        return Done(out)
+
+    def poll(self) -> list[tuple[int, m.TransferAck]]:
+        """Acknowledgements for the slots whose wrapped tensors were let go (none to dead peers)."""
+        released = self._released.drain()
+        self._leases -= sum(len(slots) for slots in released.values())
+        return [(peer, m.TransferAck(via=self.name, slots=slots))
+                for peer, slots in sorted(released.items()) if peer not in self._dead]
+
+    def on_ack(self, src: int, ack: m.TransferAck) -> None:
+        self._lent.give_back(src, ack.slots)
+
+    def abort_peer(self, peer: int, reason: str) -> None:
+        if peer in self._dead:
+            return
+        self._dead[peer] = reason
+        n = self._lent.reclaim_peer(peer)
+        log.warning("rank %d: shm to rank %d is dead (%s); reclaimed %d slot(s)", self.global_rank, peer, reason, n)
+
+    def is_dead(self, peer: int) -> bool:
+        return peer in self._dead
+
+    def stats(self) -> dict:
+        return {**self._stats, "inflight": 0, "bytes_used": self.bytes_used, "slots_lent": len(self._lent),
+                "leases": self._leases,
+                "arena_bytes": self._alloc.size, "dead_peers": sorted(self._dead)}
+
+    def close(self) -> None:
+        """Unlink this rank's segment and drop the peers' mappings. Idempotent; never raises."""
+        if self._closed:
+            return
+        self._closed = True
+        for seg in [self._own, *self._peers.values()]:
+            try:
+                os.close(seg.fd)
+            except OSError:
+                pass
+        try:
+            self._own.path.unlink()
+        except OSError:
+            pass
+        # The mappings stay until the last wrapped tensor is gone (closing a map with live views would fail).
+        self._peers.clear()
+
+    # -- internals ------------------------------------------------------------------------------------------
+    def _count_send(self, nbytes: int) -> None:
+        self._stats["sends"] += 1
+        self._stats["bytes_sent"] += nbytes
+
+    def _create(self, name: str, size: int) -> _Segment:
+        path = self._dir / name
+        tmp = self._dir / f".{SEGMENT_PREFIX}tmp.{uuid.uuid4().hex}"
+        fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)  # held for life: the sweeper's sign that we are alive
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as exc:
+                free = _free_bytes(self._dir)
+                raise OSError(exc.errno, f"cannot reserve {size} bytes for rank {self.global_rank}'s shared-memory "
+                              f"arena {path} ({os.strerror(exc.errno)}; {free} bytes free there): lower "
+                              f"transport.arena_bytes or enlarge {self._dir}") from None
+            os.rename(tmp, path)
+        except BaseException:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise
+        return _Segment(path, fd, size)
+
+    def _peer_segment(self, name: str, src: int) -> _Segment:
+        seg = self._peers.get(name)
+        if seg is not None:
+            return seg
+        if not _SEGMENT_NAME.fullmatch(name):
+            raise TransferFailed(f"rank {src} named a shared-memory segment {name!r} that is not ours")
+        path = self._dir / name
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError as exc:
+            raise TransferFailed(
+                f"rank {self.global_rank} cannot open rank {src}'s shared-memory segment {path} "
+                f"({os.strerror(exc.errno or errno.ENOENT)}): transport 'shm' needs ranks that share /dev/shm "
+                f"(one machine); use p2p or mooncake between hosts") from None
+        seg = _Segment(path, fd, os.fstat(fd).st_size)
+        self._peers[name] = seg
+        return seg
+
+    def _check_peer(self, peer: int) -> None:
+        reason = self._dead.get(peer)
+        if reason is not None:
+            raise PeerDeadError(f"shm between rank {self.global_rank} and rank {peer} is dead: {reason}")
+
+
+def _free_bytes(directory: Path) -> int:
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return -1
+    return st.f_bavail * st.f_frsize
