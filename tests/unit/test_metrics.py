@@ -120,12 +120,43 @@ def test_process_sample_reads_this_process():
     assert got["rss_bytes"] > 10e6 and got["cpu_seconds"] > 0 and got["open_fds"] > 2
 
 
+class _Transfer:
+    def __init__(self, tensor):
+        self.tensor, self.finished = tensor, False
+
+    def done(self):
+        return self.finished
+
+
+class _Plane:
+    """A data-plane transport (post_send / post_recv, mstar_dist/transport/base.py) whose transfers end on demand."""
+
+    def __init__(self):
+        self.sends, self.recvs = [], []
+
+    def post_send(self, tensor, dst):
+        self.sends.append(_Transfer(tensor))
+        return self.sends[-1], None
+
+    def post_recv(self, wire, src, device=None):
+        self.recvs.append(_Transfer(torch.zeros(wire.shape, dtype=getattr(torch, wire.dtype))))
+        return self.recvs[-1]
+
+    def stats(self):
+        return {}
+
+    def is_dead(self, peer):
+        return False
+
+
 def test_metered_transport_counts_bytes_and_times_each_transfer_once():
-    inner = FakeTransport()
+    from mstar_dist.control import messages as m
+
+    inner = _Plane()
     metered = MeteredTransport(inner, "p2p")
-    sent = metered.send(torch.zeros(300, dtype=torch.float32), 2)  # 1200 bytes
-    got = metered.recv((10,), torch.int64, 2)  # 80 bytes
-    assert not sent.done() and got.tensor.shape == (10,)  # the transfer's own attributes pass through
+    sent, location = metered.post_send(torch.zeros(300, dtype=torch.float32), 2)  # 1200 bytes
+    got = metered.post_recv(m.WireTensor(shape=[10], dtype="int64"), 2)  # 80 bytes
+    assert location is None and not sent.done() and got.tensor.shape == (10,)  # attributes pass through
     inner.sends[0].finished = inner.recvs[0].finished = True
     assert sent.done() and sent.done() and got.done()
     hists = {(h.direction, h.unit): h for h in metered.stats()["histograms"]}
@@ -133,12 +164,16 @@ def test_metered_transport_counts_bytes_and_times_each_transfer_once():
     assert hists["send", "bytes"].counts[hists["send", "bytes"].bounds.index(4096.0)] == 1
     assert hists["recv", "bytes"].counts[0] == 1
     assert sum(hists["send", "seconds"].counts) == 1 and sum(hists["recv", "seconds"].counts) == 1
-    assert metered.is_dead(0, 1) is False  # everything else reaches the transport
+    assert metered.is_dead(1) is False  # everything else reaches the transport
 
 
 def test_the_worker_reports_process_metrics_and_edge_histograms_in_stats():
+    from mstar_dist.transport.router import Router
+
     worker, channel, transport, *_ = make_worker()
-    worker.transport = MeteredTransport(transport, "p2p")
+    worker.transport = Router(global_rank=1, rank_hosts={0: "h", 1: "h", 2: "h"}, intra_host="p2p",
+                              inter_host="p2p", transports={"p2p": MeteredTransport(transport, "p2p")},
+                              inline_max_bytes=1024, device=torch.device("cpu"))
     deliver(worker, channel, run_walk("a", 0))
     turn(worker)
     worker._last_stats = 0.0

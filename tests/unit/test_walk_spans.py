@@ -119,10 +119,11 @@ def test_large_streamed_items_travel_on_the_pair_and_keep_their_order():
                           {"node_names": ["COUNT"], "ranks": [1], "graph_walks": ["count"]},
                           {"node_names": ["CODEC"], "ranks": [2], "graph_walks": ["codec"]}]
     dep = InProcDeployment(ToyAudioModel(None, batch_sleep_s=0), cfg, 3)
-    dep.workers[1].inline_max_bytes = 0
+    dep.workers[1].transport.inline_max_bytes = 0  # the router decides inline vs the data plane
     sent = []
-    original = dep.workers[1].transport.send
-    dep.workers[1].transport.send = lambda t, dst: sent.append(dst) or original(t, dst)
+    plane = dep.workers[1].transport.transports["p2p"]
+    original = plane.post_send
+    plane.post_send = lambda t, dst: sent.append(dst) or original(t, dst)
     cases = [(5, 8), (7, 30)]
     events = dep.run([GenerationParams(request_id=f"r{i}", prompt=f"start={s}", messages=None, max_tokens=n)
                       for i, (s, n) in enumerate(cases)])
