@@ -28,6 +28,7 @@ Used from the rank's worker thread; wrapped tensors may be released on any threa
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -164,12 +165,15 @@ class MooncakeTransport:
         self.protocol = protocol
         if protocol == "tcp":
             os.environ["MC_FORCE_TCP"] = "1"  # protocol "tcp" alone still uses RDMA NICs when it finds them
+        else:
+            os.environ.pop("MC_FORCE_TCP", None)
         where = f"rank {global_rank}: Mooncake on {host_addr} (protocol {protocol}, device {device_name or 'auto'})"
         self._engine = _engine_class()()
         rc = self._engine.initialize(host_addr, "P2PHANDSHAKE", protocol, device_name or "")
         if rc != 0:
             raise RuntimeError(f"{where}: transfer engine initialize failed with code {rc}")
         self.session = f"{host_addr}:{self._engine.get_rpc_port()}"
+        self._check_started(where, device_name)
         self._pool = torch.empty(arena_bytes, dtype=torch.uint8)
         self._pool_np = self._pool.numpy()
         self._pool_addr = self._pool.data_ptr()
@@ -286,6 +290,20 @@ class MooncakeTransport:
         self._registered.clear()
 
     # -- internals ------------------------------------------------------------------------------------------
+    def _check_started(self, where: str, device_name: str | None) -> None:
+        """The engine starts "fine" on an address that is not this host's, and silently falls back to tcp when
+        rdma finds no NIC: catch both here rather than at the first transfer."""
+        rc = self._engine.send_probe(self.session)
+        if rc != 0:
+            raise RuntimeError(f"{where}: the engine does not answer on its own session {self.session} (code {rc}): "
+                               f"is the host address an address of this machine?")
+        if self.protocol == "rdma":
+            topology = json.loads(self._engine.get_local_topology() or "{}")
+            hcas = sorted({h for groups in topology.values() for group in groups for h in group})
+            if not hcas or (device_name and device_name not in hcas):
+                raise RuntimeError(f"{where}: no RDMA device {device_name or ''} found (the engine sees "
+                                   f"{', '.join(hcas) or 'none'}); use mooncake_protocol: tcp or fix transfer_device")
+
     def _register(self, tensor: torch.Tensor, dst: int, nbytes: int):
         ptr = tensor.data_ptr()
         entry = self._registered.get(ptr)

@@ -139,7 +139,7 @@ class Router:
         if not isinstance(value, m.WireTensor):
             return
         plane = self._transports[value.via]
-        slot = getattr(value.at, "slot", -1)
+        slot = -1 if value.at is None else value.at.slot
         if value.at is None:
             plane.abort_peer(dst, reason)
         elif slot >= 0:

@@ -49,6 +49,8 @@ log = logging.getLogger(__name__)
 SHM_DIR = Path("/dev/shm")
 SEGMENT_PREFIX = "mstar_dist."
 _SEGMENT_NAME = re.compile(r"mstar_dist\.[0-9A-Za-z_-]+\.r\d+\.p\d+")
+_SWEEPABLE = re.compile(r"mstar_dist\.[0-9A-Za-z_-]+\.r\d+\.p\d+|\.mstar_dist\.tmp\.[0-9a-f]+")
+"""Segments, and segments that a process died creating (before it renamed them)."""
 
 
 def sweep_orphans(directory: Path = SHM_DIR) -> list[str]:
@@ -57,7 +59,7 @@ def sweep_orphans(directory: Path = SHM_DIR) -> list[str]:
     Safe while other servers run: a live owner holds its lock, and this only takes it without blocking."""
     removed = []
     try:
-        names = sorted(p.name for p in directory.iterdir() if _SEGMENT_NAME.fullmatch(p.name))
+        names = sorted(p.name for p in directory.iterdir() if _SWEEPABLE.fullmatch(p.name))
     except OSError:
         return removed
     for name in names:

@@ -107,9 +107,10 @@ def _one(base_url: str, i: int) -> str:
 def test_arena_occupancy_returns_to_zero_after_200_requests_with_a_fifth_abandoned(pd):
     if pd.transport == "p2p":
         pytest.skip("p2p has no arena (its leak canary, live tensors, is checked in test_smollm2_pd.py)")
+    n = 200 if pd.transport == "shm" else 60  # the arena's 200; Mooncake's pool is checked on fewer, for time
     with cf.ThreadPoolExecutor(16) as pool:
-        outcomes = list(pool.map(lambda i: _one(pd.base_url, i), range(200)))
-    assert outcomes.count("done") == 160, outcomes
+        outcomes = list(pool.map(lambda i: _one(pd.base_url, i), range(n)))
+    assert outcomes.count("done") == n * 4 // 5, outcomes
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
         time.sleep(0.6)

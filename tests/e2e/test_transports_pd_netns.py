@@ -19,7 +19,7 @@ import pytest
 from tests.dist.transport_rig import mooncake_available
 from tests.e2e.netns import NetnsPair
 from tests.e2e.server import REPO, Server
-from tests.e2e.test_transports_pd import REFERENCE, pinned_texts
+from tests.e2e.test_transports_pd import REFERENCE, pinned_texts  # runs after that module: its p2p texts
 
 pytestmark = [
     pytest.mark.skipif(NetnsPair.unavailable() is not None, reason=f"no network namespaces: {NetnsPair.unavailable()}"),
