@@ -31,6 +31,7 @@ import re
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -231,7 +232,8 @@ def counter(text: str, series: str) -> float:
 class RssSampler:
     """Samples every rank's RSS from ``/metrics`` every ``interval`` seconds on a thread, and on demand."""
 
-    def __init__(self, base_url: str, interval: float, progress: callable) -> None:
+    def __init__(self, base_url: str, interval: float, progress: Callable[[], int]) -> None:
+        """``progress()``: requests completed so far (recorded with every sample)."""
         self.base_url, self.interval, self.progress = base_url, interval, progress
         self.t0 = time.monotonic()
         self.series: list[dict] = []
@@ -319,7 +321,7 @@ def _drive(base_url: str, todo: list[Planned], concurrency: int, max_seconds: fl
 
 def run_soak(base_url: str, todo: list[Planned], *, concurrency: int = 8, max_seconds: float = 3600.0,
              baseline_after: int = 100, sample_s: float = 2.0, rss_tolerance: float = 0.05,
-             idle_timeout: float = 60.0, log=print) -> dict:
+             idle_timeout: float = 60.0, log=lambda line: print(line, flush=True)) -> dict:
     """Send ``todo`` to ``base_url`` (see the module docstring) and return the report (JSON-ready)."""
     done = {"n": 0}
     lock = threading.Lock()
