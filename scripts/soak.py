@@ -273,7 +273,10 @@ def wait_idle(base_url: str, timeout: float) -> dict:
     values seen and how long it took."""
     t0 = time.monotonic()
     while True:
-        text = httpx.get(f"{base_url}/metrics", timeout=10).text
+        try:
+            text = httpx.get(f"{base_url}/metrics", timeout=10).text
+        except httpx.HTTPError as exc:
+            return {"live_tensors": {}, "kv_slots_used": {}, "idle": False, "error": f"{type(exc).__name__}: {exc}"}
         live = per_rank(text, "mstar_dist_live_tensors")
         slots = per_rank(text, "mstar_dist_engine_kv_slots_used")
         idle = not any(live.values()) and not any(slots.values()) \
@@ -300,8 +303,17 @@ def percentiles(values: list[float]) -> dict:
 # ------------------------------------------------------------------------------------------------ the run
 
 
-def _drive(base_url: str, todo: list[Planned], concurrency: int, max_seconds: float, on_done) -> list[Result]:
-    """Send ``todo`` with at most ``concurrency`` in flight; no new request after ``max_seconds``."""
+def healthy(base_url: str) -> bool:
+    try:
+        return httpx.get(f"{base_url}/health", timeout=10).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _drive(base_url: str, todo: list[Planned], concurrency: int, max_seconds: float, on_done,
+           gone: threading.Event) -> list[Result]:
+    """Send ``todo`` with at most ``concurrency`` in flight; no new request after ``max_seconds`` or once
+    ``gone`` is set (the server stopped serving)."""
     deadline = time.monotonic() + max_seconds
     slots = threading.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency)
@@ -310,7 +322,7 @@ def _drive(base_url: str, todo: list[Planned], concurrency: int, max_seconds: fl
             cf.ThreadPoolExecutor(concurrency) as pool:
         for p in todo:
             slots.acquire()
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline or gone.is_set():
                 slots.release()
                 break
             future = pool.submit(send, client, base_url, p)
@@ -322,9 +334,12 @@ def _drive(base_url: str, todo: list[Planned], concurrency: int, max_seconds: fl
 def run_soak(base_url: str, todo: list[Planned], *, concurrency: int = 8, max_seconds: float = 3600.0,
              baseline_after: int = 100, sample_s: float = 2.0, rss_tolerance: float = 0.05,
              idle_timeout: float = 60.0, log=lambda line: print(line, flush=True)) -> dict:
-    """Send ``todo`` to ``base_url`` (see the module docstring) and return the report (JSON-ready)."""
+    """Send ``todo`` to ``base_url`` (see the module docstring) and return the report (JSON-ready). A failed
+    request while ``/health`` is not 200 stops the run (``stopped_early``): the server is gone or a rank died."""
     done = {"n": 0}
     lock = threading.Lock()
+    gone = threading.Event()
+    stopped: list[str] = []
     t0 = time.perf_counter()
     with RssSampler(base_url, sample_s, lambda: done["n"]) as sampler:
         first = sampler.sample("start")
@@ -337,17 +352,28 @@ def run_soak(base_url: str, todo: list[Planned], *, concurrency: int = 8, max_se
                 sampler.sample("baseline")
             if result.outcome == "failed":
                 log(f"request {result.index} failed: {result.error}")
+                if not gone.is_set() and not healthy(base_url):
+                    with lock:
+                        if not gone.is_set():
+                            stopped.append(f"after request {result.index} failed ({result.error}) /health was not "
+                                           f"200 at {time.perf_counter() - t0:.0f} s")
+                            gone.set()
+                            log(f"stopping: {stopped[0]}")
             if n % 100 == 0:
                 log(f"{n}/{len(todo)} done in {time.perf_counter() - t0:.0f} s")
 
-        results = _drive(base_url, todo, concurrency, max_seconds, on_done)
+        results = _drive(base_url, todo, concurrency, max_seconds, on_done, gone)
         wall = time.perf_counter() - t0
         idle = wait_idle(base_url, idle_timeout)
         time.sleep(2 * sample_s)  # every rank has sent fresh Stats since it went idle
         end = sampler.sample("end")
-    text = httpx.get(f"{base_url}/metrics", timeout=10).text
-    return _report(todo, results, sampler.series, first, end, idle, text, wall=wall, concurrency=concurrency,
-                   baseline_after=baseline_after, rss_tolerance=rss_tolerance)
+    try:
+        text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        text = ""
+    report = _report(todo, results, sampler.series, first, end, idle, text, wall=wall, concurrency=concurrency,
+                     baseline_after=baseline_after, rss_tolerance=rss_tolerance)
+    return {"stopped_early": stopped[0] if stopped else None, **report}
 
 
 def _report(todo, results, series, first, end, idle, metrics_text, *, wall, concurrency, baseline_after,
@@ -362,8 +388,8 @@ def _report(todo, results, series, first, end, idle, metrics_text, *, wall, conc
         kinds.setdefault(kind, {}).setdefault(r.outcome, 0)
         kinds[kind][r.outcome] += 1
     baseline = next((row for row in series if row.get("label") == "baseline"), None)
-    growth = {rank: round(end["rss_mib"][rank] / mib - 1, 4) for rank, mib in baseline["rss_mib"].items()} \
-        if baseline and end else {}
+    growth = {rank: round(end["rss_mib"][rank] / mib - 1, 4) if rank in end["rss_mib"] else None
+              for rank, mib in baseline["rss_mib"].items()} if baseline and end else {}
     ok = [r for r in results if r.outcome == "ok"]
     server = {reason: counter(metrics_text, f'mstar_dist_requests_finished_total{{reason="{reason}"}}')
               for reason in ("stop", "length", "abort", "error")}
@@ -388,7 +414,7 @@ def _report(todo, results, series, first, end, idle, metrics_text, *, wall, conc
         "rss": {"start_mib": first["rss_mib"] if first else None,
                 "baseline_after_requests": baseline_after, "baseline_mib": baseline["rss_mib"] if baseline else None,
                 "end_mib": end["rss_mib"] if end else None, "growth": growth, "tolerance": rss_tolerance,
-                "within_tolerance": bool(growth) and all(g <= rss_tolerance for g in growth.values()),
+                "within_tolerance": bool(growth) and all(g is not None and g <= rss_tolerance for g in growth.values()),
                 "series": series},
     }
 
@@ -428,6 +454,8 @@ def main() -> None:
         "cold_start_to_health_s": round(server.ready_seconds, 1), "ranks_exited_cleanly": clean, **report,
     }
     report["checks"] = checks(report)
+    if not all(report["checks"].values()):
+        report["server_log_tail"] = server.log()
     out = Path(args.out or REPO / f"bench/results/soak_{config.stem}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
@@ -437,12 +465,16 @@ def main() -> None:
 
 def checks(report: dict) -> dict[str, bool]:
     """The soak's pass conditions, by name."""
+    after = report["after"]
     return {
+        "every planned request sent": not report["truncated"],
         "no failed requests": report["counts"].get("failed", 0) == 0,
         "every request ok or abandoned": report["counts"].get("ok", 0) + report["counts"].get("abandoned", 0)
         == report["requests_sent"],
-        "0 live tensors on every rank": not any(report["after"]["live_tensors"].values()),
-        "0 KV slots used on every rank": not any(report["after"]["kv_slots_used"].values()),
+        "0 live tensors on every rank": after["idle"] and bool(after["live_tensors"])
+        and not any(after["live_tensors"].values()),
+        "0 KV slots used on every rank": after["idle"] and bool(after["kv_slots_used"])
+        and not any(after["kv_slots_used"].values()),
         f"RSS growth <= {report['rss']['tolerance']:.0%} on every rank": report["rss"]["within_tolerance"],
         "server counted no errored request": report["server_finished"]["error"] == 0,
     }
