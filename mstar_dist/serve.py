@@ -34,6 +34,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.add_argument("--log-format", default=os.environ.get("MSTAR_LOG_FORMAT", "text"), choices=["text", "json"],
                    help="text (default), or json: one JSON object a line (time, level, rank, host, logger, message)")
+    p.add_argument("--progress", default=os.environ.get("MSTAR_PROGRESS", "auto"), choices=["auto", "on", "off"],
+                   help="progress bars of weight preparation and loading on stderr: auto (default: only when stderr "
+                        "is a terminal), on (also into a log file), off")
     p.add_argument("--log-stats", nargs="?", type=float, const=10.0, default=None, metavar="SECONDS",
                    help="rank 0 logs throughput, queue, per-rank live tensors and every data-plane edge (bytes, "
                         "count, p50/p99 transfer time) every SECONDS (default 10)")
@@ -48,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     from mstar_dist.worker.boot import serve
 
     # torchrun's RANK until boot knows the logical rank and relabels the lines
-    configure_logging(args.log_level, rank=rank, host=socket.gethostname(), fmt=args.log_format)
+    configure_logging(args.log_level, rank=rank, host=socket.gethostname(), fmt=args.log_format,
+                      progress=args.progress)
 
     try:
         return serve(args)

@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{out} is already prepared")
         return 0
     try:
-        prepare_from_gguf(args.gguf or default_smollm2_gguf(), out)
+        prepare_from_gguf(args.gguf or default_smollm2_gguf(), out, progress=print)
     except (FileNotFoundError, FileExistsError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

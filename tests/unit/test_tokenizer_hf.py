@@ -1,0 +1,208 @@
+"""The tokenizer against HF: incremental detokenisation (tokenizers' DecodeStream vs the Python window it replaced,
+and the byte table) and chat templates rendered as transformers renders them.
+
+A failure in the detokeniser tests means streamed text differs from the text of the whole answer, or from what
+the window method streamed before DecodeStream (a changed delta, a split or lost multi-byte character, a dropped
+tail at flush, a special token leaking). A failure in the template tests means a prompt differs from the one HF
+builds for the same messages (a Llama-3-style template with ``bos_token``, a system message, headers,
+``add_generation_prompt``, ``tojson`` and ``strftime_now``; ChatML), or a template's ``raise_exception`` is not a
+client error.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from models.llama.chat_template import TemplateRefused
+from models.llama.gguf_import import DEFAULT_SMOLLM2_DIR, default_smollm2_gguf, ensure_smollm2_weights
+from models.llama.tokenizer import ChatTokenizer
+from scripts.bench_detok import TEXT, sentencepiece_style
+
+MULTILINGUAL = TEXT + "Ende: ß, é, 中, 🎉, 👩‍👩‍👧‍👦."
+
+
+@pytest.fixture(scope="module")
+def weights() -> Path:
+    try:
+        default_smollm2_gguf()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    return ensure_smollm2_weights(DEFAULT_SMOLLM2_DIR, progress=lambda _: None)
+
+
+@pytest.fixture(scope="module")
+def smol(weights) -> ChatTokenizer:
+    return ChatTokenizer(weights)
+
+
+@pytest.fixture(scope="module")
+def sp(tmp_path_factory) -> ChatTokenizer:
+    return sentencepiece_style(TEXT, tmp_path_factory.mktemp("sp"))
+
+
+def streamed(tok: ChatTokenizer, ids: list[int], method: str | None = None) -> list[str]:
+    decoder = tok.incremental_decoder(method=method)
+    return [decoder.push(i) for i in ids] + [decoder.flush()]
+
+
+# ------------------------------------------------------------------------------------------------ detokenisation
+
+
+def test_default_methods_byte_table_for_byte_level_decode_stream_otherwise(smol, sp):
+    assert smol.incremental_decoder().method == "bytes"
+    assert sp.incremental_decoder().method == "stream"
+    with pytest.raises(ValueError, match="'bytes' for byte-level BPE"):
+        sp.incremental_decoder(method="bytes")
+
+
+@pytest.mark.parametrize("which", ["smol", "sp"])
+def test_decode_stream_deltas_equal_the_window_methods_byte_for_byte(which, request):
+    tok = request.getfixturevalue(which)
+    ids = tok.encode(MULTILINGUAL)
+    window, stream = streamed(tok, ids, "window"), streamed(tok, ids, "stream")
+    assert stream == window  # every delta, not only the joined text
+    assert "".join(stream).encode() == tok.decode(ids).encode()
+    assert "" in stream[:-1]  # some ids end mid-character and were held back
+    assert not any("\ufffd" in d for d in stream)
+    if which == "smol":
+        assert "".join(streamed(tok, ids, "bytes")) == "".join(stream)
+    else:
+        assert any(tok._tok.id_to_token(i).startswith("<0x") for i in ids)  # byte fallback was exercised
+
+
+@pytest.mark.parametrize("which", ["smol", "sp"])
+def test_a_tail_cut_mid_character_flushes_the_same_replacement(which, request):
+    tok = request.getfixturevalue(which)
+    ids = tok.encode("ok 東")
+    for cut in range(1, len(ids) + 1):
+        expected = streamed(tok, ids[:cut], "window")
+        assert streamed(tok, ids[:cut], "stream") == expected
+        assert "".join(expected) == tok.decode(ids[:cut])
+
+
+def test_special_tokens_are_skipped_by_every_method(smol, sp):
+    for tok, methods in ((smol, ("bytes", "stream", "window")), (sp, ("stream", "window"))):
+        eos = tok._tok.token_to_id(tok.eos_token)
+        ids = [*tok.encode("Paris, ça va."), eos]
+        for method in methods:
+            assert "".join(streamed(tok, ids, method)) == "Paris, ça va."
+            assert "".join(tok.incremental_decoder(skip_special_tokens=False, method=method).push(ids)) \
+                .endswith(tok.eos_token)
+
+
+def test_a_refused_decode_stream_window_falls_back_to_the_python_window(sp):
+    ids = sp.encode(MULTILINGUAL)
+    decoder = sp.incremental_decoder(method="stream")
+    real, calls = decoder._stream, []
+
+    class Refusing:
+        def step(self, tokenizer, token_id):
+            calls.append(token_id)
+            if len(calls) > 40:
+                raise Exception("Invalid prefix encountered")
+            return real.step(tokenizer, token_id)
+
+    decoder._stream = Refusing()
+    deltas = [decoder.push(i) for i in ids] + [decoder.flush()]
+    assert len(calls) == 41 and decoder._stream is None
+    assert deltas == streamed(sp, ids, "window")
+
+
+# ------------------------------------------------------------------------------------------------ chat templates
+
+LLAMA3 = (
+    "{{- bos_token }}\n"
+    "{%- if not date_string is defined %}{%- set date_string = strftime_now('%d %b %Y') %}{%- endif %}\n"
+    "{%- if messages[0]['role'] == 'system' %}\n"
+    "    {%- set system_message = messages[0]['content'] | trim %}\n"
+    "    {%- set messages = messages[1:] %}\n"
+    "{%- else %}\n"
+    "    {%- set system_message = '' %}\n"
+    "{%- endif %}\n"
+    "{{- '<|start_header_id|>system<|end_header_id|>\\n\\n' }}\n"
+    "{{- 'Cutting Knowledge Date: December 2023\\n' }}\n"
+    "{{- 'Today Date: ' + date_string + '\\n\\n' }}\n"
+    "{%- if tools is not none %}{{- tools | tojson(indent=4) }}{%- endif %}\n"
+    "{{- 'Conversation so far: ' + messages | tojson + '\\n' }}\n"
+    "{{- system_message }}\n"
+    "{{- '<|eot_id|>' }}\n"
+    "{%- for message in messages %}\n"
+    "    {%- if message['role'] not in ['user', 'assistant'] %}\n"
+    "        {{- raise_exception('Only user and assistant roles are supported after the system message!') }}\n"
+    "    {%- endif %}\n"
+    "    {%- if message['content'] == '<stop>' %}{% break %}{% endif %}\n"
+    "    {%- if message['content'] == '' %}{% continue %}{% endif %}\n"
+    "    {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim"
+    " + '<|eot_id|>' }}\n"
+    "{%- endfor %}\n"
+    "{%- if add_generation_prompt %}\n"
+    "    {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}\n"
+    "{%- endif %}\n"
+)
+
+CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>'"
+          " + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "  Réponds en français, s'il te plaît. <b>&</b>  "},
+     {"role": "user", "content": "Où est « la tour Eiffel » ? 🗼"},
+     {"role": "assistant", "content": "À Paris."},
+     {"role": "user", "content": "Und auf Deutsch? 日本語でも。"}],
+    [{"role": "user", "content": "skip the empty one"}, {"role": "assistant", "content": ""},
+     {"role": "user", "content": "last"}, {"role": "user", "content": "<stop>"},
+     {"role": "user", "content": "never rendered"}],
+]
+
+
+def with_template(weights: Path, tmp_path: Path, template: str | None):
+    """(our ChatTokenizer, HF's PreTrainedTokenizerFast) over the same tokenizer.json, special tokens and
+    ``template`` (None: the one SmolLM2 ships, ChatML)."""
+    transformers = pytest.importorskip("transformers")
+    cfg = json.loads((weights / "tokenizer_config.json").read_text())
+    if template is not None:
+        cfg["chat_template"] = template
+    shutil.copy(weights / "tokenizer.json", tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"),
+                                              **{k: cfg[k] for k in ("bos_token", "eos_token", "unk_token",
+                                                                     "pad_token")})
+    hf.chat_template = cfg["chat_template"]
+    return ChatTokenizer(tmp_path), hf
+
+
+@pytest.mark.parametrize("template", ["llama3", "chatml", "smollm2"])
+def test_templates_render_exactly_as_transformers(weights, tmp_path, template):
+    source = {"llama3": LLAMA3, "chatml": CHATML, "smollm2": None}[template]
+    ours, hf = with_template(weights, tmp_path, source)
+    for messages in CONVERSATIONS:
+        for add_generation_prompt in (True, False):
+            got = ours.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+            want = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+            assert got == want
+    if template == "llama3":
+        assert got.startswith("<|im_start|><|start_header_id|>system<|end_header_id|>\n\n")  # bos_token first
+        assert "Today Date: " in got and "never rendered<|eot_id|>" not in got  # {% break %} ended the loop
+
+
+def test_tojson_keeps_unicode_and_key_order_and_the_template_sees_no_html_escaping(weights, tmp_path):
+    ours, _ = with_template(weights, tmp_path, LLAMA3)
+    text = ours.apply_chat_template(CONVERSATIONS[1])
+    assert '[{"role": "user", "content": "Où est « la tour Eiffel » ? 🗼"}' in text
+    assert "<b>&</b>" in text
+
+
+def test_raise_exception_is_a_template_error_and_a_client_error(weights, tmp_path):
+    import jinja2
+
+    ours, hf = with_template(weights, tmp_path, LLAMA3)
+    messages = [{"role": "user", "content": "hi"}, {"role": "tool", "content": "{}"}]
+    with pytest.raises(jinja2.TemplateError, match="Only user and assistant roles") as want:
+        hf.apply_chat_template(messages, tokenize=False)
+    with pytest.raises(TemplateRefused, match="Only user and assistant roles") as got:
+        ours.apply_chat_template(messages)
+    assert isinstance(got.value, ValueError) and str(got.value) == str(want.value)
