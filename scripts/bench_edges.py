@@ -12,7 +12,9 @@ path is what the runtime does per edge on that transport (transport/base.py): `p
 polling `done()`, and for the arena transports the consumer's `TransferAck` when it lets the tensor go:
 - p2p: the directed pair groups (gloo for host tensors, NCCL for CUDA ones);
 - shm: the producer copies into its /dev/shm arena, the consumer wraps the bytes (no copy);
-- mooncake: the Mooncake transfer engine over tcp (P2PHANDSHAKE), the consumer reads one-sided.
+- mooncake: the Mooncake transfer engine over tcp (P2PHANDSHAKE), the consumer reads one-sided;
+- inline (up to 1 MiB): the tensor's bytes inside the control message, what the runtime does up to
+  transport.inline_max_bytes (64 KiB by default), so the 4 KiB row's real path.
 
 One-way time = half a ping-pong measured on rank 0 (0 -> 1, and back: rank 1 sends what it received), so no
 clock is shared between ranks and the number also holds across hosts. The paths alternate iteration by
@@ -45,7 +47,7 @@ from mstar_dist.control.channel import ControlChannel, default_store, lookup_end
 from mstar_dist.distributed.groups import create_pair_groups, warm_pairs  # noqa: E402
 from mstar_dist.distributed.init import backend_for_device, init_distributed, shutdown_distributed  # noqa: E402
 from mstar_dist.transport.base import ArenaFull, DataPlane  # noqa: E402
-from mstar_dist.transport.inline import dtype_to_str  # noqa: E402
+from mstar_dist.transport.inline import decode_tensor, dtype_to_str, encode_tensor  # noqa: E402
 from mstar_dist.transport.p2p import P2PTransport, Transfer  # noqa: E402
 
 SIZES = [("4 KiB", 4 << 10), ("1 MiB", 1 << 20), ("16 MiB", 16 << 20), ("64 MiB", 64 << 20), ("256 MiB", 256 << 20)]
@@ -96,7 +98,8 @@ class Bench:
         self.channel, self.planes = channel, planes
         self.out_group = groups[(rank, self.peer)].group
         self.in_group = groups[(self.peer, rank)].group
-        self._wires: list[m.WireTensor] = []
+        self._wires: list = []  # descriptors (and inline values) from the peer, in order
+        self.inline_max_bytes = 1 << 20  # the inline path is measured up to this size
         self.other: list[bytes] = []
 
     def _sync(self) -> None:
@@ -174,6 +177,23 @@ class Bench:
             self._pump(0)
             time.sleep(20e-6)
 
+    def inline_once(self, buf: torch.Tensor) -> None:
+        """The tensor inside the control message (what the runtime does up to transport.inline_max_bytes)."""
+        def send(t: torch.Tensor) -> None:
+            self.channel.send(f"rank{self.peer}", m.encode(TOKEN, f"rank{self.rank}", m.StreamItems(
+                request_id="bench", signal="inline", values=[encode_tensor(t)])))
+
+        def recv() -> torch.Tensor:
+            while not self._wires:
+                self._pump(1)
+            return decode_tensor(self._wires.pop(0), self.device)
+
+        if self.rank == 0:
+            send(buf)
+            recv()
+        else:
+            send(recv())
+
     def ours_once(self, name: str, buf: torch.Tensor) -> None:
         plane = self.planes[name]
         if self.rank == 0:
@@ -192,6 +212,8 @@ class Bench:
         self._sync()
         paths = {"raw": self.raw_once, "raw_fresh": self.raw_fresh_once}
         paths.update({name: (lambda b, _n=name: self.ours_once(_n, b)) for name in self.planes})
+        if nbytes <= self.inline_max_bytes:
+            paths["inline"] = self.inline_once
         samples: dict[str, list[float]] = {name: [] for name in paths}
         for i in range(warmup + iters):
             for name, fn in paths.items():
@@ -276,8 +298,8 @@ def main(argv: list[str] | None = None) -> int:
         results = []
         for label, nbytes in sizes:
             r = bench.measure(nbytes, args.iters * (5 if nbytes <= 1 << 20 else 1), args.warmup)
-            r.update(size=label, bytes=nbytes, paths=["raw", "raw_fresh", *planes])
-            for name in ("raw_fresh", *planes):
+            r.update(size=label, bytes=nbytes, paths=[p for p in ("raw", "raw_fresh", *planes, "inline") if p in r])
+            for name in r["paths"][1:]:
                 r[f"ratio_{name}_over_raw"] = r[name]["median_us"] / r["raw"]["median_us"]
             results.append(r)
             if rank == 0:

@@ -54,3 +54,19 @@ def test_dry_run_matches_golden(name, capsys, monkeypatch, tmp_path):
     if os.environ.get("MSTAR_UPDATE_GOLDEN"):
         golden.write_text(out)
     assert out == golden.read_text(), f"dry run of {config} changed; see the module docstring"
+
+
+def test_a_hosts_env_and_transfer_device_are_set_before_its_ranks_initialise(monkeypatch):
+    """boot.apply_host_env runs right after identify, before init_process_group: the spec's env wins over what
+    the process had, and transfer_device becomes NCCL's NIC unless the env names one."""
+    import os
+
+    from mstar_dist.config.cluster import HostSpec
+    from mstar_dist.worker.boot import apply_host_env
+
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    monkeypatch.delenv("NCCL_IB_HCA", raising=False)
+    apply_host_env(HostSpec("node-b", "10.0.0.2", (0,), "mlx5_1", {"GLOO_SOCKET_IFNAME": "eth1"}))
+    assert os.environ["GLOO_SOCKET_IFNAME"] == "eth1" and os.environ["NCCL_IB_HCA"] == "mlx5_1"
+    apply_host_env(HostSpec("node-c", "10.0.0.3", (0,), "mlx5_2", {"NCCL_IB_HCA": "mlx5_7"}))
+    assert os.environ["NCCL_IB_HCA"] == "mlx5_7"
