@@ -9,6 +9,7 @@ processes running. Skips only when SLURM cannot be installed here (no apt-get), 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -81,7 +82,8 @@ def test_sbatch_serves_a_two_node_deployment_and_scancel_leaves_nothing(slurm, t
         assert "Paris" in r.json()["choices"][0]["message"]["content"]
         text = _tail(log, 20000)
         assert f"job {job} on " in text and "all 2 hosts joined" in text
-        assert "[rank 1] INFO" in text and "0 -> 1" in text  # both nodes' ranks log; the cross-host pair is listed
+        assert re.search(r"\[rank 1 host \S+\] INFO", text) and "0 -> 1" in text  # both nodes' ranks log; the
+        # cross-host pair is listed
         spec = tmp_path / f"job-{job}.yaml"
         running = _procs_mentioning(str(spec))
         assert running, "the deployment's processes run the job's spec"
