@@ -26,21 +26,24 @@ MAX_DECODE_ITERS = 1 << 20
 class LlamaChat(CompositeModel):
     """``model_kwargs``: ``dtype`` (float32 | bfloat16 | float16; default float32 on CPU, bfloat16 on CUDA),
     ``max_seq_len`` (KV positions per request, default 2048), ``max_batch`` (KV slots = decode batch, default 16),
-    ``cuda_graphs`` (decode steps replay captured CUDA graphs; default true on CUDA)."""
+    ``cuda_graphs`` (decode steps replay captured CUDA graphs; default true on CUDA), ``prefill_token_budget``
+    (most padded prompt tokens one batched prefill forward takes, default 4096)."""
 
     name = "llama"
     tp_nodes = frozenset({LLM})
 
     def __init__(self, weights_dir: str | None, **model_kwargs: Any):
-        unknown = set(model_kwargs) - {"dtype", "max_seq_len", "max_batch", "cuda_graphs"}
-        if unknown:
-            raise ValueError(f"model_kwargs: unknown keys {sorted(unknown)} "
-                             f"(allowed: dtype, max_seq_len, max_batch, cuda_graphs)")
+        allowed = {"dtype", "max_seq_len", "max_batch", "cuda_graphs", "prefill_token_budget"}
+        if unknown := set(model_kwargs) - allowed:
+            raise ValueError(f"model_kwargs: unknown keys {sorted(unknown)} (allowed: {', '.join(sorted(allowed))})")
         super().__init__(weights_dir, **model_kwargs)
         if weights_dir is None:
             raise ValueError("weights: a Llama model needs a weights directory")
         self.max_seq_len = int(model_kwargs.get("max_seq_len", 2048))
         self.max_batch = int(model_kwargs.get("max_batch", 16))
+        self.prefill_token_budget = int(model_kwargs.get("prefill_token_budget", 4096))
+        if self.prefill_token_budget < 1:
+            raise ValueError(f"model_kwargs.prefill_token_budget must be >= 1, got {self.prefill_token_budget}")
         if self.max_seq_len < 2 or self.max_batch < 1:
             raise ValueError(
                 f"model_kwargs: max_seq_len must be >= 2 and max_batch >= 1, got {self.max_seq_len}, {self.max_batch}"
@@ -93,7 +96,8 @@ class LlamaChat(CompositeModel):
             dtype=dtype,
             device=device,
         )
-        return KVCacheEngine(LLM, model, cache, torch.device(device), cuda_graphs=graphs)
+        return KVCacheEngine(LLM, model, cache, torch.device(device), cuda_graphs=graphs,
+                             prefill_token_budget=self.prefill_token_budget)
 
     def _load_model(self, device: str, dtype: torch.dtype, tp):
         """(model, config) of this rank's shard; the model has ``local_kv_heads`` and the KV-cache interface."""

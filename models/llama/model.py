@@ -145,6 +145,10 @@ class Llama(nn.Module):
     n_kv_heads and intermediate_size.
     """
 
+    pads_are_inert = True
+    """Right-padding a row changes nothing for its real tokens (causal attention, no state across rows), so
+    prompts of different lengths may share a prefill forward (engine/kv_engine.py)."""
+
     def __init__(self, config: LlamaConfig, tp: TPGroup = TPGroup.single()) -> None:
         super().__init__()
         self.config = config
@@ -171,13 +175,16 @@ class Llama(nn.Module):
         self.rope_cos, self.rope_sin = rope_tables(self.config, dtype=w.dtype, device=w.device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: AttentionCache,
-                last_only: bool = False) -> torch.Tensor:
-        """input_ids, positions (B, T) -> fp32 logits (B, T, V), or (B, 1, V) for the last token only.
+                last_only: bool = False, last_index: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions (B, T) -> fp32 logits (B, T, V), or (B, 1, V) for the last token only, or with
+        ``last_index`` (B,) for token ``last_index[b]`` of row b (right-padded rows of a batched prefill).
 
         The caller has bound the cache for this pass (e.g. StaticKVCache.bind); positions index RoPE.
         """
         h = self._blocks(input_ids, positions, cache)
-        if last_only:
+        if last_index is not None:
+            h = h.gather(1, last_index.view(-1, 1, 1).expand(-1, 1, h.shape[-1]))  # (B, 1, d)
+        elif last_only:
             h = h[:, -1:]  # (B, 1, d)
         return self.lm_head(self.norm(h)).float()
 

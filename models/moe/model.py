@@ -221,8 +221,9 @@ class Qwen3Moe(nn.Module):
         self.rope_cos, self.rope_sin = rope_tables(self.config, dtype=w.dtype, device=w.device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: AttentionCache,
-                last_only: bool = False) -> torch.Tensor:
-        """input_ids, positions (B, T) -> fp32 logits (B, T, V), or (B, 1, V) for the last token only.
+                last_only: bool = False, last_index: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions (B, T) -> fp32 logits (B, T, V), or (B, 1, V) for the last token only, or with
+        ``last_index`` (B,) for token ``last_index[b]`` of row b (right-padded rows of a batched prefill).
 
         The caller has bound the cache for this pass. Router states start as None at every call and thread
         from each MoE block to the next.
@@ -233,6 +234,8 @@ class Qwen3Moe(nn.Module):
         router_states = None
         for layer in self.layers:
             h, router_states = layer(h, cos, sin, cache, router_states)
-        if last_only:
+        if last_index is not None:
+            h = h.gather(1, last_index.view(-1, 1, 1).expand(-1, 1, h.shape[-1]))  # (B, 1, H)
+        elif last_only:
             h = h[:, -1:]  # (B, 1, H)
         return self.lm_head(self.norm(h)).float()
