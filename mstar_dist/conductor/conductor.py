@@ -245,7 +245,7 @@ class Conductor:
         except Exception as exc:
             log.exception("conductor: handling %s failed", fn.__name__)
             payload = args[1] if fn == self._handle and len(args) > 1 else None
-            wire_id = None
+            wire_id = getattr(args[0], "request_id", None) if args else None  # a message handled on its own
             if isinstance(payload, bytes):
                 try:
                     wire_id = getattr(m.decode(payload).body, "request_id", None)
@@ -280,7 +280,10 @@ class Conductor:
         self.last_seen[rank] = time.monotonic()
         if rank in self.dead_ranks:
             return  # declared dead: its requests were failed; it must not come back half-way
-        if isinstance(body, m.Emit):
+        if isinstance(body, m.Emits):
+            for emit in body.items:
+                self._guarded(self._on_emit, emit)
+        elif isinstance(body, m.Emit):
             self._on_emit(body)
         elif isinstance(body, m.WalkDone):
             self._on_walk_done(body)

@@ -309,6 +309,12 @@ class Emit(msgspec.Struct, tag=True):
     values: list[InlineTensor]
 
 
+class Emits(msgspec.Struct, tag=True):
+    """Every ``Emit`` of one worker step, for all of the rank's requests: one message per step, not per token."""
+
+    items: list[Emit]
+
+
 class WalkDone(msgspec.Struct, tag=True):
     """The receiving rank finished its part of a walk; ``outputs`` are the walk's outputs it produced."""
 
@@ -401,7 +407,7 @@ class Stats(msgspec.Struct, tag=True):
 
 Message = Union[
     RunWalk, Push, StopLoops, RemoveRequest, Shutdown, Heartbeat, RankDown, AbortPair, TensorDesc, TransferAck,
-    NodeDone, StreamItems, StreamEnd, TPStep, TPPush, Emit, WalkDone, Ready, LoadFailed, Leaving, Stats,
+    NodeDone, StreamItems, StreamEnd, TPStep, TPPush, Emit, Emits, WalkDone, Ready, LoadFailed, Leaving, Stats,
 ]
 
 

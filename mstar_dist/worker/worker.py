@@ -610,6 +610,8 @@ class Worker:
             self._finish(run)
 
     def _flush_emits(self) -> None:
+        """Send this step's emitted values of every request to the conductor as one ``Emits`` message."""
+        out: list[m.Emit] = []
         for request_id, items in list(self._emits.items()):
             if not items:
                 continue
@@ -621,9 +623,11 @@ class Worker:
                 items.clear()
                 self._fail_request(request_id, f"emitted value: {type(exc).__name__}: {exc}")
                 continue
-            for signal, values in by_signal.items():
-                self._send(CONDUCTOR, m.Emit(request_id=request_id, walk="", signal=signal, values=values))
+            out.extend(m.Emit(request_id=request_id, walk="", signal=signal, values=values)
+                       for signal, values in by_signal.items())
             items.clear()
+        if out:
+            self._send(CONDUCTOR, m.Emits(items=out))
         for request_id, items in list(self._stream_out.items()):
             if items:
                 try:

@@ -151,9 +151,11 @@ def test_failing_call_fails_only_its_request_and_batch_mates_complete():
     assert "negative x -5" in done["bad"].error
     assert done["a"].error is None and int(decode_tensor(done["a"].outputs["x"])) == 3
     assert done["b"].error is None and int(decode_tensor(done["b"].outputs["x"])) == 13
-    emitted = [int(decode_tensor(v)) for _, b in channel.sent if isinstance(b, m.Emit) and b.request_id == "a"
-               for v in b.values]
+    emitted = [int(decode_tensor(v)) for _, b in channel.sent if isinstance(b, m.Emits)
+               for e in b.items if e.request_id == "a" for v in e.values]
     assert emitted == [1, 2, 3]
+    batches = [{e.request_id for e in b.items} for _, b in channel.sent if isinstance(b, m.Emits)]
+    assert {"a", "b"} <= batches[0], batches  # one message per step carries every request's tokens
 
 
 def test_broken_batch_fails_exactly_its_requests_and_the_rank_lives():
