@@ -46,6 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # rank 0's front end parses the same flags
     rank = os.environ.get("RANK")
     from mstar_dist.logs import configure_logging
     from mstar_dist.worker.boot import serve

@@ -24,6 +24,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -278,21 +279,31 @@ def build_data_plane(dep: Deployment, info: RankInfo, device: str, timeout_s: fl
                   device=torch.device(device))
 
 
+def load_deployment(args: argparse.Namespace, world_size: int | None, local_ws: int | None) -> Deployment:
+    """The deployment of ``args.config`` with the command line's overrides (every rank and the front end build
+    the same one). ``world_size`` None: torchrun's is unknown (a dry run sizes the world from the config)."""
+    config = load_config(args.config).with_overrides(
+        host=args.host, port=args.port, max_concurrent_requests=args.max_concurrent_requests,
+        request_timeout_s=args.request_timeout, max_body_bytes=args.max_body_bytes,
+        intra_host=args.intra_host_tensor_protocol, inter_host=args.inter_host_tensor_protocol,
+    )
+    if world_size is None:
+        world_size = _world_from_config(config) if args.dry_run else 1
+    return Deployment.build(config, world_size, local_ws)
+
+
 def serve(args: argparse.Namespace) -> int:
     from mstar_dist.distributed.groups import create_tp_groups
     from mstar_dist.distributed.init import backend_for_device, init_distributed, shutdown_distributed
     from mstar_dist.server.http_server import reserve_port
     from mstar_dist.transport.store import TensorStore
 
-    config = load_config(args.config).with_overrides(
-        host=args.host, port=args.port, max_concurrent_requests=args.max_concurrent_requests,
-        request_timeout_s=args.request_timeout, max_body_bytes=args.max_body_bytes,
-        intra_host=args.intra_host_tensor_protocol, inter_host=args.inter_host_tensor_protocol,
-    )
     env = os.environ
-    world_size = int(env.get("WORLD_SIZE", "0")) or (_world_from_config(config) if args.dry_run else 1)
+    torchrun_world = int(env.get("WORLD_SIZE", "0")) or None
     local_ws = int(env["LOCAL_WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in env else None
-    dep = Deployment.build(config, world_size, local_ws)
+    dep = load_deployment(args, torchrun_world, local_ws)
+    world_size = torchrun_world or (dep.cluster.world_size if args.dry_run else 1)
+    config = dep.config
     if args.dry_run:
         print(dep.describe())
         return 0
@@ -308,12 +319,18 @@ def serve(args: argparse.Namespace) -> int:
         threads = cpu_threads_for(config, rank, len(dep.cluster.ranks_on_host(info.node_rank)), os.cpu_count() or 1)
         torch.set_num_threads(threads)
         log.info("rank %d uses %d CPU threads", rank, threads)
-    http_sock = reserve_port(config.server.host, config.server.port) if dep.placement.is_conductor(rank) else None
+    frontend = None
+    if dep.placement.is_conductor(rank):  # first thing: its imports overlap the distributed setup (§2)
+        from mstar_dist.conductor.process import FrontendProcess
+
+        frontend = FrontendProcess(getattr(args, "argv", sys.argv[1:]), host_name=info.host_name, addr=info.addr,
+                                   http_sock=reserve_port(config.server.host, config.server.port))
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
 
-    channel = conductor_channel = conductor = http = data_plane = None
+    channel = data_plane = None
+    endpoints: dict[str, str] = {}
     rc = 0
     try:
         init_distributed(global_rank=rank, world_size=world_size, device=device, timeout_s=args.startup_timeout)
@@ -327,23 +344,24 @@ def serve(args: argparse.Namespace) -> int:
 
         channel = ControlChannel(rank_name(rank), info.addr)
         publish_endpoint(store, rank_name(rank), channel.endpoint)
-        if dep.placement.is_conductor(rank):
-            conductor_channel = ControlChannel(CONDUCTOR, info.addr)
-            publish_endpoint(store, CONDUCTOR, conductor_channel.endpoint)
+        if frontend is not None:
+            publish_endpoint(store, CONDUCTOR, frontend.endpoint(args.startup_timeout))
         channel.connect(CONDUCTOR, lookup_endpoint(store, CONDUCTOR, args.startup_timeout))
         for peer in range(world_size):
-            endpoint = lookup_endpoint(store, rank_name(peer), args.startup_timeout)
-            channel.connect(rank_name(peer), endpoint)
-            if conductor_channel is not None:
-                conductor_channel.connect(rank_name(peer), endpoint)
+            endpoints[rank_name(peer)] = lookup_endpoint(store, rank_name(peer), args.startup_timeout)
+            channel.connect(rank_name(peer), endpoints[rank_name(peer)])
 
         t0 = time.monotonic()
         try:
             components = _load_components(dep, info, device, store, args.startup_timeout, tp_groups)
         except Exception as exc:
+            if frontend is not None:
+                frontend.configure(dep.token, endpoints, failed=f"{where} failed to load: {type(exc).__name__}: {exc}")
             channel.send(CONDUCTOR, m.encode(dep.token, rank_name(rank),
                                              m.LoadFailed(rank=rank, host=info.host_name, error=f"{type(exc).__name__}: {exc}")))
             raise
+        if frontend is not None:
+            frontend.configure(dep.token, endpoints)
         channel.send(CONDUCTOR, m.encode(dep.token, rank_name(rank),
                                          m.Ready(rank=rank, host=info.host_name, load_seconds=time.monotonic() - t0)))
         worker = Worker(
@@ -352,39 +370,26 @@ def serve(args: argparse.Namespace) -> int:
             inline_max_bytes=dep.config.transport.inline_max_bytes,
             backpressure_timeout_s=dep.config.transport.backpressure_timeout_s,
             streaming_edges=dep.model.streaming_edges(),
-            conductor_timeout_s=None if dep.placement.is_conductor(rank) else dep.config.limits.rank_timeout_s,
+            conductor_timeout_s=dep.config.limits.rank_timeout_s,
             tp_roles=tp_roles_for(dep.placement, rank),
         )
-        if conductor_channel is not None:
-            conductor = _start_conductor(dep, conductor_channel, args.startup_timeout,
-                                         log_stats_s=args.log_stats)
-            http = _start_http(dep, conductor, api_key=args.api_key, sock=http_sock)
-        worker.run(should_stop=stop.is_set)
-        if stop.is_set() and not worker.stopping and not dep.placement.is_conductor(rank):
+        frontend_gone = (lambda: False) if frontend is None else (lambda: not frontend.alive())
+        worker.run(should_stop=lambda: stop.is_set() or frontend_gone())
+        if frontend_gone() and not stop.is_set() and not worker.stopping:
+            raise RuntimeError(frontend.describe_exit())
+        if stop.is_set() and not worker.stopping and frontend is None:
             _tell_leaving(dep, channel, rank, info.host_name)
         if worker.stopping and worker.failed_reason:
             raise RuntimeError(worker.failed_reason)
     except Exception as exc:
         log.error("%s failed: %s\n%s", where, exc, traceback.format_exc())
         rc = 1
-        if conductor is None and conductor_channel is not None:
-            _broadcast_shutdown(dep, conductor_channel, world_size, f"{where} failed: {exc}")
     finally:
-        if conductor is not None:
-            # the conductor fails in-flight requests with 503 while HTTP still delivers them, then lets go of its
-            # socket: only after the join may this thread use it (ZMQ sockets are single-threaded)
-            conductor.stopped.set()
-            if conductor.thread is not None:
-                conductor.thread.join(timeout=10)
-            _broadcast_shutdown(dep, conductor.channel, world_size, "rank 0 is stopping", error=rc != 0)
-            time.sleep(0.2)  # let the shutdown messages leave before the sockets close
-        if http is not None:
-            http.stop()
-        elif http_sock is not None:
-            http_sock.close()
-        for ch in (channel, conductor_channel):
-            if ch is not None:
-                ch.close()
+        if frontend is not None:
+            # it fails in-flight requests with 503 while HTTP still delivers them and tells every rank to stop
+            frontend.stop()
+        if channel is not None:
+            channel.close()
         if data_plane is not None:
             data_plane.close()  # unlinks the shm segment, drops registrations, stops gloo waiter threads
         shutdown_distributed()
