@@ -1,20 +1,24 @@
-"""Serving benchmark: our deployment vs HF transformers ``generate`` vs a bare batched loop, side by side in one run.
+"""Serving benchmark: our deployments vs HF transformers ``generate`` vs a bare batched loop, side by side in one run.
 
-    python scripts/bench_serving.py [--config launch/configs/smollm2_pd.yaml] [--rounds 3] [--max-tokens 64]
+    python scripts/bench_serving.py [--config launch/configs/smollm2_pd.yaml:2 ...] [--streams 1 8 32 64]
+                                    [--rounds 3] [--max-tokens 64] [--device cpu|cuda] [--out FILE]
 
 Measures, alternating the contenders round by round so machine noise hits them alike (medians reported):
-- cold start: torchrun launch to ``/health`` 200 (weights already prepared);
-- ours: output tok/s and TTFT with 1 stream (sequential streaming requests) and 8 concurrent streams;
-- HF ``generate`` (greedy, batch 1) on the same weights and prompts: tok/s;
-- bare loop (our model + KV cache, no serving; ``models/llama/bare_loop.py``) at batch 1 and 8: tok/s.
-Ratios and the issue's targets go into the JSON (``--out``, default ``bench/results/serving_<device>.json``).
-Every request asks for ``--max-tokens`` greedy tokens; all prompts are long-answer prompts so EOS rarely ends
-them early, and tok/s counts the tokens actually produced.
+- cold start of each deployment: torchrun launch to ``/health`` 200 (weights already prepared);
+- ours, for every ``--config PATH:NPROC`` (P/D split, single rank, ...): output tok/s and median TTFT at each
+  ``--streams`` concurrency (streaming ``/generate``, ``2 x streams`` requests, at least 4);
+- HF ``generate`` (greedy) at batch 1 and batched at 8 (left-padded) on the same weights and prompts;
+- the bare loop (our model + KV cache, no serving; ``models/llama/bare_loop.py``) at batch = streams, eager and,
+  on CUDA, replaying CUDA graphs like the engine (the yardstick of the GPU targets).
+Ratios and the targets of "Serve at the GPU's pace" go into the JSON (``--out``, default
+``bench/results/serving_<device>.json``). Every request asks for ``--max-tokens`` greedy tokens; all prompts are
+long-answer prompts so EOS rarely ends them early, and tok/s counts the tokens actually produced.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures as cf
 import json
 import os
@@ -86,27 +90,39 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def hf_generate(hf_model, ids_list: list[list[int]], max_tokens: int, device: str) -> dict:
+def hf_generate(hf_model, ids_list: list[list[int]], max_tokens: int, device: str, batch: int = 1) -> dict:
+    """Greedy ``generate`` of every prompt, ``batch`` at a time (left-padded), exactly ``max_tokens`` each."""
     tokens, t0 = 0, time.perf_counter()
-    for ids in ids_list:
-        out = hf_model.generate(torch.tensor([ids], device=device), max_new_tokens=max_tokens, do_sample=False,
-                                pad_token_id=0)
-        tokens += out.shape[1] - len(ids)
+    for i in range(0, len(ids_list), batch):
+        group = ids_list[i : i + batch]
+        width = max(len(ids) for ids in group)
+        ids = torch.tensor([[0] * (width - len(x)) + x for x in group], device=device)
+        mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in group], device=device)
+        out = hf_model.generate(ids, attention_mask=mask, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                                do_sample=False, pad_token_id=0)
+        tokens += (out.shape[1] - width) * len(group)
     _sync(device)
     wall = time.perf_counter() - t0
     return {"tok_s": tokens / wall, "tokens": tokens, "seconds": wall}
 
 
-def bare(model, cfg, ids_list: list[list[int]], batch: int, max_tokens: int, device: str, dtype) -> dict:
+def bare(model, cfg, ids_list: list[list[int]], batch: int, max_tokens: int, device: str, dtype,
+         graphs: bool = False) -> dict:
     from models.llama.bare_loop import bare_generate
+    from mstar_dist.engine.cuda_graphs import DecodeGraphs
     from mstar_dist.engine.kv_cache import StaticKVCache
 
-    cache = StaticKVCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, max_slots=batch, max_seq_len=512,
-                          dtype=dtype, device=device)
+    cache = StaticKVCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, max_slots=batch + (1 if graphs else 0),
+                          max_seq_len=512, dtype=dtype, device=device)
+    captured = None
+    if graphs:
+        captured = DecodeGraphs(model, cache, scratch_slot=cache.alloc(), max_batch=batch)
+        captured.capture()
+    bare_generate(model, cache, ids_list[:batch], 4, graphs=captured)  # warm this batch size
     tokens, wall = 0, 0.0
     for i in range(0, len(ids_list), batch):
         group = ids_list[i : i + batch]
-        out, seconds = bare_generate(model, cache, group, max_tokens)
+        out, seconds = bare_generate(model, cache, group, max_tokens, graphs=captured)
         tokens += len(group) * max_tokens
         wall += seconds
     return {"tok_s": tokens / wall, "tokens": tokens, "seconds": wall}
@@ -114,67 +130,113 @@ def bare(model, cfg, ids_list: list[list[int]], batch: int, max_tokens: int, dev
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--config", default=str(REPO / "launch/configs/smollm2_pd.yaml"))
-    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--config", action="append", default=None, metavar="PATH:NPROC",
+                   help="a deployment to serve, with its rank count (repeatable; default "
+                        "launch/configs/smollm2_pd.yaml:2)")
+    p.add_argument("--streams", type=int, nargs="+", default=[1, 8])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-batch", type=int, default=None,
+                   help="model_kwargs.max_batch of the served deployments (default: the largest --streams, >= 16)")
     p.add_argument("--out", default=None)
     p.add_argument("--device", default="cpu", help="cpu | cuda (the server picks CUDA by itself when present)")
     p.add_argument("--model", default=None, help="registry key override for the served config (e.g. llama)")
+    p.add_argument("--no-hf", action="store_true", help="skip HF generate (no transformers here)")
     args = p.parse_args()
+    configs = [(c.rsplit(":", 1)[0], int(c.rsplit(":", 1)[1])) for c in
+               (args.config or [str(REPO / "launch/configs/smollm2_pd.yaml") + ":2"])]
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    cuda = args.device.startswith("cuda")
     os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count()))
-
-    from transformers import AutoModelForCausalLM
+    top = max(args.streams)
+    max_batch = args.max_batch or max(16, top)
 
     from models.llama.tokenizer import ChatTokenizer
     from models.llama.weights import load_llama
 
     tok = ChatTokenizer(WEIGHTS)
-    ids8 = [chat_ids(tok, p) for p in PROMPTS]
-    hf_model = AutoModelForCausalLM.from_pretrained(WEIGHTS, torch_dtype=dtype).to(args.device).eval()
+    ids = [chat_ids(tok, PROMPTS[i % len(PROMPTS)]) for i in range(2 * top)]
+    hf_model = None
+    if not args.no_hf:
+        from transformers import AutoModelForCausalLM
+
+        hf_model = AutoModelForCausalLM.from_pretrained(WEIGHTS, torch_dtype=dtype).to(args.device).eval()
     our_model, cfg = load_llama(WEIGHTS, device=args.device, dtype=dtype)
 
-    server = Server(args.config, nproc=args.nproc, overrides={"model": args.model} if args.model else None)
-    cold_start = server.ready_seconds
-    rows: dict[str, list[dict]] = {k: [] for k in ("ours_1", "ours_8", "hf_1", "bare_1", "bare_8")}
-    try:
-        ours(server.base_url, 1, 8, 1)  # warm the path once
-        for r in range(args.rounds):
-            rows["ours_1"].append(ours(server.base_url, 1, args.max_tokens, 4))
-            rows["ours_8"].append(ours(server.base_url, 8, args.max_tokens, 16))
-            with torch.inference_mode():
-                rows["hf_1"].append(hf_generate(hf_model, ids8[:4], args.max_tokens, args.device))
-                rows["bare_1"].append(bare(our_model, cfg, ids8[:4], 1, args.max_tokens, args.device, dtype))
-                rows["bare_8"].append(bare(our_model, cfg, ids8 + ids8, 8, args.max_tokens, args.device, dtype))
-            print(f"round {r}: " + ", ".join(f"{k}={v[-1]['tok_s']:.1f}" for k, v in rows.items()), flush=True)
-    finally:
-        server.stop()
+    rows: dict[str, list[dict]] = collections.defaultdict(list)
+    cold: dict[str, float] = {}
+    for r in range(args.rounds):
+        for path, nproc in configs:  # one deployment up at a time (they share the device)
+            name = Path(path).stem
+            overrides = {"model_kwargs": {"max_batch": max_batch},
+                         "limits": {"max_concurrent_requests": max(64, 2 * top), "max_tokens": 4096}}
+            if args.model:
+                overrides["model"] = args.model
+            server = Server(path, nproc=nproc, overrides=overrides)
+            cold.setdefault(name, server.ready_seconds)
+            try:
+                ours(server.base_url, 1, 8, 1)  # warm the path once
+                for n in args.streams:
+                    rows[f"{name}_{n}"].append(ours(server.base_url, n, args.max_tokens, max(4, 2 * n)))
+            finally:
+                server.stop()
+        with torch.inference_mode():
+            if hf_model is not None:
+                rows["hf_1"].append(hf_generate(hf_model, ids[:2 if cuda else 4], args.max_tokens, args.device))
+                rows["hf_8"].append(hf_generate(hf_model, ids[:8], args.max_tokens, args.device, batch=8))
+            for n in args.streams:
+                rows[f"bare_{n}"].append(bare(our_model, cfg, ids[: max(n, 4 if n == 1 else n)], n, args.max_tokens,
+                                              args.device, dtype))
+                if cuda:
+                    rows[f"bare_graphs_{n}"].append(bare(our_model, cfg, ids[: max(n, 4 if n == 1 else n)], n,
+                                                         args.max_tokens, args.device, dtype, graphs=True))
+        print(f"round {r}: " + ", ".join(f"{k}={v[-1]['tok_s']:.1f}" for k, v in rows.items()), flush=True)
 
     med = {k: statistics.median(x["tok_s"] for x in v) for k, v in rows.items()}
-    ratios = {
-        "ours_8_over_hf_1": med["ours_8"] / med["hf_1"],
-        "ours_8_over_bare_8": med["ours_8"] / med["bare_8"],
-        "ours_1_over_hf_1": med["ours_1"] / med["hf_1"],
-        "ours_1_over_bare_1": med["ours_1"] / med["bare_1"],
-    }
-    targets = {
-        "ours_8_over_hf_1 >= 1.5": ratios["ours_8_over_hf_1"] >= 1.5,
-        "ours_8_over_bare_8 >= 0.85": ratios["ours_8_over_bare_8"] >= 0.85,
-        "ours_1_over_hf_1 >= 0.7": ratios["ours_1_over_hf_1"] >= 0.7,
-        "cold_start_s <= 20": cold_start <= 20,
-    }
+    ttft = {k: statistics.median(x["ttft_median_s"] for x in v) for k, v in rows.items() if "ttft_median_s" in v[0]}
+    yard = "bare_graphs" if cuda else "bare"
+    ratios, targets = {}, {}
+    names = [Path(path).stem for path, _ in configs]
+    for name in names:
+        for n in args.streams:
+            ratios[f"{name}_{n}_over_{yard}_{n}"] = med[f"{name}_{n}"] / med[f"{yard}_{n}"]
+        if 1 in args.streams and 32 in args.streams:
+            ratios[f"{name}_ttft_32_over_ttft_1"] = ttft[f"{name}_32"] / ttft[f"{name}_1"]
+            targets[f"{name}: TTFT at 32 streams <= 2x TTFT at 1"] = ratios[f"{name}_ttft_32_over_ttft_1"] <= 2
+        if hf_model is not None:
+            for n in (1, 8):
+                if n in args.streams:
+                    ratios[f"{name}_{n}_over_hf_{n}"] = med[f"{name}_{n}"] / med[f"hf_{n}"]
+        if cuda:
+            for n in (32, 64):
+                if n in args.streams:
+                    targets[f"{name}: {n} streams >= 0.70 x CUDA-graph bare loop"] = \
+                        ratios[f"{name}_{n}_over_{yard}_{n}"] >= 0.70
+        else:
+            if hf_model is not None:
+                for n in (1, 8):
+                    if n in args.streams:
+                        targets[f"{name}: {n} stream(s) >= HF generate at batch {n}"] = \
+                            ratios[f"{name}_{n}_over_hf_{n}"] >= 1.0
+            if 8 in args.streams:
+                targets[f"{name}: 8 streams >= 0.85 x bare batched loop"] = ratios[f"{name}_8_over_{yard}_8"] >= 0.85
+    if len(names) == 2:  # split vs colocated, e.g. P/D against single rank
+        a, b = names
+        for n in args.streams:
+            ratios[f"{a}_{n}_over_{b}_{n}"] = med[f"{a}_{n}"] / med[f"{b}_{n}"]
     result = {
         "command": " ".join([sys.executable, *sys.argv]),
-        "config": args.config,
+        "configs": [f"{p}:{n}" for p, n in configs],
         "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
                     "loadavg_1m": os.getloadavg()[0], "device": args.device,
-                    "gpu": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else None},
+                    "gpu": torch.cuda.get_device_name(0) if cuda else None,
+                    "gpus": torch.cuda.device_count() if cuda else 0},
         "weights": WEIGHTS,
         "max_tokens": args.max_tokens,
-        "cold_start_to_health_s": cold_start,
+        "max_batch": max_batch,
+        "cold_start_to_health_s": cold,
         "median_tok_s": med,
-        "ttft_median_s": {k: statistics.median(x["ttft_median_s"] for x in rows[k]) for k in ("ours_1", "ours_8")},
+        "ttft_median_s": ttft,
         "ratios": ratios,
         "targets_met": targets,
         "rounds": rows,

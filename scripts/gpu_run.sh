@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU runs on the device machine (torch + NCCL preinstalled, no network). Usage, from the repo root there:
-#   bash scripts/gpu_run.sh STEP...      STEP: tests | serving | pd | edges | composite | speech | image
+#   bash scripts/gpu_run.sh STEP...      STEP: tests | serving | pd | pace | edges | composite | speech | image
 # Needs, carried from the dev machine (bash scripts/gpu_prepare.sh makes both): .whl/ (wheels the GPU image lacks: fastapi, starlette, pydantic(-core),
 # annotated-types, typing-inspection, opentelemetry-api, uvicorn, pyzmq, msgspec) and .ckpt/smol-shape (config + tokenizer of
 # SmolLM2-135M; a random same-shaped checkpoint is generated there). Results go to $OUT (or bench/results).
@@ -19,10 +19,13 @@ for step in "$@"; do
   case "$step" in
     tests)   python3 -m pytest -q -p no:cacheprovider tests/gpu tests/unit tests/dist --ignore=tests/unit/test_client.py \
                --ignore=tests/unit/test_llama_parity.py 2>&1 | tail -15 ;;
-    serving) python3 scripts/bench_serving.py --device cuda --model llama --nproc 1 --rounds 3 \
-               --config launch/configs/smollm2_single.yaml --out "$out/serving_h200_single.json" 2>&1 | tail -30 ;;
-    pd)      python3 scripts/bench_serving.py --device cuda --model llama --nproc 2 --rounds 3 \
-               --config launch/configs/smollm2_pd.yaml --out "$out/serving_h200x2_pd.json" 2>&1 | tail -30 ;;
+    serving) python3 scripts/bench_serving.py --device cuda --model llama --rounds 3 \
+               --config launch/configs/smollm2_single.yaml:1 --out "$out/serving_h200_single.json" 2>&1 | tail -30 ;;
+    pd)      python3 scripts/bench_serving.py --device cuda --model llama --rounds 3 \
+               --config launch/configs/smollm2_pd.yaml:2 --out "$out/serving_h200x2_pd.json" 2>&1 | tail -30 ;;
+    pace)    timeout 330 python3 scripts/bench_serving.py --device cuda --model llama --rounds 1 --max-tokens 256 \
+               --streams 1 8 32 64 --config launch/configs/smollm2_single.yaml:1 \
+               --config launch/configs/smollm2_pd.yaml:2 --out "$out/serving_h200x2_pace.json" 2>&1 | tail -60 ;;
     edges)   torchrun --standalone --nproc-per-node 2 scripts/bench_edges.py --device cuda \
                --out "$out/edges_h200x2.json" 2>&1 | tail -20 ;;
     composite) python3 -m pytest -q -p no:cacheprovider tests/gpu/test_composite_cuda.py 2>&1 | tail -15 ;;

@@ -12,13 +12,15 @@ from models.llama.model import Llama
 
 
 @torch.inference_mode()
-def bare_generate(model: Llama, cache: StaticKVCache, prompts_ids: list[list[int]], max_new_tokens: int
-                  ) -> tuple[list[list[int]], float]:
+def bare_generate(model: Llama, cache: StaticKVCache, prompts_ids: list[list[int]], max_new_tokens: int,
+                  graphs=None) -> tuple[list[list[int]], float]:
     """Greedy-generate exactly `max_new_tokens` per prompt (no EOS stop); return (new tokens, seconds).
 
     Prompts of equal length are prefilled together, then every row decodes in one batch per step (rows
     at different lengths share a step). Needs len(prompts_ids) free cache slots; frees them on return.
-    The time covers prefill and decode and ends after the tokens reach the host.
+    With ``graphs`` (an ``engine.cuda_graphs.DecodeGraphs`` over this model and cache, captured) decode steps
+    replay CUDA graphs, as the serving engine's do. The time covers prefill and decode and ends after the tokens
+    reach the host.
     """
     if max_new_tokens < 1 or not prompts_ids or any(len(p) == 0 for p in prompts_ids):
         raise ValueError(f"bare_generate: need max_new_tokens >= 1 and non-empty prompts, got "
@@ -41,8 +43,11 @@ def bare_generate(model: Llama, cache: StaticKVCache, prompts_ids: list[list[int
         positions = torch.tensor(lengths, device=device)[:, None]  # (B, 1)
         tokens, out = first, [first]
         for _ in range(max_new_tokens - 1):
-            cache.bind(slots, lengths, 1)
-            tokens = model(tokens[:, None], positions, cache, last_only=True)[:, -1].argmax(-1)  # (B,)
+            if graphs is not None:
+                tokens = graphs.logits(tokens, lengths, slots)[:, -1].argmax(-1)  # (B,)
+            else:
+                cache.bind(slots, lengths, 1)
+                tokens = model(tokens[:, None], positions, cache, last_only=True)[:, -1].argmax(-1)  # (B,)
             out.append(tokens)
             lengths = [n + 1 for n in lengths]
             positions = positions + 1

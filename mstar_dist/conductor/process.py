@@ -55,6 +55,7 @@ class FrontendProcess:
         http_sock.close()  # the front end holds the port now; it is freed when the front end exits
         self._out = os.fdopen(read_fd, "rb")
         self.pid = self.proc.pid
+        self._checked_at, self._alive = 0.0, True
 
     def endpoint(self, timeout_s: float) -> str:
         """The front end's control endpoint (blocks until it has bound its socket)."""
@@ -74,7 +75,11 @@ class FrontendProcess:
             pass  # it is gone already: alive() says so
 
     def alive(self) -> bool:
-        return self.proc.poll() is None
+        """Whether it runs (checked at most every 0.2 s: rank 0's loop asks every turn)."""
+        now = time.monotonic()
+        if now - self._checked_at >= 0.2:
+            self._checked_at, self._alive = now, self.proc.poll() is None
+        return self._alive
 
     def describe_exit(self) -> str:
         return f"the front end (conductor and HTTP, pid {self.pid}) exited with status {self.proc.poll()}"
