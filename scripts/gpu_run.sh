@@ -23,7 +23,7 @@ for step in "$@"; do
                --config launch/configs/smollm2_single.yaml:1 --out "$out/serving_h200_single.json" 2>&1 | tail -30 ;;
     pd)      python3 scripts/bench_serving.py --device cuda --model llama --rounds 3 \
                --config launch/configs/smollm2_pd.yaml:2 --out "$out/serving_h200x2_pd.json" 2>&1 | tail -30 ;;
-    pace)    timeout 330 python3 scripts/bench_serving.py --device cuda --model llama --rounds 1 --max-tokens 256 \
+    pace)    timeout 300 python3 scripts/bench_serving.py --device cuda --model llama --rounds 1 --max-tokens 256 --no-hf \
                --streams 1 8 32 64 --config launch/configs/smollm2_single.yaml:1 \
                --config launch/configs/smollm2_pd.yaml:2 --out "$out/serving_h200x2_pace.json" 2>&1 | tail -60 ;;
     edges)   torchrun --standalone --nproc-per-node 2 scripts/bench_edges.py --device cuda \
