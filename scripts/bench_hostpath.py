@@ -1,0 +1,155 @@
+"""Host cost of one decode step per row, without the GPU: the rank's worker loop and the KV engine around a model
+whose forward costs (almost) nothing.
+
+    python scripts/bench_hostpath.py [--rows 1 8 32 64] [--steps 200] [--profile 32] [--out FILE]
+
+On a GPU the forward of a small model is one CUDA-graph replay of a few milliseconds; everything else a decode
+step does (the walk state machine per request, the engine's bookkeeping, sampling, the emitted tokens'
+message) is Python on the thread that feeds the GPU. This measures exactly that part: a real ``Worker`` with the
+Llama chat walks (prefill, decode loop) and a real ``KVCacheEngine`` whose model returns constant logits over a
+64-token vocabulary, ``rows`` requests decoding together, every control message encoded as it would be sent.
+``--profile N`` adds a cProfile of N rows (the functions where the step's time goes) to the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import platform
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from models.llama.chat import LlamaChat  # noqa: E402
+from mstar_dist.control import messages as m  # noqa: E402
+from mstar_dist.engine.kv_cache import StaticKVCache  # noqa: E402
+from mstar_dist.engine.kv_engine import KVCacheEngine  # noqa: E402
+from mstar_dist.transport.inline import decode_tensor, encode_tensor  # noqa: E402
+from mstar_dist.transport.router import Router  # noqa: E402
+from mstar_dist.transport.store import TensorStore  # noqa: E402
+from mstar_dist.worker.worker import Worker  # noqa: E402
+
+TOKEN = "bench"
+VOCAB = 64
+
+
+class NullModel(torch.nn.Module):
+    """Constant logits (token 1 wins) for every row: the forward's cost is gone, its interface is not."""
+
+    pads_are_inert = True
+
+    def forward(self, ids, positions, cache, last_only=False, last_index=None):
+        logits = torch.zeros(ids.shape[0], 1, VOCAB)
+        logits[:, :, 1] = 1.0
+        return logits
+
+
+class CountingChannel:
+    """Encodes like the real channel; keeps the conductor-bound messages' bodies for the harness."""
+
+    def __init__(self):
+        self.inbox: list[tuple[str, bytes]] = []
+        self.bytes_sent = 0
+        self.messages = 0
+        self.done: list[m.WalkDone] = []
+
+    def recv(self, timeout_ms=0):
+        out, self.inbox = self.inbox, []
+        return out
+
+    def send(self, peer, payload):
+        self.bytes_sent += len(payload)
+        self.messages += 1
+        body = m.decode(payload).body if b"WalkDone" in payload else None
+        if isinstance(body, m.WalkDone):
+            self.done.append(body)
+
+
+def make_worker(rows: int) -> tuple[Worker, CountingChannel, KVCacheEngine]:
+    cache = StaticKVCache(n_layers=1, n_kv_heads=1, head_dim=8, max_slots=rows, max_seq_len=4096)
+    engine = KVCacheEngine("LLM", NullModel(), cache, torch.device("cpu"))
+    channel = CountingChannel()
+    router = Router(global_rank=0, rank_hosts={0: "h"}, transports={}, intra_host="p2p", inter_host="p2p",
+                    inline_max_bytes=65536, device=torch.device("cpu"))
+    graphs = LlamaChat("/unused").graphs()
+    worker = Worker(global_rank=0, graphs=graphs, components={"LLM": engine}, channel=channel, transport=router,
+                    store=TensorStore(), token=TOKEN, device=torch.device("cpu"), inline_max_bytes=65536)
+    return worker, channel, engine
+
+
+def deliver(worker: Worker, body: m.Message) -> None:
+    worker._handle("conductor", m.encode(TOKEN, "conductor", body))
+
+
+def run(rows: int, steps: int, profile: bool = False) -> dict:
+    worker, channel, engine = make_worker(rows)
+    for i in range(rows):
+        deliver(worker, m.RunWalk(request_id=f"r{i}", walk="prefill", walk_index=0, seed=i,
+                                  inputs={"input_ids": encode_tensor(torch.arange(2, 12))}, sampling=m.Sampling(
+                                      temperature=0.0)))
+    while len(channel.done) < rows:
+        worker._step()
+    for done in channel.done:
+        token = decode_tensor(done.outputs["token"])
+        deliver(worker, m.RunWalk(request_id=done.request_id, walk="decode", walk_index=1, seed=0,
+                                  inputs={"token": encode_tensor(token)}, sampling=m.Sampling(temperature=0.0),
+                                  loop_limits={"decode": steps + 10}))
+    for _ in range(5):  # warm
+        worker._step()
+    prof = cProfile.Profile() if profile else None
+    before_steps, before_msgs, before_bytes = engine.steps, channel.messages, channel.bytes_sent
+    times = []
+    if prof:
+        prof.enable()
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        worker._step()
+        times.append(time.perf_counter() - t0)
+    if prof:
+        prof.disable()
+    assert engine.steps - before_steps == steps and engine.decode_rows >= steps * rows, "every step decoded every row"
+    per_step = statistics.median(times)
+    out = {"rows": rows, "step_us_median": per_step * 1e6, "per_row_us": per_step * 1e6 / rows,
+           "messages_per_step": (channel.messages - before_msgs) / steps,
+           "bytes_per_step": (channel.bytes_sent - before_bytes) / steps}
+    if prof:
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+        out["profile_tottime_top25"] = text.getvalue().splitlines()
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64])
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--profile", type=int, default=None, help="also profile a run with this many rows")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    results = [run(n, args.steps) for n in args.rows]
+    for r in results:
+        print(f"{r['rows']:3d} rows: {r['step_us_median']:8.0f} us/step, {r['per_row_us']:6.1f} us/row, "
+              f"{r['messages_per_step']:.1f} msg/step", flush=True)
+    result = {"command": " ".join([sys.executable, *sys.argv]), "machine": {
+        "platform": platform.platform(), "torch": torch.__version__, "python": platform.python_version()},
+        "results": results}
+    if args.profile:
+        prof = run(args.profile, args.steps, profile=True)
+        result["profile"] = prof
+        print("\n".join(prof["profile_tottime_top25"][:45]))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
