@@ -2,19 +2,23 @@
 
 Every call here runs on the HTTP loop's thread. Commands reach the conductor thread through its command queue
 plus a wake-up byte on the conductor's control socket (sent from a DEALER that only this thread uses); events
-come back into a per-request ``asyncio.Queue`` through ``loop.call_soon_threadsafe``.
+come back into a per-request ``asyncio.Queue``: the conductor thread appends them to one outbox and schedules a
+single ``loop.call_soon_threadsafe`` delivery for everything appended until it runs (not one wake-up of the
+loop per token). A response that falls behind its events sends the text deltas waiting in its queue as one
+delta (one chunk, one socket write), so HTTP framing costs per write, not per token, under load.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import threading
 from collections.abc import AsyncIterator
 
 import zmq
 
 from mstar_dist.conductor.conductor import WAKE, Conductor
-from mstar_dist.events import BackendError, Finished, GenerationEvent, GenerationParams
+from mstar_dist.events import BackendError, Finished, GenerationEvent, GenerationParams, TextDelta
 
 
 class ConductorBackend:
@@ -27,6 +31,30 @@ class ConductorBackend:
         self.max_tokens_limit = max_tokens_limit
         self._local = threading.local()
         self._ctx = zmq.Context.instance()
+        self._outbox: list[tuple[asyncio.Queue, object]] = []
+        self._outbox_lock = threading.Lock()
+        self._delivery_scheduled = False
+
+    def _post(self, loop: asyncio.AbstractEventLoop, events: asyncio.Queue, event) -> None:
+        """Called on the conductor thread: queue ``event`` for ``events`` on ``loop``."""
+        with self._outbox_lock:
+            self._outbox.append((events, event))
+            if self._delivery_scheduled:
+                return
+            self._delivery_scheduled = True
+        try:
+            loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:  # the HTTP loop is closed (shutdown): nobody is listening any more
+            with self._outbox_lock:
+                self._outbox.clear()
+                self._delivery_scheduled = False
+
+    def _deliver(self) -> None:
+        with self._outbox_lock:
+            batch, self._outbox = self._outbox, []
+            self._delivery_scheduled = False
+        for events, event in batch:
+            events.put_nowait(event)
 
     def _wake(self) -> None:
         sock = getattr(self._local, "sock", None)
@@ -69,16 +97,19 @@ class ConductorBackend:
         finished = False
 
         def sink(event) -> None:  # called on the conductor thread
-            try:
-                loop.call_soon_threadsafe(events.put_nowait, event)
-            except RuntimeError:
-                pass  # the HTTP loop is closed (shutdown): nobody is listening any more
+            self._post(loop, events, event)
 
         self.conductor.commands.put(("submit", params, sink, True))
         self._wake()
+        pending: collections.deque = collections.deque()  # events taken from the queue, not yet yielded
         try:
             while True:
-                event = await events.get()
+                event = pending.popleft() if pending else await events.get()
+                while not events.empty():
+                    pending.append(events.get_nowait())
+                while isinstance(event, TextDelta) and pending and isinstance(pending[0], TextDelta):
+                    after = pending.popleft()  # text waiting behind this one goes out with it
+                    event = TextDelta(text=event.text + after.text, n_tokens=event.n_tokens + after.n_tokens)
                 if isinstance(event, BaseException):
                     finished = True
                     raise event

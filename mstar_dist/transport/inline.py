@@ -83,7 +83,7 @@ def decode_tensor(it: InlineTensor, device: torch.device | str = "cpu") -> torch
     """
     dtype = str_to_dtype(it.dtype)
     numel = math.prod(it.shape)
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     if len(it.data) != numel * itemsize:
         raise ValueError(
             f"inline tensor carries {len(it.data)} bytes but dtype {it.dtype} shape {it.shape} "
@@ -95,4 +95,4 @@ def decode_tensor(it: InlineTensor, device: torch.device | str = "cpu") -> torch
         # bytearray: torch.frombuffer needs a writable buffer; this is the one host copy.
         raw = torch.frombuffer(bytearray(it.data), dtype=torch.uint8)
         out = raw.view(dtype).reshape(it.shape)
-    return out.to(device) if torch.device(device).type != "cpu" else out
+    return out if device == "cpu" or torch.device(device).type == "cpu" else out.to(device)
