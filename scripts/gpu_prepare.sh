@@ -18,6 +18,9 @@ for pkg in fastapi starlette pydantic pydantic_core annotated-types typing-inspe
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_26_x86_64 \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any -d .whl "$pkg==$version"
 done
+# py-spy (scripts/profile_serving.py, gpu_run.sh profile): not in the venv, any recent release
+"$py" -m pip download -q --no-deps --only-binary=:all: --platform manylinux2014_x86_64 --python-version 3.12 \
+  -d .whl py-spy
 weights="${MSTAR_WEIGHTS:-$HOME/.cache/mstar_dist/smollm2-135m-instruct}"
 "$py" -c "from models.llama.gguf_import import ensure_smollm2_weights as e; e('$weights')"
 mkdir -p .ckpt/smol-shape

@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # GPU runs on the device machine (torch + NCCL preinstalled, no network). Usage, from the repo root there:
-#   bash scripts/gpu_run.sh STEP...      STEP: tests | serving | pd | pace | edges | composite | speech | image
+#   bash scripts/gpu_run.sh STEP...      STEP: tests | serving | pd | pace | profile | edges | composite | speech | image
 # Needs, carried from the dev machine (bash scripts/gpu_prepare.sh makes both): .whl/ (wheels the GPU image lacks: fastapi, starlette, pydantic(-core),
-# annotated-types, typing-inspection, opentelemetry-api, uvicorn, pyzmq, msgspec) and .ckpt/smol-shape (config + tokenizer of
+# annotated-types, typing-inspection, opentelemetry-api, uvicorn, pyzmq, msgspec, py-spy) and .ckpt/smol-shape (config + tokenizer of
 # SmolLM2-135M; a random same-shaped checkpoint is generated there). Results go to $OUT (or bench/results).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 out="${OUT:-bench/results}"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || exit 1
-export PYTHONPATH="/tmp/site:$PWD" MSTAR_TEST_WEIGHTS=/tmp/smol-rand
+export PYTHONPATH="/tmp/site:$PWD" MSTAR_TEST_WEIGHTS=/tmp/smol-rand PATH="/tmp/site/bin:$PATH"
 [ -f /tmp/smol-rand/model.safetensors ] || python3 scripts/make_random_checkpoint.py --like .ckpt/smol-shape \
   --out /tmp/smol-rand --dtype bfloat16 >/dev/null 2>&1 || exit 1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
@@ -23,9 +23,11 @@ for step in "$@"; do
                --config launch/configs/smollm2_single.yaml:1 --out "$out/serving_h200_single.json" 2>&1 | tail -30 ;;
     pd)      python3 scripts/bench_serving.py --device cuda --model llama --rounds 3 \
                --config launch/configs/smollm2_pd.yaml:2 --out "$out/serving_h200x2_pd.json" 2>&1 | tail -30 ;;
-    pace)    timeout 300 python3 scripts/bench_serving.py --device cuda --model llama --rounds 1 --max-tokens 256 --no-hf \
+    pace)    timeout 175 python3 scripts/bench_serving.py --device cuda --model llama --rounds 1 --max-tokens 256 --no-hf \
                --streams 1 8 32 64 --config launch/configs/smollm2_single.yaml:1 \
                --config launch/configs/smollm2_pd.yaml:2 --out "$out/serving_h200x2_pace.json" 2>&1 | tail -60 ;;
+    profile) timeout 60 python3 scripts/profile_serving.py --model llama --streams 32 --seconds 8 \
+               --out "$out/profile_h200_single.json" 2>&1 | tail -60 ;;
     edges)   torchrun --standalone --nproc-per-node 2 scripts/bench_edges.py --device cuda \
                --out "$out/edges_h200x2.json" 2>&1 | tail -20 ;;
     composite) python3 -m pytest -q -p no:cacheprovider tests/gpu/test_composite_cuda.py 2>&1 | tail -15 ;;

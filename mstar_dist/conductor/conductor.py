@@ -512,7 +512,7 @@ class Conductor:
         before = req.state.completion_tokens
         try:
             out = self.model.postprocess(
-                req.state, emit.signal, [decode_tensor(v, torch.device("cpu")) for v in emit.values]
+                req.state, emit.signal, [decode_tensor(v) for v in emit.values]
             )
             deltas = _deltas(out, req.state.completion_tokens - before)
         except Exception as exc:

@@ -1,0 +1,117 @@
+"""Where a serving step's time goes: py-spy samples of rank 0's worker and of the front end under load.
+
+    python scripts/profile_serving.py [--config launch/configs/smollm2_single.yaml:1] [--streams 32]
+                                      [--max-tokens 256] [--seconds 8] [--out FILE.json]
+
+Starts the deployment, runs ``--streams`` concurrent streaming requests and, while they decode, samples rank 0
+(the process feeding the GPU) and the front end (conductor + HTTP) with ``py-spy record`` for ``--seconds``.
+The JSON holds, per process, the share of samples by thread and the functions with the largest inclusive and
+self shares (idle waits included: a thread blocked in ``select`` is waiting, not working). Needs ``py-spy``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import concurrent.futures as cf
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from scripts.bench_serving import PROMPTS, stream_one  # noqa: E402
+from tests.e2e.server import Server, descendants  # noqa: E402
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def summarize(raw: Path, top: int = 40) -> dict:
+    """py-spy's raw (collapsed) stacks -> shares by thread, inclusive and self by function."""
+    threads, incl, own = collections.Counter(), collections.Counter(), collections.Counter()
+    total = 0
+    for line in raw.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not stack:
+            continue
+        frames, n = stack.split(";"), int(n)
+        total += n
+        threads[frames[0]] += n
+        own[frames[-1]] += n
+        for frame in set(frames[1:]):
+            incl[frame] += n
+    share = lambda c: [[round(v / max(total, 1), 4), k] for k, v in c.most_common(top)]  # noqa: E731
+    return {"samples": total, "threads": share(threads), "inclusive": share(incl), "self": share(own)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--config", default=str(REPO / "launch/configs/smollm2_single.yaml") + ":1", metavar="PATH:NPROC")
+    p.add_argument("--streams", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--seconds", type=int, default=8)
+    p.add_argument("--model", default=None, help="registry key override (e.g. llama)")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    spy = shutil.which("py-spy")
+    if spy is None:
+        sys.exit("profile_serving: py-spy is not installed (pip install py-spy)")
+    path, nproc = args.config.rsplit(":", 1)
+    overrides = {"model_kwargs": {"max_batch": max(16, args.streams)},
+                 "limits": {"max_concurrent_requests": max(64, 2 * args.streams), "max_tokens": 4096}}
+    if args.model:
+        overrides["model"] = args.model
+    server = Server(path, nproc=int(nproc), overrides=overrides)
+    tmp = Path(tempfile.mkdtemp(prefix="mstar-profile-"))
+    result: dict = {"command": " ".join([sys.executable, *sys.argv]), "streams": args.streams}
+    try:
+        procs = {p: _cmdline(p) for p in descendants(server.proc.pid)}
+        targets = {
+            "rank0": min(p for p, c in procs.items() if b"mstar_dist.serve" in c and b"torch.distributed" not in c),
+            "frontend": next(p for p, c in procs.items() if b"mstar_dist.conductor.process" in c),
+        }
+        stream_one(server.base_url, "hi", 8)
+        n = 2 * args.streams
+        with cf.ThreadPoolExecutor(args.streams) as pool:
+            t0 = time.perf_counter()
+            futures = [pool.submit(stream_one, server.base_url, PROMPTS[i % len(PROMPTS)], args.max_tokens)
+                       for i in range(n)]
+            time.sleep(1.0)  # let the batch fill
+            spies = {name: subprocess.Popen([spy, "record", "-p", str(pid), "-d", str(args.seconds), "-r", "250",
+                                             "-f", "raw", "-o", str(tmp / f"{name}.txt"), "--threads",
+                                             "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                     for name, pid in targets.items()}
+            for name, proc in spies.items():
+                proc.wait(timeout=args.seconds + 60)
+            tokens = sum(f.result()[2] for f in futures)
+            result["tok_s"] = tokens / (time.perf_counter() - t0)
+        for name in targets:
+            raw = tmp / f"{name}.txt"
+            result[name] = summarize(raw) if raw.exists() else {"error": spies[name].stderr.read().decode()[-2000:]}
+    finally:
+        server.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+    text = json.dumps(result, indent=1)
+    if args.out:
+        Path(args.out).write_text(text)
+    for name in ("rank0", "frontend"):
+        print(f"== {name}")
+        for share, frame in result.get(name, {}).get("inclusive", [])[:25]:
+            print(f"{share:6.1%} {frame[:140]}")
+    print(f"tok/s during the profile run: {result.get('tok_s', 0):.0f}")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
