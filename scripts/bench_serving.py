@@ -112,8 +112,10 @@ def bare(model, cfg, ids_list: list[list[int]], batch: int, max_tokens: int, dev
     from mstar_dist.engine.cuda_graphs import DecodeGraphs
     from mstar_dist.engine.kv_cache import StaticKVCache
 
+    # the served engine's context (LlamaChat's default max_seq_len): graph-mode attention reads every position of
+    # the cache, so a shorter cache here would make the yardstick's steps cheaper than the engine's
     cache = StaticKVCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, max_slots=batch + (1 if graphs else 0),
-                          max_seq_len=512, dtype=dtype, device=device)
+                          max_seq_len=min(2048, cfg.max_position_embeddings), dtype=dtype, device=device)
     captured = None
     if graphs:
         captured = DecodeGraphs(model, cache, scratch_slot=cache.alloc(), max_batch=batch)
