@@ -76,7 +76,7 @@ class StaticKVCache:
         self._free: list[int] = list(range(max_slots))  # a heap: alloc hands out the lowest free slot
         self._allocated: set[int] = set()
         self._binding: _Binding | None = None
-        self._graph_binding: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._graph_binding: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
         self._positions = torch.arange(max_seq_len, device=device)  # (L,) for graph-mode masks
 
     @property
@@ -114,14 +114,18 @@ class StaticKVCache:
 
     # ---- one forward pass -----------------------------------------------------------------------
 
-    def bind_graph(self, slot_idx: torch.Tensor, positions: torch.Tensor) -> None:
+    def bind_graph(self, slot_idx: torch.Tensor, positions: torch.Tensor, ctx: int | None = None) -> None:
         """Bind a one-token-per-row decode pass whose slots and positions are device tensors (B,), read inside the
         pass. Nothing here reads them on the host, so the pass can be captured in a CUDA graph and replayed after
-        new values are copied into the same tensors. Rows attend over all ``max_seq_len`` positions under a mask
-        (static shapes); rows may repeat a slot only if they write the same position (padding rows)."""
-        mask = (self._positions[None, :] <= positions[:, None])[:, None, None, :]  # (B, 1, 1, L)
+        new values are copied into the same tensors. Rows attend over the first ``ctx`` positions (default all
+        ``max_seq_len``) under a mask (static shapes): every position written must be below ``ctx``. Rows may
+        repeat a slot only if they write the same position (padding rows)."""
+        ctx = self.max_seq_len if ctx is None else ctx
+        if not 0 < ctx <= self.max_seq_len:
+            raise ValueError(f"bind_graph: ctx must be in [1, {self.max_seq_len}], got {ctx}")
+        mask = (self._positions[None, :ctx] <= positions[:, None])[:, None, None, :]  # (B, 1, 1, ctx)
         self._binding = None
-        self._graph_binding = (slot_idx, positions, mask)
+        self._graph_binding = (slot_idx, positions, mask, ctx)
 
     def bind(self, slots: list[int], start_pos: list[int], n_new: int) -> None:
         """Describe the next forward pass: row b is slot slots[b], writing n_new tokens from start_pos[b]."""
@@ -189,13 +193,13 @@ class StaticKVCache:
                                               enable_gqa=True)
 
     def _attend_graph(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        slot_idx, positions, mask = self._graph_binding
+        slot_idx, positions, mask, ctx = self._graph_binding
         k_cache, v_cache = self.kv[layer, 0], self.kv[layer, 1]  # (S, nkv, L, hd)
         # advanced indices around a slice: the indexed view is (B, nkv, hd); k/v are (B, nkv, 1, hd)
         k_cache[slot_idx, :, positions] = k[:, :, 0]
         v_cache[slot_idx, :, positions] = v[:, :, 0]
-        keys = k_cache.index_select(0, slot_idx)  # (B, nkv, L, hd)
-        values = v_cache.index_select(0, slot_idx)
+        keys = k_cache[:, :, :ctx].index_select(0, slot_idx)  # (B, nkv, ctx, hd)
+        values = v_cache[:, :, :ctx].index_select(0, slot_idx)
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
 
     @staticmethod

@@ -43,10 +43,10 @@ def eager_step(model, cache):
     return step
 
 
-def graph_mode_step(model, cache):
+def graph_mode_step(model, cache, ctx=None):
     def step(tokens, lengths, slots):
         dev = cache.device
-        cache.bind_graph(torch.tensor(slots, device=dev), torch.tensor(lengths, device=dev))
+        cache.bind_graph(torch.tensor(slots, device=dev), torch.tensor(lengths, device=dev), ctx)
         return model(tokens[:, None], torch.tensor(lengths, device=dev)[:, None], cache, last_only=True)
     return step
 
@@ -68,6 +68,31 @@ def test_graph_mode_attention_matches_eager_on_cpu():
     assert torch.allclose(eager, graph, atol=1e-5), (eager - graph).abs().max()
 
 
+def test_graph_mode_attention_over_a_context_bucket_matches_eager_on_cpu():
+    model, new = make("cpu")
+    c1, c2 = new(), new()
+    eager = run(model, c1, [5, 9, 3], 6, eager_step(model, c1))
+    graph = run(model, c2, [5, 9, 3], 6, graph_mode_step(model, c2, ctx=16))  # positions up to 14 < 16
+    assert torch.allclose(eager, graph, atol=1e-5), (eager - graph).abs().max()
+    with pytest.raises(ValueError, match="ctx must be in"):
+        c2.bind_graph(torch.tensor([0]), torch.tensor([3]), ctx=65)
+
+
+def test_context_buckets_cover_the_cache_and_pick_the_smallest_that_holds_the_step():
+    from mstar_dist.engine.cuda_graphs import DecodeGraphs, context_buckets
+
+    assert context_buckets(2048) == [512, 2048]
+    assert context_buckets(8192) == [512, 2048, 8192]
+    assert context_buckets(3000) == [512, 2048, 3000]
+    assert context_buckets(256) == [256]
+    cache = StaticKVCache(CFG.n_layers, CFG.n_kv_heads, CFG.head_dim, max_slots=9, max_seq_len=2048)
+    graphs = DecodeGraphs(model=None, cache=cache, scratch_slot=8, max_batch=8)
+    assert graphs.bucket_for(3, 40) == (4, 512)
+    assert graphs.bucket_for(8, 511) == (8, 512)
+    assert graphs.bucket_for(1, 512) == (1, 2048)  # position 512 is the 513th: the next bucket
+    assert graphs.bucket_for(5, 2047) == (8, 2048)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_captured_graphs_match_eager_on_cuda_with_padding_buckets():
@@ -79,4 +104,25 @@ def test_captured_graphs_match_eager_on_cuda_with_padding_buckets():
     graphs = DecodeGraphs(model, c2, scratch_slot=c2.alloc(), max_batch=4)
     graphs.capture()
     replayed = run(model, c2, [5, 9, 3], 8, lambda t, n, s: graphs.logits(t, n, s))  # 3 rows -> bucket 4
+    assert torch.allclose(eager, replayed, atol=1e-4), (eager - replayed).abs().max()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_captured_graphs_cross_context_buckets_like_eager():
+    """Rows that grow past the first context bucket (here 16 -> 64 positions) keep matching eager decode."""
+    import mstar_dist.engine.cuda_graphs as cg
+
+    model, new = make("cuda")
+    c1, c2 = new(), new()
+    eager = run(model, c1, [5, 12, 3], 20, eager_step(model, c1))
+    base = cg.CTX_BASE
+    cg.CTX_BASE = 16
+    try:
+        graphs = cg.DecodeGraphs(model, c2, scratch_slot=c2.alloc(), max_batch=4)
+    finally:
+        cg.CTX_BASE = base
+    assert graphs.contexts == [16, 64]
+    graphs.capture()
+    replayed = run(model, c2, [5, 12, 3], 20, lambda t, n, s: graphs.logits(t, n, s))  # positions 3 .. 31
     assert torch.allclose(eager, replayed, atol=1e-4), (eager - replayed).abs().max()
