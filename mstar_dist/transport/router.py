@@ -125,8 +125,9 @@ class Router:
         """Start sending ``tensor`` to global rank ``dst``; returns the transfer and the value to put in the
         message (inline bytes, or the descriptor). Raises like the transport's ``post_send`` (ArenaFull,
         PeerDeadError, ...); nothing is lent or posted when it raises."""
-        if tensor.numel() * tensor.element_size() <= self.inline_max_bytes:
-            return Done(tensor), encode_tensor(tensor)
+        if tensor.numel() * tensor.element_size() <= self.inline_max_bytes or dst == self.global_rank:
+            return Done(tensor), encode_tensor(tensor)  # to this rank itself (a stream between two partitions
+            # placed on one rank): inline at any size, no transport serves a rank to itself
         plane = self.transport_for(dst)
         transfer, at = plane.post_send(tensor, dst)
         wire = m.WireTensor(shape=list(tensor.shape), dtype=dtype_to_str(tensor.dtype),
@@ -177,6 +178,8 @@ class Router:
             plane.abort_peer(peer, reason)
 
     def is_dead(self, peer: int) -> bool:
+        if peer == self.global_rank:
+            return False  # values to this rank itself never use a transport
         plane = self._transports.get(self.via(peer))
         return plane is None or plane.is_dead(peer)
 

@@ -91,3 +91,16 @@ def test_cancel_gives_an_arena_slot_back_and_aborts_a_p2p_peer():
     assert planes["shm"].acked == [(1, [shm_value.at.slot])] and planes["p2p"].aborted == [2]
     assert r.is_dead(2) and not r.is_dead(1)
     assert r.arena_bytes_used() == {"shm": 0}
+
+
+def test_values_to_this_rank_itself_go_inline_at_any_size_even_with_no_transport():
+    from mstar_dist.transport.router import Router
+
+    r = Router(global_rank=0, rank_hosts={0: "h"}, transports={}, intra_host="p2p", inter_host="p2p",
+               inline_max_bytes=64, device=torch.device("cpu"))  # a one-rank deployment: no transport at all
+    assert not r.is_dead(0)
+    big = torch.arange(1000, dtype=torch.float32)
+    transfer, value = r.post_send(big, 0)
+    assert transfer.done() and isinstance(value, m.InlineTensor)
+    assert torch.equal(r.post_recv(value, 0, walk="speech", signal="codes").tensor, big)
+    assert r.is_dead(1)  # another rank with no transport to it is unreachable
