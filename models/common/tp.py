@@ -10,8 +10,8 @@ A TP group of `size` ranks splits every big matmul of a model (Megatron style):
 
 Index spaces: `TPGroup.rank` is the rank *inside the TP group* (rank_in_group, 0..size-1), never a global rank;
 every collective here runs on `TPGroup.group` and its peers are exactly the group's members. Nothing here looks
-at the world group. With `TPGroup.single()` (no TP) the layers are plain `Linear`s: same shapes, same CPU
-skinny-GEMM path, no collective.
+at the world group. With `TPGroup.single()` (no TP) the layers are plain `Linear`s: same shapes, no
+collective.
 
 Loaders: `shard_rows` / `shard_cols` take a full tensor *or* a safetensors slice (`safe_open(...).get_slice`);
 with a slice only this rank's rows/columns are read from disk. A fused weight ([q; k; v], [gate; up]) is

@@ -12,7 +12,7 @@ Tensor parallelism (models/common/tp.py): `Llama(config, tp=...)` builds one ran
 are split over the TP group (wqkv column-parallel per q/k/v part, wo row-parallel: one all-reduce), the MLP's
 gate/up are column-parallel and down row-parallel (a second all-reduce per block); the embedding, norms and
 LM head are replicated (the simplest correct choice: every rank computes the full logits, no gather). With
-`TPGroup.single()` (the default) every layer is the plain skinny-GEMM `Linear` and nothing communicates.
+`TPGroup.single()` (the default) every layer is the plain `Linear` and nothing communicates.
 In the TP case nh/nkv below are this rank's heads (`Llama.local_heads`, `Llama.local_kv_heads`).
 """
 

@@ -65,7 +65,7 @@ def test_parallel_linears_split_their_features_and_refuse_uneven_splits() -> Non
     with pytest.raises(ValueError, match=r"RowParallelLinear: in_features \(10\) is not divisible by tp_size \(3\)"):
         RowParallelLinear(10, 8, rank_of(0, 3))
     single = ColumnParallelLinear(8, 12, TPGroup.single())
-    assert isinstance(single, Linear) and single.weight.shape == (12, 8)  # no TP: the plain skinny-GEMM Linear
+    assert isinstance(single, Linear) and single.weight.shape == (12, 8)  # no TP: the plain Linear
 
 
 LLAMA = LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=48, n_layers=1, n_heads=4, n_kv_heads=2,
