@@ -16,10 +16,14 @@ import weakref
 from dataclasses import dataclass
 from typing import Callable
 
+import logging
+
 import numpy as np
 import torch
 
-__all__ = ["FirstFit", "LentSlots", "ReleaseQueue", "wrap_bytes"]
+from mstar_dist.transport.base import PeerDeadError
+
+__all__ = ["ArenaPlane", "FirstFit", "LentSlots", "ReleaseQueue", "wrap_bytes"]
 
 ALIGN = 64
 """Allocation granularity in bytes: every slot starts on a cache line, so every dtype view is aligned."""
@@ -163,3 +167,63 @@ def wrap_bytes(
     if dtype != torch.uint8:
         flat = flat.view(dtype)
     return flat.view(shape)
+
+
+class ArenaPlane:
+    """The bookkeeping both arena transports keep around their allocator: dead peers, counters, slots lent, the
+    too-large error. A subclass sets ``name`` and calls ``_init_arena``; ``_on_peer_dead`` drops its own pending
+    work for a peer declared dead, ``_inflight`` counts it for ``stats``."""
+
+    name = "arena"
+    global_rank: int
+
+    def _init_arena(self, size: int, **extra_stats: int) -> None:
+        self._alloc = FirstFit(size)
+        self._lent = LentSlots()
+        self._dead: dict[int, str] = {}
+        self._stats = dict(sends=0, recvs=0, bytes_sent=0, bytes_received=0, host_staging_copies=0, **extra_stats)
+        self._leases = 0  # received tensors wrapping arena bytes that are still alive here
+
+    @property
+    def bytes_used(self) -> int:
+        """Bytes of this rank's arena in use (lent to consumers and not yet acknowledged, or holding received
+        tensors)."""
+        return self._alloc.used_bytes
+
+    def _check_peer(self, peer: int) -> None:
+        reason = self._dead.get(peer)
+        if reason is not None:
+            raise PeerDeadError(f"{self.name} between rank {self.global_rank} and rank {peer} is dead: {reason}")
+
+    def _check_fits(self, tensor: torch.Tensor, nbytes: int) -> None:
+        if nbytes > self._alloc.size:
+            raise ValueError(f"a tensor of {nbytes} bytes ({list(tensor.shape)} {tensor.dtype}) does not fit rank "
+                             f"{self.global_rank}'s {self.name} arena of {self._alloc.size} bytes; raise "
+                             f"transport.arena_bytes")
+
+    def _count_send(self, nbytes: int) -> None:
+        self._stats["sends"] += 1
+        self._stats["bytes_sent"] += nbytes
+
+    def is_dead(self, peer: int) -> bool:
+        return peer in self._dead
+
+    def abort_peer(self, peer: int, reason: str) -> None:
+        if peer in self._dead:
+            return
+        self._dead[peer] = reason
+        n = self._lent.reclaim_peer(peer)
+        self._on_peer_dead(peer)
+        logging.getLogger(type(self).__module__).warning(
+            "rank %d: %s to rank %d is dead (%s); reclaimed %d slot(s)", self.global_rank, self.name, peer, reason, n)
+
+    def _on_peer_dead(self, peer: int) -> None:
+        """Drop this transport's own pending work with ``peer`` (after its lent slots came back)."""
+
+    def _inflight(self) -> int:
+        return 0
+
+    def stats(self) -> dict:
+        return {**self._stats, "inflight": self._inflight(), "bytes_used": self.bytes_used,
+                "slots_lent": len(self._lent), "leases": self._leases, "arena_bytes": self._alloc.size,
+                "dead_peers": sorted(self._dead)}

@@ -36,8 +36,8 @@ import time
 import torch
 
 from mstar_dist.control import messages as m
-from mstar_dist.transport.arena import FirstFit, LentSlots, ReleaseQueue, wrap_bytes
-from mstar_dist.transport.base import ArenaFull, Done, PeerDeadError, Transfer, TransferFailed
+from mstar_dist.transport.arena import ArenaPlane, ReleaseQueue, wrap_bytes
+from mstar_dist.transport.base import ArenaFull, Done, Transfer, TransferFailed
 from mstar_dist.transport.inline import str_to_dtype
 
 __all__ = ["MooncakeTransport", "PROTOCOLS", "REGISTER_MIN_BYTES"]
@@ -148,7 +148,7 @@ class _RecvTransfer:
         self._offset = None
 
 
-class MooncakeTransport:
+class MooncakeTransport(ArenaPlane):
     """This rank's transfer engine and registered pool. Implements ``transport.base.DataPlane``."""
 
     name = "mooncake"
@@ -180,24 +180,21 @@ class MooncakeTransport:
         rc = self._engine.register_memory(self._pool_addr, arena_bytes)
         if rc != 0:
             raise RuntimeError(f"{where}: registering the {arena_bytes}-byte pool failed with code {rc}")
-        self._alloc = FirstFit(arena_bytes)
-        self._lent = LentSlots()
+        self._init_arena(arena_bytes, registered_sends=0)
         self._acks = ReleaseQueue()  # (producer, slot) to acknowledge
         self._local_free = ReleaseQueue()  # (-1, offset) of our pool let go by wrapped tensors
         self._registered: dict[int, list] = {}  # data_ptr -> [nbytes, refcount]
         self._pending: set[_RecvTransfer] = set()
         self._zombies: list[tuple[int, int]] = []  # (batch, offset) of reads abandoned mid-flight
-        self._leases = 0  # received tensors (wrapping our pool) still alive here
-        self._dead: dict[int, str] = {}
-        self._stats = dict(sends=0, recvs=0, bytes_sent=0, bytes_received=0, host_staging_copies=0,
-                           registered_sends=0)
         self._closed = False
         log.info("rank %d: Mooncake session %s (%s), pool %d bytes", global_rank, self.session, protocol, arena_bytes)
 
-    @property
-    def bytes_used(self) -> int:
-        """Bytes of this rank's pool in use (lent to consumers, or holding received tensors)."""
-        return self._alloc.used_bytes
+    def _on_peer_dead(self, peer: int) -> None:
+        for tr in [t for t in self._pending if t.src == peer]:
+            tr._drop()  # our slot comes back; a read still running lands in memory nobody will look at
+
+    def _inflight(self) -> int:
+        return len(self._pending)
 
     # -- DataPlane ------------------------------------------------------------------------------------------
     def post_send(self, tensor: torch.Tensor, dst: int) -> tuple[Transfer, m.MooncakeLocation]:
@@ -218,10 +215,7 @@ class MooncakeTransport:
             if placed is not None:
                 self._count_send(nbytes)
                 return placed
-        if nbytes > self._alloc.size:
-            raise ValueError(f"a tensor of {nbytes} bytes ({list(tensor.shape)} {tensor.dtype}) does not fit rank "
-                             f"{self.global_rank}'s Mooncake pool of {self._alloc.size} bytes; raise "
-                             f"transport.arena_bytes")
+        self._check_fits(tensor, nbytes)
         self._reclaim_local()
         offset = self._alloc.alloc(nbytes)
         if offset is None:
@@ -261,23 +255,6 @@ class MooncakeTransport:
 
     def on_ack(self, src: int, ack: m.TransferAck) -> None:
         self._lent.give_back(src, ack.slots)
-
-    def abort_peer(self, peer: int, reason: str) -> None:
-        if peer in self._dead:
-            return
-        self._dead[peer] = reason
-        n = self._lent.reclaim_peer(peer)
-        for tr in [t for t in self._pending if t.src == peer]:
-            tr._drop()  # our slot comes back; a read still running lands in memory nobody will look at
-        log.warning("rank %d: mooncake to rank %d is dead (%s); reclaimed %d slot(s)", self.global_rank, peer,
-                    reason, n)
-
-    def is_dead(self, peer: int) -> bool:
-        return peer in self._dead
-
-    def stats(self) -> dict:
-        return {**self._stats, "inflight": len(self._pending), "bytes_used": self.bytes_used, "leases": self._leases,
-                "slots_lent": len(self._lent), "arena_bytes": self._alloc.size, "dead_peers": sorted(self._dead)}
 
     def close(self) -> None:
         """Drop every registration we made; the engine and pool go with the process. Idempotent."""
@@ -332,10 +309,6 @@ class MooncakeTransport:
         return (tensor.device.type == "cpu" and tensor.is_contiguous() and self._pool_addr <= ptr
                 and ptr + nbytes <= self._pool_addr + self._pool.numel())
 
-    def _count_send(self, nbytes: int) -> None:
-        self._stats["sends"] += 1
-        self._stats["bytes_sent"] += nbytes
-
     def _reclaim_local(self) -> None:
         for offsets in self._local_free.drain().values():
             self._leases -= len(offsets)
@@ -349,8 +322,3 @@ class MooncakeTransport:
                 else:
                     self._alloc.free(offset)
             self._zombies = still
-
-    def _check_peer(self, peer: int) -> None:
-        reason = self._dead.get(peer)
-        if reason is not None:
-            raise PeerDeadError(f"mooncake between rank {self.global_rank} and rank {peer} is dead: {reason}")

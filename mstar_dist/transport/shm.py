@@ -38,8 +38,8 @@ import numpy as np
 import torch
 
 from mstar_dist.control import messages as m
-from mstar_dist.transport.arena import FirstFit, LentSlots, ReleaseQueue, wrap_bytes
-from mstar_dist.transport.base import ArenaFull, Done, PeerDeadError, Transfer, TransferFailed
+from mstar_dist.transport.arena import ArenaPlane, ReleaseQueue, wrap_bytes
+from mstar_dist.transport.base import ArenaFull, Done, Transfer, TransferFailed
 from mstar_dist.transport.inline import str_to_dtype
 
 __all__ = ["SEGMENT_PREFIX", "ShmTransport", "sweep_orphans"]
@@ -99,7 +99,7 @@ class _Segment:
         self.tensor = torch.from_numpy(self.array)
 
 
-class ShmTransport:
+class ShmTransport(ArenaPlane):
     """This rank's arena plus the peers' segments it reads from. Implements ``transport.base.DataPlane``."""
 
     name = "shm"
@@ -115,13 +115,9 @@ class ShmTransport:
         self.device = torch.device(device)
         self._dir = Path(directory)
         self._own = self._create(f"{SEGMENT_PREFIX}{launch_id}.r{global_rank}.p{os.getpid()}", arena_bytes)
-        self._alloc = FirstFit(self._own.size)
-        self._lent = LentSlots()
+        self._init_arena(self._own.size)
         self._released = ReleaseQueue()
         self._peers: dict[str, _Segment] = {}
-        self._dead: dict[int, str] = {}
-        self._stats = dict(sends=0, recvs=0, bytes_sent=0, bytes_received=0, host_staging_copies=0)
-        self._leases = 0  # wrapped tensors of peers' slots that are still alive here
         self._closed = False
         log.info("rank %d: shared-memory arena %s (%d bytes)", global_rank, self._own.path, self._own.size)
 
@@ -129,11 +125,6 @@ class ShmTransport:
     def segment(self) -> str:
         """This rank's segment name (under /dev/shm)."""
         return self._own.path.name
-
-    @property
-    def bytes_used(self) -> int:
-        """Bytes of this rank's arena lent to consumers and not yet acknowledged."""
-        return self._alloc.used_bytes
 
     # -- DataPlane ------------------------------------------------------------------------------------------
     def post_send(self, tensor: torch.Tensor, dst: int) -> tuple[Transfer, m.ShmLocation]:
@@ -143,10 +134,7 @@ class ShmTransport:
         if nbytes == 0:
             self._count_send(0)
             return Done(tensor), m.ShmLocation(self.segment, 0, 0, -1)
-        if nbytes > self._alloc.size:
-            raise ValueError(f"a tensor of {nbytes} bytes ({list(tensor.shape)} {tensor.dtype}) does not fit rank "
-                             f"{self.global_rank}'s shared-memory arena of {self._alloc.size} bytes; raise "
-                             f"transport.arena_bytes")
+        self._check_fits(tensor, nbytes)
         offset = self._alloc.alloc(nbytes)
         if offset is None:
             raise ArenaFull(f"rank {self.global_rank}'s shared-memory arena {self.segment} has {self.bytes_used} of "
@@ -198,21 +186,6 @@ class ShmTransport:
     def on_ack(self, src: int, ack: m.TransferAck) -> None:
         self._lent.give_back(src, ack.slots)
 
-    def abort_peer(self, peer: int, reason: str) -> None:
-        if peer in self._dead:
-            return
-        self._dead[peer] = reason
-        n = self._lent.reclaim_peer(peer)
-        log.warning("rank %d: shm to rank %d is dead (%s); reclaimed %d slot(s)", self.global_rank, peer, reason, n)
-
-    def is_dead(self, peer: int) -> bool:
-        return peer in self._dead
-
-    def stats(self) -> dict:
-        return {**self._stats, "inflight": 0, "bytes_used": self.bytes_used, "slots_lent": len(self._lent),
-                "leases": self._leases,
-                "arena_bytes": self._alloc.size, "dead_peers": sorted(self._dead)}
-
     def close(self) -> None:
         """Unlink this rank's segment and drop the peers' mappings. Idempotent; never raises."""
         if self._closed:
@@ -231,10 +204,6 @@ class ShmTransport:
         self._peers.clear()
 
     # -- internals ------------------------------------------------------------------------------------------
-    def _count_send(self, nbytes: int) -> None:
-        self._stats["sends"] += 1
-        self._stats["bytes_sent"] += nbytes
-
     def _create(self, name: str, size: int) -> _Segment:
         path = self._dir / name
         tmp = self._dir / f".{SEGMENT_PREFIX}tmp.{uuid.uuid4().hex}"
@@ -272,12 +241,6 @@ class ShmTransport:
         seg = _Segment(path, fd, os.fstat(fd).st_size)
         self._peers[name] = seg
         return seg
-
-    def _check_peer(self, peer: int) -> None:
-        reason = self._dead.get(peer)
-        if reason is not None:
-            raise PeerDeadError(f"shm between rank {self.global_rank} and rank {peer} is dead: {reason}")
-
 
 def _free_bytes(directory: Path) -> int:
     try:
