@@ -9,6 +9,7 @@ from disk; any other module's parameter is replicated (the parts are read whole 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
@@ -19,6 +20,18 @@ from safetensors import safe_open
 from torch import nn
 
 from mstar_dist.logs import progress_bar
+
+
+def read_hf_config(weights_dir: str | Path, from_hf: Callable[[dict], Any], prepare_hint: str) -> Any:
+    """``from_hf`` of the ``config.json`` in ``weights_dir``; FileNotFoundError naming the directory (and
+    ``prepare_hint``, how to make one) or the missing file."""
+    weights_dir = Path(weights_dir).expanduser()
+    path = weights_dir / "config.json"
+    if not weights_dir.is_dir():
+        raise FileNotFoundError(f"weights directory {weights_dir} does not exist ({prepare_hint})")
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: {weights_dir} is not an HF-layout weights directory")
+    return from_hf(json.loads(path.read_text()))
 
 
 class SafetensorsDir:

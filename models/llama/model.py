@@ -136,7 +136,42 @@ class Block(nn.Module):
         return h + self.mlp(self.mlp_norm(h))
 
 
-class Llama(nn.Module):
+class DecoderLM(nn.Module):
+    """What every decoder-only model here shares around its blocks (Llama, and Qwen3-MoE in models/moe): the
+    embedding, final norm and LM head (tied when the config says so), the RoPE tables, and reading the logits of
+    the last (or each row's own last) token. A subclass builds ``embed``, ``norm``, ``lm_head`` and calls
+    ``_finish_init``."""
+
+    config: LlamaConfig
+
+    def _finish_init(self) -> None:
+        self.tie_weights()
+        # rope_tables reads head_dim, rope_theta, rope_scaling, max_position_embeddings of any config that has them
+        cos, sin = rope_tables(self.config, dtype=self.embed.weight.dtype, device=self.embed.weight.device)
+        self.register_buffer("rope_cos", cos, persistent=False)  # (max_pos, hd)
+        self.register_buffer("rope_sin", sin, persistent=False)  # (max_pos, hd), signed
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the LM head when the config says so (call again after assign-loading)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    def init_rope_tables(self) -> None:
+        """(Re)build the RoPE tables on the weights' device and dtype (they are not in the checkpoint)."""
+        w = self.embed.weight
+        self.rope_cos, self.rope_sin = rope_tables(self.config, dtype=w.dtype, device=w.device)
+
+    def _logits(self, h: torch.Tensor, last_only: bool, last_index: torch.Tensor | None) -> torch.Tensor:
+        """Final hidden states (B, T, d) -> fp32 logits (B, T, V); (B, 1, V) of the last token with ``last_only``,
+        or of token ``last_index[b]`` of row b (right-padded rows of a batched prefill)."""
+        if last_index is not None:
+            h = h.gather(1, last_index.view(-1, 1, 1).expand(-1, 1, h.shape[-1]))  # (B, 1, d)
+        elif last_only:
+            h = h[:, -1:]  # (B, 1, d)
+        return self.lm_head(self.norm(h)).float()
+
+
+class Llama(DecoderLM):
     """Decoder-only Llama. Build under `torch.device("meta")` and load with weights.load_llama.
 
     `tp`: the tensor-parallel group this model is one shard of (default: none). Every member of the group must
@@ -159,20 +194,7 @@ class Llama(nn.Module):
         self.layers = nn.ModuleList(Block(config, i, tp) for i in range(config.n_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
-        self.tie_weights()
-        cos, sin = rope_tables(config, dtype=self.embed.weight.dtype, device=self.embed.weight.device)
-        self.register_buffer("rope_cos", cos, persistent=False)  # (max_pos, hd)
-        self.register_buffer("rope_sin", sin, persistent=False)  # (max_pos, hd), signed
-
-    def tie_weights(self) -> None:
-        """Share the embedding with the LM head when the config says so (call again after assign-loading)."""
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.embed.weight
-
-    def init_rope_tables(self) -> None:
-        """(Re)build the RoPE tables on the weights' device and dtype (they are not in the checkpoint)."""
-        w = self.embed.weight
-        self.rope_cos, self.rope_sin = rope_tables(self.config, dtype=w.dtype, device=w.device)
+        self._finish_init()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: AttentionCache,
                 last_only: bool = False, last_index: torch.Tensor | None = None) -> torch.Tensor:
@@ -181,12 +203,7 @@ class Llama(nn.Module):
 
         The caller has bound the cache for this pass (e.g. StaticKVCache.bind); positions index RoPE.
         """
-        h = self._blocks(input_ids, positions, cache)
-        if last_index is not None:
-            h = h.gather(1, last_index.view(-1, 1, 1).expand(-1, 1, h.shape[-1]))  # (B, 1, d)
-        elif last_only:
-            h = h[:, -1:]  # (B, 1, d)
-        return self.lm_head(self.norm(h)).float()
+        return self._logits(self._blocks(input_ids, positions, cache), last_only, last_index)
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: AttentionCache
                       ) -> torch.Tensor:

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 import torch
 
-from models.common.checkpoint import SafetensorsDir, load_sharded_state
+from models.common.checkpoint import SafetensorsDir, load_sharded_state, read_hf_config
 from models.common.tp import TPGroup
 from models.llama.config import LlamaConfig
 from models.llama.model import Llama
@@ -17,14 +16,7 @@ _IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")  #
 
 
 def read_config(weights_dir: str | Path) -> LlamaConfig:
-    weights_dir = Path(weights_dir).expanduser()
-    path = weights_dir / "config.json"
-    if not weights_dir.is_dir():
-        raise FileNotFoundError(f"weights directory {weights_dir} does not exist "
-                                f"(prepare it with scripts/prepare_weights.py)")
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing: {weights_dir} is not an HF-layout weights directory")
-    return LlamaConfig.from_hf(json.loads(path.read_text()))
+    return read_hf_config(weights_dir, LlamaConfig.from_hf, "prepare it with scripts/prepare_weights.py")
 
 
 def _hf_sources(config: LlamaConfig) -> dict[str, tuple[str, ...]]:

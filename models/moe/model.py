@@ -27,7 +27,7 @@ from torch import nn
 
 from models.common.linear import Linear
 from models.common.tp import ColumnParallelLinear, RowParallelLinear, TPGroup, shard_cols, shard_rows, split_heads
-from models.llama.model import RMSNorm, apply_rope, rope_tables
+from models.llama.model import DecoderLM, RMSNorm, apply_rope
 from models.moe.config import MoEConfig
 from models.moe.routers import build_router, check_router_output
 
@@ -186,7 +186,7 @@ class Block(nn.Module):
         return h + out, router_states
 
 
-class Qwen3Moe(nn.Module):
+class Qwen3Moe(DecoderLM):
     """Decoder-only Qwen3-MoE. Build under `torch.device("meta")` and load with weights.load_moe.
 
     `tp`: the tensor-parallel group this model is one shard of (default: none); every member must run the same
@@ -204,21 +204,7 @@ class Qwen3Moe(nn.Module):
         self.layers = nn.ModuleList(Block(config, i, tp, router) for i in range(config.n_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size)  # replicated: full logits on every rank
-        self.tie_weights()
-        # Llama's rope_tables reads head_dim, rope_theta, rope_scaling, max_position_embeddings: MoEConfig has them
-        cos, sin = rope_tables(config, dtype=self.embed.weight.dtype, device=self.embed.weight.device)
-        self.register_buffer("rope_cos", cos, persistent=False)  # (max_pos, hd)
-        self.register_buffer("rope_sin", sin, persistent=False)  # (max_pos, hd), signed
-
-    def tie_weights(self) -> None:
-        """Share the embedding with the LM head when the config says so (call again after assign-loading)."""
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.embed.weight
-
-    def init_rope_tables(self) -> None:
-        """(Re)build the RoPE tables on the weights' device and dtype (they are not in the checkpoint)."""
-        w = self.embed.weight
-        self.rope_cos, self.rope_sin = rope_tables(self.config, dtype=w.dtype, device=w.device)
+        self._finish_init()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: AttentionCache,
                 last_only: bool = False, last_index: torch.Tensor | None = None) -> torch.Tensor:
@@ -234,8 +220,4 @@ class Qwen3Moe(nn.Module):
         router_states = None
         for layer in self.layers:
             h, router_states = layer(h, cos, sin, cache, router_states)
-        if last_index is not None:
-            h = h.gather(1, last_index.view(-1, 1, 1).expand(-1, 1, h.shape[-1]))  # (B, 1, H)
-        elif last_only:
-            h = h[:, -1:]  # (B, 1, H)
-        return self.lm_head(self.norm(h)).float()
+        return self._logits(h, last_only, last_index)

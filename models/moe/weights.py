@@ -8,12 +8,11 @@ Experts are fused at load ([gate_M; up_M] stacked over M) from only this rank's 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
-from models.common.checkpoint import SafetensorsDir, load_sharded_state
+from models.common.checkpoint import SafetensorsDir, load_sharded_state, read_hf_config
 from models.common.tp import TPGroup
 from models.moe.config import MoEConfig
 from models.moe.model import Qwen3Moe
@@ -21,14 +20,7 @@ from models.moe.routers import probe_router
 
 
 def read_config(weights_dir: str | Path) -> MoEConfig:
-    weights_dir = Path(weights_dir).expanduser()
-    path = weights_dir / "config.json"
-    if not weights_dir.is_dir():
-        raise FileNotFoundError(f"weights directory {weights_dir} does not exist "
-                                f"(write a random one with scripts/make_moe_checkpoint.py)")
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing: {weights_dir} is not an HF-layout weights directory")
-    return MoEConfig.from_hf(json.loads(path.read_text()))
+    return read_hf_config(weights_dir, MoEConfig.from_hf, "write a random one with scripts/make_moe_checkpoint.py")
 
 
 def _swiglu_sources(ours: str, hf: str) -> dict[str, tuple[str, ...]]:
