@@ -38,7 +38,10 @@ def serve(config: str, nproc: int, overrides: dict, nodes: list[int] | None = No
         chat = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=120, json={
             "model": served, "max_tokens": 4, "temperature": 0, "messages": [{"role": "user", "content": "Hi"}]})
         assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] > 0, chat.text
-        live = per_rank(server.base_url, "mstar_dist_live_tensors")
+        deadline = time.monotonic() + 15  # per-rank gauges arrive every 0.5 s (later on a loaded machine)
+        while any((live := per_rank(server.base_url, "mstar_dist_live_tensors")).values()) and \
+                time.monotonic() < deadline:
+            time.sleep(0.3)
     finally:
         assert server.stop_clean(sum(nodes or [nproc])), server.log()
     assert not any(live.values()), live
