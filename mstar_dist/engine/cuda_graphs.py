@@ -93,8 +93,9 @@ class DecodeGraphs:
         cap = self._captured[(bucket, ctx)]
         pad = bucket - n
         cap.tokens[:n, 0].copy_(tokens.reshape(-1))
-        cap.positions[:n].copy_(torch.tensor(positions, dtype=torch.long), non_blocking=True)
-        cap.slots[:n].copy_(torch.tensor(slots, dtype=torch.long), non_blocking=True)
+        # through pinned memory: a copy from pageable memory may wait for the queue (a step launched ahead)
+        cap.positions[:n].copy_(torch.tensor(positions, dtype=torch.long).pin_memory(), non_blocking=True)
+        cap.slots[:n].copy_(torch.tensor(slots, dtype=torch.long).pin_memory(), non_blocking=True)
         if pad:
             cap.tokens[n:].zero_()
             cap.positions[n:].zero_()

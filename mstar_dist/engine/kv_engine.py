@@ -7,6 +7,15 @@ Inputs a call may carry:
 - ``kv`` (n_layers, 2, n_kv_heads, T, head_dim): a KV cache produced by a prefill on another rank (P/D split);
   it is imported into a fresh slot before the request's first decode step here.
 
+Decode steps run one ahead on CUDA (``lookahead``, §8 "Decode lookahead"): right after a step's tokens are sampled on
+the device, the next step of the same rows is launched from them, before the host has copied them back. The host
+then works on step N (stop checks, emits, the walks) while the GPU runs step N+1. When the next calls arrive, a row
+whose request is still here with the token the lookahead used takes the lookahead's result; other calls (a new
+request's first step, a token from elsewhere) run in a forward of their own, and lookahead rows that no call claims
+(the request stopped, was removed or skipped a step) are dropped: their KV write lands at a position the request
+has not reached (it is rewritten before it is read) and their generators are put back as they were, so a pinned seed
+gives the same text with or without lookahead.
+
 Outputs: ``token`` (1,) int64 always; ``kv`` after a prefill when the walk context exports it (the decode rank is
 another rank), in which case this rank's slot is freed at once. The stop check fires on the model's EOS ids.
 A call that finds no free slot is answered ``None`` and retried by the worker once slots free up.
@@ -20,13 +29,13 @@ router would count them) sets ``pads_are_inert = False``: then only prompts of o
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from mstar_dist.engine.component import Component, WalkContext
 from mstar_dist.engine.kv_cache import StaticKVCache
-from mstar_dist.engine.sampling import sample
+from mstar_dist.engine.sampling import SamplingParams, sample, to_device
 from mstar_dist.graph.walk import NodeCall, NodeResult
 
 
@@ -37,13 +46,40 @@ class _Seq:
     """Positions already in the cache."""
 
 
+@dataclass
+class _Ahead:
+    """A decode step launched before the host saw the tokens it starts from (see the module docstring)."""
+
+    rows: list[int]
+    """Each row's index in the step that launched it."""
+    request_ids: list[str]
+    seqs: list[_Seq]
+    """The rows' sequences when launched: a row is only valid while its request still owns that very _Seq."""
+    lengths: list[int]
+    """Each row's position written (its sequence's length at launch)."""
+    tokens: torch.Tensor
+    """(n,) the sampled tokens, on the device."""
+    host: torch.Tensor
+    """(n,) their host copy, complete once ``ready`` has fired."""
+    ready: object
+    """A CUDA event after the copy (None on CPU: the copy is done)."""
+    generator_states: dict[int, tuple[torch.Generator, torch.Tensor]] = field(default_factory=dict)
+    """Row -> (generator, its state before this step drew from it), for sampled rows."""
+    inputs: list[int] = field(default_factory=list)
+    """The token ids each row started from (host values, set once the launching step's copy completed; empty if
+    that step failed, and then no row is claimed)."""
+
+
 class KVCacheEngine(Component):
     def __init__(self, name: str, model: torch.nn.Module, cache: StaticKVCache, device: torch.device,
                  cuda_graphs: bool = False, logit_bias: torch.Tensor | None = None,
-                 prefill_token_budget: int = 4096):
+                 prefill_token_budget: int = 4096, lookahead: bool | None = None):
         """With ``cuda_graphs`` (CUDA only) decode steps replay captured graphs; the cache must hold one slot
         more than the batch: it is kept as the padding rows' scratch slot. ``logit_bias`` (V,) is added to every
-        row's logits before sampling (``-inf`` forbids a token: e.g. a speech LLM restricted to audio codes)."""
+        row's logits before sampling (``-inf`` forbids a token: e.g. a speech LLM restricted to audio codes).
+        ``lookahead`` runs decode steps one ahead (default: on CUDA; on a CPU it only costs the dropped rows, so
+        it is off there unless asked for). Members of a TP group must not use it (their collectives would no
+        longer pair up if one member dropped a row another used)."""
         self.name = name
         self.logit_bias = None if logit_bias is None else logit_bias.to(device, torch.float32)
         self.model = model
@@ -60,12 +96,16 @@ class KVCacheEngine(Component):
             raise ValueError(f"prefill_token_budget must be >= 1, got {prefill_token_budget}")
         self.prefill_token_budget = prefill_token_budget
         self.ragged_prefill = bool(getattr(model, "pads_are_inert", False))
+        self.lookahead = device.type == "cuda" if lookahead is None else bool(lookahead)
+        self._ahead: _Ahead | None = None
         self._seqs: dict[str, _Seq] = {}
         self.steps = 0
         self.decode_rows = 0
         self.prefills = 0
         self.prefill_batches = 0
         self.decode_seconds = 0.0
+        self.ahead_rows_used = 0
+        self.ahead_rows_dropped = 0
 
     @torch.inference_mode()
     def run_batch(self, calls: list[NodeCall]) -> list[NodeResult | BaseException | None]:
@@ -108,7 +148,9 @@ class KVCacheEngine(Component):
         return {"kv_slots_used": len(self._seqs), "kv_slots_free": self.cache.num_free,
                 "prefills_total": self.prefills, "prefill_batches_total": self.prefill_batches,
                 "decode_steps_total": self.steps,
-                "decode_rows_total": self.decode_rows, "decode_ms_total": int(self.decode_seconds * 1000)}
+                "decode_rows_total": self.decode_rows, "decode_ms_total": int(self.decode_seconds * 1000),
+                "lookahead_rows_used_total": self.ahead_rows_used,
+                "lookahead_rows_dropped_total": self.ahead_rows_dropped}
 
     def warmup(self) -> None:
         if self.graphs is not None:
@@ -220,24 +262,123 @@ class KVCacheEngine(Component):
             self.decode_seconds += time.perf_counter() - t0
 
     def _decode_step(self, calls: list[NodeCall]) -> list[NodeResult | BaseException]:
+        """One decode step of ``calls``: rows the lookahead already ran take its tokens, the others run now; then
+        (lookahead) the next step of all of them is launched before this step's tokens are copied to the host."""
+        ahead, self._ahead = self._ahead, None
         seqs = [self._seqs[c.request_id] for c in calls]
-        # tokens this engine sampled are host tensors; a request's first one may arrive on the device
-        tokens = torch.cat([c.inputs["token"].reshape(1).cpu() for c in calls]).to(self.device, torch.long)
-        if self.graphs is not None and len(calls) <= self.graphs.max_rows:
-            logits = self.graphs.logits(tokens, [s.length for s in seqs], [s.slot for s in seqs])
-        else:
-            positions = torch.tensor([s.length for s in seqs], dtype=torch.long, device=self.device)
-            self.cache.bind([s.slot for s in seqs], [s.length for s in seqs], 1)
-            logits = self.model(tokens[:, None], positions[:, None], self.cache, last_only=True)
+        claimed = self._claim(ahead, calls, seqs) if ahead is not None else {}
+        fresh = [i for i in range(len(calls)) if i not in claimed]
         ctxs: list[WalkContext] = [c.ctx for c in calls]
-        sampled = sample(self._biased(logits[:, -1]), [x.sampling for x in ctxs],
-                         [x.generator("cpu") for x in ctxs])
-        sampled = sampled.cpu()  # the step's one device-to-host copy: stop checks, emits and streams read it
-        ids = sampled.tolist()
+        fresh_tokens = fresh_host = fresh_ready = None
+        if fresh:
+            # tokens this engine sampled are host tensors; a request's first one may arrive on the device
+            given = [calls[i].inputs["token"].reshape(1) for i in fresh]
+            if all(t.device.type == "cpu" for t in given):
+                inputs = to_device(torch.cat(given), self.device)
+            else:
+                inputs = torch.cat([to_device(t, self.device) for t in given])
+            fresh_tokens, _ = self._forward_sample(inputs.long(), [seqs[i] for i in fresh], [ctxs[i] for i in fresh])
+            fresh_host, fresh_ready = self._copy_to_host(fresh_tokens)
+        if not claimed:
+            step_tokens = fresh_tokens
+        elif not fresh and list(claimed.values()) == list(range(len(ahead.request_ids))):
+            step_tokens = ahead.tokens  # the common case: the same rows in the same order
+        else:
+            step_tokens = torch.empty(len(calls), dtype=torch.long, device=self.device)
+            at = to_device(list(claimed), self.device)
+            step_tokens[at] = ahead.tokens[to_device(list(claimed.values()), self.device)]
+            if fresh:
+                step_tokens[to_device(fresh, self.device)] = fresh_tokens
+        for seq in seqs:
+            seq.length += 1
+        if self.lookahead:
+            self._launch_ahead(calls, seqs, ctxs, step_tokens)
+        # the step's device-to-host copies (the lookahead, if any, is already queued behind them)
+        ids = [0] * len(calls)
+        if claimed:
+            _wait(ahead.ready)
+            ahead_ids = ahead.host.tolist()
+            for i, row in claimed.items():
+                ids[i] = ahead_ids[row]
+        if fresh:
+            _wait(fresh_ready)
+            for i, value in zip(fresh, fresh_host.tolist()):
+                ids[i] = value
+        if self._ahead is not None:
+            self._ahead.inputs = [ids[i] for i in self._ahead.rows]
+        sampled = torch.tensor(ids, dtype=torch.long)
         self.steps += 1
         self.decode_rows += len(calls)
-        results: list[NodeResult | BaseException] = []
-        for i, (ctx, seq) in enumerate(zip(ctxs, seqs)):
-            seq.length += 1
-            results.append(NodeResult(outputs={"token": sampled[i : i + 1]}, stop=ids[i] in ctx.stop_token_ids))
-        return results
+        return [NodeResult(outputs={"token": sampled[i : i + 1]}, stop=ids[i] in ctx.stop_token_ids)
+                for i, ctx in enumerate(ctxs)]
+
+    def _forward_sample(self, tokens: torch.Tensor, seqs: list[_Seq], ctxs: list[WalkContext],
+                        keep_states: bool = False) -> tuple[torch.Tensor, dict]:
+        """One decode forward of ``tokens`` (n,) on the device, each row writing its sequence's next position, and
+        its samples (n,) on the device. With ``keep_states``: {row: (generator, state before the draw)}."""
+        positions = [s.length for s in seqs]
+        slots = [s.slot for s in seqs]
+        if self.graphs is not None and len(seqs) <= self.graphs.max_rows:
+            logits = self.graphs.logits(tokens, positions, slots)
+        else:
+            self.cache.bind(slots, positions, 1)
+            logits = self.model(tokens[:, None], to_device(positions, self.device)[:, None], self.cache,
+                                last_only=True)
+        params: list[SamplingParams] = [x.sampling for x in ctxs]
+        generators = [x.generator("cpu") for x in ctxs]
+        states = {row: (generators[row], generators[row].get_state())
+                  for row, p in enumerate(params) if keep_states and not p.greedy}
+        return sample(self._biased(logits[:, -1]), params, generators), states
+
+    def _copy_to_host(self, tokens: torch.Tensor) -> tuple[torch.Tensor, object]:
+        """Start copying ``tokens`` to the host: (host tensor, CUDA event to wait for; None when already done)."""
+        if self.device.type != "cuda":
+            return tokens.cpu(), None
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
+
+    def _launch_ahead(self, calls: list[NodeCall], seqs: list[_Seq], ctxs: list[WalkContext],
+                      tokens: torch.Tensor) -> None:
+        """Queue the step after this one for every row that has room for it (its KV write is harmless if dropped)."""
+        rows = [i for i, s in enumerate(seqs) if s.length < self.cache.max_seq_len]
+        if not rows:
+            return
+        if len(rows) < len(seqs):
+            tokens = tokens[to_device(rows, self.device)]
+        picked = [seqs[i] for i in rows]
+        sampled, states = self._forward_sample(tokens, picked, [ctxs[i] for i in rows], keep_states=True)
+        host, ready = self._copy_to_host(sampled)
+        self._ahead = _Ahead(rows=rows, request_ids=[calls[i].request_id for i in rows], seqs=picked,
+                             lengths=[s.length for s in picked], tokens=sampled, host=host, ready=ready,
+                             generator_states=states)
+
+    def _claim(self, ahead: _Ahead, calls: list[NodeCall], seqs: list[_Seq]) -> dict[int, int]:
+        """{call index: lookahead row} for the calls the lookahead already ran; drops (and rewinds the generators
+        of) the rows no call claims."""
+        row_of = {rid: row for row, rid in enumerate(ahead.request_ids)} if ahead.inputs else {}
+        claimed: dict[int, int] = {}
+        for i, (call, seq) in enumerate(zip(calls, seqs)):
+            row = row_of.get(call.request_id)
+            token = call.inputs["token"]
+            # a token on the device did not come from this engine's last step (and reading it would sync)
+            if row is not None and ahead.seqs[row] is seq and ahead.lengths[row] == seq.length \
+                    and token.device.type == "cpu" and int(token.reshape(-1)[0]) == ahead.inputs[row]:
+                claimed[i] = row
+        used = set(claimed.values())
+        for row, rid in enumerate(ahead.request_ids):
+            if row in used:
+                continue
+            self.ahead_rows_dropped += 1
+            saved = ahead.generator_states.get(row)
+            if saved is not None and self._seqs.get(rid) is ahead.seqs[row]:
+                saved[0].set_state(saved[1])  # the request lives on: its next draw must be the one it skipped
+        self.ahead_rows_used += len(claimed)
+        return claimed
+
+
+def _wait(event: object) -> None:
+    if event is not None:
+        event.synchronize()

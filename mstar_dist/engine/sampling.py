@@ -57,6 +57,18 @@ def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -
     return gen
 
 
+def to_device(values: list | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host list or tensor on ``device`` without a stream sync: on CUDA through pinned memory and an
+    asynchronous copy (a plain ``torch.tensor(..., device=cuda)`` waits for every kernel queued before it, which
+    would stall a decode step launched ahead, see kv_engine)."""
+    t = values if isinstance(values, torch.Tensor) else torch.tensor(values)
+    if device.type != "cuda":
+        return t.to(device)
+    if t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None]) -> torch.Tensor:
     """logits (B, V) -> next tokens (B,) long, on logits' device.
@@ -64,7 +76,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     Greedy rows take the argmax. Sampled rows are drawn together, vectorised on the device: temperature, top-k and
     top-p per row, then inverse CDF with one uniform per row drawn from generators[b] (best a CPU generator: the
     draw is then no device launch; None: the default CPU generator). A row's token depends only on its own logits,
-    parameters and generator, never on the other rows of the batch.
+    parameters and generator, never on the other rows of the batch. Nothing here waits for the device: every
+    decision is taken from the parameters on the host.
     """
     if logits.dim() != 2 or not len(params) == len(generators) == logits.shape[0]:
         raise ValueError(f"sample: logits must be (B, V) with B params and generators, got "
@@ -72,10 +85,16 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     tokens = logits.argmax(dim=-1)  # greedy for every row; sampled rows are overwritten
     rows = [b for b, p in enumerate(params) if not p.greedy]
     if rows:
+        device = logits.device
         u = torch.stack([torch.rand((), generator=generators[b], device=_gen_device(generators[b]))
                          .to("cpu") for b in rows])
-        picked = _sample_rows(logits[rows].float(), [params[b] for b in rows], u.to(logits.device))
-        tokens[rows] = picked
+        index = None if len(rows) == len(params) else to_device(rows, device)
+        picked = _sample_rows((logits if index is None else logits[index]).float(), [params[b] for b in rows],
+                              to_device(u, device))
+        if index is None:
+            tokens = picked
+        else:
+            tokens[index] = picked
     return tokens
 
 
@@ -88,28 +107,39 @@ def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], u: torch.Te
     its order; the others over their candidates sorted most likely first. Either way a row's numbers do not
     depend on the other rows (normalisers are per row, over the row's own top-k set, in vocabulary order)."""
     device, vocab = logits.device, logits.shape[1]
-    x = logits / torch.tensor([p.temperature for p in params], device=device)[:, None]
-    tokens = torch.empty(len(params), dtype=torch.long, device=device)
+    x = logits / to_device([float(p.temperature) for p in params], device)[:, None]
     plain = [i for i, p in enumerate(params) if not (0 < p.top_k < vocab) and p.top_p >= 1]
+    if len(plain) == len(params):
+        return _sample_plain(x, u)
+    if not plain:
+        return _sample_cut(x, params, u)
     cut = [i for i in range(len(params)) if i not in set(plain)]
-    if plain:
-        cdf = x[plain].softmax(dim=-1).cumsum(dim=-1)
-        pick = torch.searchsorted(cdf, (u[plain, None] * cdf[:, -1:]).contiguous(), right=True)[:, 0]
-        tokens[plain] = pick.clamp(max=vocab - 1)
-    if cut:
-        tokens[cut] = _sample_cut(x[cut], [params[i] for i in cut], u[cut])
+    tokens = torch.empty(len(params), dtype=torch.long, device=device)
+    at_plain, at_cut = to_device(plain, device), to_device(cut, device)
+    tokens[at_plain] = _sample_plain(x[at_plain], u[at_plain])
+    tokens[at_cut] = _sample_cut(x[at_cut], [params[i] for i in cut], u[at_cut])
     return tokens
+
+
+def _sample_plain(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Rows drawn over the whole vocabulary in its order: x (R, V) tempered logits -> tokens (R,)."""
+    cdf = x.softmax(dim=-1).cumsum(dim=-1)
+    pick = torch.searchsorted(cdf, (u[:, None] * cdf[:, -1:]).contiguous(), right=True)[:, 0]
+    return pick.clamp(max=x.shape[1] - 1)
 
 
 def _sample_cut(x: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -> torch.Tensor:
     """Rows with top-k and/or top-p: x (R, V) tempered logits -> tokens (R,)."""
     device, vocab = x.device, x.shape[1]
-    k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)[:, None]
-    top_p = torch.tensor([p.top_p for p in params], device=device)[:, None]
-    masked = _top_k_masked(x, k) if bool((k < vocab).any()) else x
+    ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    k = to_device(ks, device)[:, None]
+    top_p = to_device([float(p.top_p) for p in params], device)[:, None]
+    width = max(ks)
+    masked = _top_k_masked(x, k, width) if min(ks) < vocab else x
     log_total = torch.logsumexp(masked, dim=-1, keepdim=True)  # the row's top-k mass, in vocabulary order
-    width = int(k.max())
-    if width > _NUCLEUS_GUESS and bool((top_p < 1).all()):
+    if width > _NUCLEUS_GUESS and all(p.top_p < 1 for p in params) and device.type == "cpu":
+        # On a CPU a sort of the whole vocabulary costs ~70 topk(1024); the check reads the device, so on a GPU
+        # (where the sort is cheap and a sync is not) the whole vocabulary is sorted instead.
         guess = x.topk(_NUCLEUS_GUESS, dim=-1).values
         if bool((torch.logsumexp(guess, dim=-1, keepdim=True) - log_total >= torch.log(top_p)).all()):
             width = _NUCLEUS_GUESS  # every nucleus fits in the guess: no sort of the whole vocabulary
@@ -125,7 +155,8 @@ def _sample_cut(x: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) 
     return candidates.gather(1, pick[:, None])[:, 0]
 
 
-def _top_k_masked(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """x (R, V) with everything below each row's k-th largest value set to -inf (k (R, 1); k = V keeps all)."""
-    kth = x.topk(int(k.max()), dim=-1).values.gather(1, k - 1)
+def _top_k_masked(x: torch.Tensor, k: torch.Tensor, k_max: int) -> torch.Tensor:
+    """x (R, V) with everything below each row's k-th largest value set to -inf (k (R, 1), at most ``k_max``;
+    k = V keeps all)."""
+    kth = x.topk(k_max, dim=-1).values.gather(1, k - 1)
     return x.masked_fill(x < kth, float("-inf"))

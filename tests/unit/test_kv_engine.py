@@ -1,6 +1,7 @@
 """KVCacheEngine's batched prefill on a tiny random Llama (engine/kv_engine.py).
 
-A failure here means prompts that arrive together change each other's output when they share a prefill forward
+A failure here means decode steps run one ahead (lookahead) give other tokens than steps run one at a time, or
+prompts that arrive together change each other's output when they share a prefill forward
 (right padding leaks into a row's logits or its KV), the token budget is not honoured, a request without a free
 slot is lost instead of retried, or one bad prompt fails the others in its batch.
 """
@@ -30,10 +31,11 @@ def model() -> Llama:
     return Llama(CFG).eval().requires_grad_(False)
 
 
-def engine(model: Llama, slots: int = 8, budget: int = 4096) -> KVCacheEngine:
+def engine(model: Llama, slots: int = 8, budget: int = 4096, lookahead: bool = False,
+           max_seq_len: int = 64) -> KVCacheEngine:
     cache = StaticKVCache(n_layers=CFG.n_layers, n_kv_heads=CFG.n_kv_heads, head_dim=CFG.head_dim,
-                          max_slots=slots, max_seq_len=64)
-    return KVCacheEngine("LLM", model, cache, torch.device("cpu"), prefill_token_budget=budget)
+                          max_slots=slots, max_seq_len=max_seq_len)
+    return KVCacheEngine("LLM", model, cache, torch.device("cpu"), prefill_token_budget=budget, lookahead=lookahead)
 
 
 def call(request_id: str, inputs: dict, *, seed: int = 0, temperature: float = 0.0,
@@ -114,3 +116,92 @@ def test_models_with_stateful_padding_share_forwards_only_at_one_length(model: L
     eng.ragged_prefill = False  # what a model without pads_are_inert (a stateful MoE router) gets
     eng.run_batch([call(f"r{i}", {"input_ids": prompt(n, i)}) for i, n in enumerate([5, 8, 5, 8, 3])])
     assert eng.prefill_batches == 3 and eng.prefills == 5
+
+
+def run_schedule(eng: KVCacheEngine, steps: int, sampled: bool = True) -> dict[str, list[int]]:
+    """Requests that come and go the way a server's do, driven through ``eng``: every request's tokens.
+
+    r0..r2 start together; r3 arrives at step 3; r1 is stopped by its client (released) at step 5; r2 skips
+    steps 4 and 5 (its walk waits on something else) and resumes; r4 arrives at step 6 with a KV cache made
+    elsewhere (a P/D decode rank's first step); at step 7 r0 is fed a token this engine did not sample; r3 is
+    r0, r2 and r5 sampled with seeds, the rest greedy; r5 runs into the context limit."""
+    knobs = {"r0": (0.8, 7), "r1": (0.0, 0), "r2": (0.7, 5), "r3": (1.0, 3), "r4": (0.0, 0), "r5": (0.9, 1)}
+    if not sampled:  # every row greedy
+        knobs = {rid: (0.0, 0) for rid in knobs}
+    calls: dict[str, NodeCall] = {}
+    out: dict[str, list[int]] = {}
+
+    def make(rid: str, inputs: dict) -> NodeCall:
+        t, seed = knobs[rid]
+        c = call(rid, inputs, temperature=t, seed=seed)
+        if rid in calls:
+            c.run.ctx.state.update(calls[rid].ctx.state)  # the request's generator carries over, as in a walk
+        calls[rid] = c
+        return c
+
+    donor = KVCacheEngine("donor", eng.model, StaticKVCache(CFG.n_layers, CFG.n_kv_heads, CFG.head_dim, max_slots=1,
+                                                             max_seq_len=64, device=eng.device), eng.device)
+    kv = donor.run_batch([call("r4", {"input_ids": prompt(11, 4)}, export=frozenset({"kv"}))])[0]
+    live = {"r0", "r1", "r2", "r5"}
+    first = [make(rid, {"input_ids": prompt(n, i)}) for i, (rid, n) in enumerate([("r0", 6), ("r1", 9), ("r2", 4),
+                                                                                    ("r5", 52)])]
+    for c, r in zip(first, eng.run_batch(first)):
+        out[c.request_id] = [int(r.outputs["token"])]
+    for step in range(steps):
+        batch = []
+        if step == 3:
+            live.add("r3")
+            batch.append(make("r3", {"input_ids": prompt(13, 3)}))
+        if step == 5:
+            live.discard("r1")
+            eng.release("r1")
+        if step == 6:
+            live.add("r4")
+            out["r4"] = [int(kv.outputs["token"])]
+            batch.append(make("r4", {"token": kv.outputs["token"].clone(), "kv": kv.outputs["kv"]}))
+        for rid in sorted(live):
+            if rid in {c.request_id for c in batch} or (rid == "r2" and step in (4, 5)):
+                continue
+            token = out[rid][-1] if not (rid == "r0" and step == 7) else 42
+            batch.append(make(rid, {"token": torch.tensor([token])}))
+        for c, r in zip(batch, eng.run_batch(batch)):
+            if isinstance(r, BaseException):
+                assert c.request_id == "r5" and "context limit" in str(r)
+                live.discard("r5")
+                eng.release("r5")
+                out["r5"].append(-1)
+                continue
+            out.setdefault(c.request_id, []).append(int(r.outputs["token"]))
+    return out
+
+
+def test_lookahead_gives_the_tokens_of_steps_run_one_at_a_time(model: Llama) -> None:
+    plain = run_schedule(engine(model), steps=14)
+    eng = engine(model, lookahead=True)
+    ahead = run_schedule(eng, steps=14)
+    assert ahead == plain
+    assert plain["r5"][-1] == -1  # r5 did reach the context limit in both
+    # the rows it ran ahead were used in steady steps and dropped where requests left, skipped or changed token
+    assert eng.ahead_rows_used > 20 and eng.ahead_rows_dropped >= 3
+    assert eng.stats()["lookahead_rows_used_total"] == eng.ahead_rows_used
+    for rid in list(eng._seqs):
+        eng.release(rid)
+    assert eng.cache.num_free == 8
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_lookahead_with_cuda_graphs_gives_the_tokens_of_steps_run_one_at_a_time(model: Llama) -> None:
+    gpu = Llama(CFG).to("cuda").eval().requires_grad_(False)
+    gpu.load_state_dict(model.state_dict())
+    gpu.init_rope_tables()
+
+    def make(lookahead: bool) -> KVCacheEngine:
+        cache = StaticKVCache(CFG.n_layers, CFG.n_kv_heads, CFG.head_dim, max_slots=9, max_seq_len=64, device="cuda")
+        eng = KVCacheEngine("LLM", gpu, cache, torch.device("cuda"), cuda_graphs=True, lookahead=lookahead)
+        eng.warmup()
+        return eng
+
+    plain = run_schedule(make(False), steps=14, sampled=False)
+    eng = make(True)
+    assert run_schedule(eng, steps=14, sampled=False) == plain
+    assert eng.ahead_rows_used > 20 and eng.ahead_rows_dropped >= 3
