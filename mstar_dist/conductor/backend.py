@@ -99,7 +99,7 @@ class ConductorBackend:
         def sink(event) -> None:  # called on the conductor thread
             self._post(loop, events, event)
 
-        self.conductor.commands.put(("submit", params, sink, True))
+        self.conductor.command(("submit", params, sink, True))
         self._wake()
         pending: collections.deque = collections.deque()  # events taken from the queue, not yet yielded
         try:
@@ -120,5 +120,5 @@ class ConductorBackend:
                     return
         finally:
             if not finished:
-                self.conductor.commands.put(("abort", params.request_id, sink))
+                self.conductor.command(("abort", params.request_id, sink))
                 self._wake()

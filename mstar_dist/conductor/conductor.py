@@ -217,6 +217,13 @@ class Conductor:
     def _send(self, rank: int, body: m.Message) -> None:
         self.channel.send(f"rank{rank}", m.encode(self.token, "conductor", body))
 
+    def command(self, cmd: tuple) -> None:
+        """Hand the conductor thread a command (``("submit", params, sink, ...)`` or ``("abort", request_id,
+        sink)``) from another thread; its wait for rank messages ends at once, so a request's first step is not
+        held up to the 100 ms poll."""
+        self.commands.put(cmd)
+        self.channel.wake()
+
     def _drain_commands(self) -> None:
         while True:
             try:

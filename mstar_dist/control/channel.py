@@ -19,6 +19,8 @@ Not thread-safe (ZMQ sockets are not): use a channel from one thread.
 
 from __future__ import annotations
 
+import os
+
 import datetime
 import secrets
 
@@ -82,6 +84,11 @@ class ControlChannel:
         self._peer_eps: dict[str, str] = {}
         self._poller = zmq.Poller()
         self._poller.register(self._router, zmq.POLLIN)
+        # wake(): another thread of this process ends a recv() wait at once (a pipe the poller also watches)
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._poller.register(self._wake_r, zmq.POLLIN)
         self._closed = False
 
     def connect(self, peer_name: str, endpoint: str) -> None:
@@ -137,8 +144,15 @@ class ControlChannel:
         """
         self._check_open()
         out: list[tuple[str, bytes]] = []
-        if not self._poller.poll(timeout_ms):
+        ready = self._poller.poll(timeout_ms)
+        if not ready:
             return out
+        if any(fd == self._wake_r for fd, _ in ready):
+            try:
+                while os.read(self._wake_r, 4096):
+                    pass
+            except BlockingIOError:
+                pass
         while len(out) < max_messages:
             try:
                 ident, payload = self._router.recv_multipart(zmq.NOBLOCK, copy=True)
@@ -147,11 +161,23 @@ class ControlChannel:
             out.append((ident.decode(), payload))
         return out
 
+    def wake(self) -> None:
+        """End the wait of a ``recv`` running on another thread now (it returns what it has, maybe nothing).
+        Thread-safe; for a thread that handed the receiving thread work outside the channel."""
+        if self._closed:
+            return
+        try:
+            os.write(self._wake_w, b"\0")
+        except (BlockingIOError, OSError):
+            pass  # the pipe is full (a wake-up is pending anyway) or the channel is closing
+
     def close(self) -> None:
         """Close every socket at once (linger 0: unsent messages are dropped). Idempotent."""
         if self._closed:
             return
         self._closed = True
+        for fd in (self._wake_r, self._wake_w):
+            os.close(fd)
         for sock in self._dealers.values():
             sock.close(linger=0)
         self._dealers.clear()

@@ -70,6 +70,9 @@ def encode_tensor(t: torch.Tensor) -> InlineTensor:
     A CUDA tensor is copied to the host here (this blocks until the producing kernels are done); that is the
     inline path's price and the reason it is only used below `inline_max_bytes`.
     """
+    if t.dtype == torch.int64 and t.device.type == "cpu" and t.numel() == 1:
+        # one token id, every decode step of every request: no numpy round trip (7 us -> 1.5 us)
+        return InlineTensor(dtype="int64", shape=list(t.shape), data=int(t).to_bytes(8, "little", signed=True))
     dtype = dtype_to_str(t.dtype)
     shape = list(t.shape)
     # reshape(-1) makes 0-d tensors 1-d and non-contiguous ones contiguous; the uint8 view then works for

@@ -111,3 +111,36 @@ def test_restarted_peer_takes_its_name_over(ctx):
             new.connect("rank0", a.endpoint)
             new.send("rank0", b"after")
             assert _drain(a, 1) == [("rank1", b"after")]
+
+
+def test_wake_ends_a_waiting_recv_from_another_thread(ctx):
+    """The conductor waits for rank messages; a request submitted by the HTTP thread must not wait out that poll."""
+    import threading
+
+    ch = ControlChannel("conductor", "127.0.0.1", ctx)
+    try:
+        done = threading.Event()
+        got: list = []
+
+        def wait() -> None:
+            got.append(ch.recv(30_000))
+            done.set()
+
+        thread = threading.Thread(target=wait)
+        thread.start()
+        time.sleep(0.2)
+        ch.wake()
+        assert done.wait(10), "recv(30 s) was not ended by wake()"
+        thread.join()
+        assert got == [[]]  # woken with nothing received
+        ch.connect("me", ch.endpoint)
+        ch.wake()
+        ch.send("me", b"x")  # a wake-up left pending does not hide a message
+        deadline = time.monotonic() + 5
+        seen = []
+        while not seen and time.monotonic() < deadline:
+            seen = ch.recv(1000)
+        assert seen == [("conductor", b"x")]
+    finally:
+        ch.close()
+    ch.wake()  # after close: a no-op, not an error
