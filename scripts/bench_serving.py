@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 import httpx
+import yaml
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -194,7 +195,8 @@ def main() -> None:
     for r in range(args.rounds):
         for path, nproc in configs:  # one deployment up at a time (they share the device)
             name = Path(path).stem
-            overrides = {"model_kwargs": {"max_batch": max_batch},
+            own = (yaml.safe_load(Path(path).read_text()) or {}).get("model_kwargs") or {}
+            overrides = {"model_kwargs": {**own, "max_batch": max_batch},
                          "limits": {"max_concurrent_requests": max(64, 2 * top), "max_tokens": 4096}}
             if args.model:
                 overrides["model"] = args.model

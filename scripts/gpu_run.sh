@@ -23,9 +23,13 @@ for step in "$@"; do
                --config launch/configs/smollm2_single.yaml:1 --out "$out/serving_h200_single.json" 2>&1 | tail -30 ;;
     pd)      python3 scripts/bench_serving.py --device cuda --model llama --rounds 3 \
                --config launch/configs/smollm2_pd.yaml:2 --out "$out/serving_h200x2_pd.json" 2>&1 | tail -30 ;;
-    pace)    timeout 175 python3 scripts/bench_serving.py --device cuda --model llama --rounds 1 --max-tokens 256 --no-hf \
+    pace)    # the single-rank deployment with decode lookahead off, for its share of the gain
+             { cat launch/configs/smollm2_single.yaml; echo "model_kwargs: {lookahead: false}"; } \
+               > /tmp/smollm2_single_nolookahead.yaml
+             timeout 280 python3 scripts/bench_serving.py --device cuda --model llama --rounds 1 --max-tokens 256 --no-hf \
                --streams 1 8 32 64 --config launch/configs/smollm2_single.yaml:1 \
-               --config launch/configs/smollm2_pd.yaml:2 --out "$out/serving_h200x2_pace.json" 2>&1 | tail -60 ;;
+               --config launch/configs/smollm2_pd.yaml:2 --config /tmp/smollm2_single_nolookahead.yaml:1 \
+               --out "$out/serving_h200x2_pace.json" 2>&1 | tail -60 ;;
     profile) timeout 60 python3 scripts/profile_serving.py --model llama --streams 32 --seconds 8 \
                --out "$out/profile_h200_single.json" 2>&1 | tail -60 ;;
     edges)   torchrun --standalone --nproc-per-node 2 scripts/bench_edges.py --device cuda \
