@@ -146,7 +146,8 @@ def test_segments_are_unlinked_on_close_and_orphans_of_dead_processes_are_swept(
             f"t = ShmTransport(3, launch_id='dead', arena_bytes=1 << 20, directory=Path({str(tmp_path)!r})); "
             f"print(t.segment, flush=True); os._exit(0)")  # dies without closing: its segment is orphaned
     dead = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PYTHONPATH": os.getcwd()}).stdout.strip()
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                              [os.getcwd(), *filter(None, [os.environ.get("PYTHONPATH")])])}).stdout.strip()
     assert dead.startswith("mstar_dist.dead.r3.p") and (tmp_path / dead).exists()
     assert sweep_orphans(tmp_path) == [dead]
     assert (tmp_path / live.segment).exists()  # its owner holds the lock: never swept
