@@ -117,6 +117,7 @@ class LlamaChat(CompositeModel):
         import json
 
         self.tokenizer = ChatTokenizer(self.weights_dir)
+        self.tokenizer.incremental_decoder()  # builds the id -> bytes table now, not during the first request
         cfg = LlamaConfig.from_hf(json.loads((Path(self.weights_dir) / "config.json").read_text()))
         self._context = min(self.max_seq_len, cfg.max_position_embeddings)
 

@@ -15,9 +15,7 @@ import collections
 import threading
 from collections.abc import AsyncIterator
 
-import zmq
-
-from mstar_dist.conductor.conductor import WAKE, Conductor
+from mstar_dist.conductor.conductor import Conductor
 from mstar_dist.events import BackendError, Finished, GenerationEvent, GenerationParams, TextDelta
 
 
@@ -29,8 +27,6 @@ class ConductorBackend:
         self.model_name = model_name
         self.max_context_tokens = max_context_tokens
         self.max_tokens_limit = max_tokens_limit
-        self._local = threading.local()
-        self._ctx = zmq.Context.instance()
         self._outbox: list[tuple[asyncio.Queue, object]] = []
         self._outbox_lock = threading.Lock()
         self._delivery_scheduled = False
@@ -55,19 +51,6 @@ class ConductorBackend:
             self._delivery_scheduled = False
         for events, event in batch:
             events.put_nowait(event)
-
-    def _wake(self) -> None:
-        sock = getattr(self._local, "sock", None)
-        if sock is None:
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.IDENTITY, WAKE.encode())
-            sock.connect(self.conductor.channel.endpoint)
-            self._local.sock = sock
-        try:
-            sock.send(b"", zmq.NOBLOCK)
-        except zmq.Again:
-            pass  # the conductor has plenty of wake-ups queued already
 
     def health(self) -> tuple[bool, str]:
         c = self.conductor
@@ -100,7 +83,6 @@ class ConductorBackend:
             self._post(loop, events, event)
 
         self.conductor.command(("submit", params, sink, True))
-        self._wake()
         pending: collections.deque = collections.deque()  # events taken from the queue, not yet yielded
         try:
             while True:
@@ -121,4 +103,3 @@ class ConductorBackend:
         finally:
             if not finished:
                 self.conductor.command(("abort", params.request_id, sink))
-                self._wake()

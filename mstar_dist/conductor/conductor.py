@@ -34,7 +34,6 @@ from mstar_dist.transport.inline import decode_tensor, encode_tensor
 
 log = logging.getLogger(__name__)
 
-WAKE = "@wake"
 Sink = Callable[[Any], None]
 
 
@@ -219,8 +218,7 @@ class Conductor:
 
     def command(self, cmd: tuple) -> None:
         """Hand the conductor thread a command (``("submit", params, sink, ...)`` or ``("abort", request_id,
-        sink)``) from another thread; its wait for rank messages ends at once, so a request's first step is not
-        held up to the 100 ms poll."""
+        sink)``) from another thread; its wait for rank messages ends at once (``ControlChannel.wake``)."""
         self.commands.put(cmd)
         self.channel.wake()
 
@@ -266,8 +264,6 @@ class Conductor:
                     log.exception("conductor: failing request %s failed too", req.state.request_id)
 
     def _handle(self, sender: str, payload: bytes) -> None:
-        if sender == WAKE:
-            return
         try:
             env = m.decode(payload)
         except Exception as exc:
