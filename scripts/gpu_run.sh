@@ -39,6 +39,11 @@ for step in "$@"; do
                --max-tokens 560 --out "$out/speech_h200x2.json" 2>&1 | tail -30 ;;
     image)   python3 scripts/bench_composite.py image --make 1b --weights /tmp/bagel-1b --size 1024 --steps 8 24 \
                --out "$out/image_h200x2.json" 2>&1 | tail -30 ;;
+    twohost) timeout -k 30 480 python3 scripts/gpu_two_host.py --device cuda --budget 440 \
+               --out "$out/two_host_h200x2.json" 2>&1 | tail -80 ;;
+    soak)    # detached: starts a ${SOAK_SECONDS:-600} s soak unless one is in /tmp/soak, waits up to SOAK_WAIT s;
+             # collect the rest at once in the next command: bash scripts/gpu_soak.sh collect 540
+             bash scripts/gpu_soak.sh auto "${SOAK_SECONDS:-600}" "${SOAK_WAIT:-480}" 2>&1 | tail -60 ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done
