@@ -272,12 +272,22 @@ def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode("ascii")
 
 
+_LINE_BREAKERS = str.maketrans({"\u0085": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+"""Characters JSON may leave unescaped that ``str.splitlines`` (and so httpx's ``iter_lines``) takes for line ends:
+a generated token holding one would cut a streamed line in two for such clients. Escaped, they are still valid JSON
+(control characters below U+0020, the rest of splitlines' set, are always escaped)."""
+
+
+def _json(obj: Any) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).translate(_LINE_BREAKERS).encode("utf-8")
+
+
 def _line(line: StreamLine) -> bytes:
-    return json.dumps(line.model_dump(), ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n"
+    return _json(line.model_dump()) + b"\n"
 
 
 def _sse(obj: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n\n"
+    return b"data: " + _json(obj) + b"\n\n"
 
 
 # --------------------------------------------------------------------------------------- errors, metrics

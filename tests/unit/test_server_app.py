@@ -489,3 +489,14 @@ def test_chat_accepts_openais_own_fields_it_ignores(client):
 def test_native_client_errors_are_all_400_with_a_string_error(client, body):
     resp = client.post("/generate", json=body)
     assert resp.status_code == 400 and isinstance(resp.json()["error"], str)
+
+
+def test_streamed_lines_survive_clients_that_split_on_unicode_line_breaks(client, fake):
+    """httpx's iter_lines (str.splitlines) also ends lines at U+0085, U+2028 and U+2029; a model can generate them."""
+    fake.deltas = ["a\u2028b", "\x85", "c\u2029", "\x1c\x0b"]
+    resp = client.post(CHAT, json={"messages": MSGS, "stream": True})
+    lines = [line for line in resp.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[len("data: "):]) for line in lines[:-1]]  # every line whole
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == \
+        "".join(fake.deltas)
