@@ -264,6 +264,13 @@ class TPStep(msgspec.Struct, tag=True):
     on the conductor's RemoveRequest for a TP component, which could overtake a step that still holds them)."""
 
 
+class TPEnd(msgspec.Struct, tag=True):
+    """TP leader -> each follower, as the leader stops: no step of ``node`` follows the ones already sent. A stopping
+    follower runs those first (each holds collectives the leader is waiting in), then exits."""
+
+    node: str
+
+
 class TPPush(msgspec.Struct, tag=True):
     """TP leader -> a follower: send your shard of ``signal`` for ``request_id`` to global rank ``dst`` (your
     counterpart on the consuming replica) as ``uuid`` (descriptor first, then the p2p send)."""
@@ -407,7 +414,7 @@ class Stats(msgspec.Struct, tag=True):
 
 Message = Union[
     RunWalk, Push, StopLoops, RemoveRequest, Shutdown, Heartbeat, RankDown, AbortPair, TensorDesc, TransferAck,
-    NodeDone, StreamItems, StreamEnd, TPStep, TPPush, Emit, Emits, WalkDone, Ready, LoadFailed, Leaving, Stats,
+    NodeDone, StreamItems, StreamEnd, TPStep, TPEnd, TPPush, Emit, Emits, WalkDone, Ready, LoadFailed, Leaving, Stats,
 ]
 
 

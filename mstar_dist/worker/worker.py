@@ -126,6 +126,7 @@ class Worker:
         self.tp_roles = dict(tp_roles or {})
         """Node -> this rank's role in the node's TP replica (only nodes with tp_size > 1)."""
         self._follower = Follower(device)
+        self._tp_ended: set[str] = set()  # nodes whose TP leader said no step follows (TPEnd)
         self._input_refs: dict[tuple[str, str], dict[str, str]] = {}  # (request, walk) -> kept input -> uuid
         self._kept_signal: dict[str, tuple[str, str]] = {}  # uuid of a kept output -> (request, signal)
         self._last_stats = 0.0
@@ -139,7 +140,39 @@ class Worker:
 
     # ---- loop ----
     def run(self, should_stop=lambda: False) -> None:
-        """Serve until a ``Shutdown`` message arrives or ``should_stop()`` is true. Never returns on its own."""
+        """Serve until a ``Shutdown`` message arrives or ``should_stop()`` is true. Never returns on its own.
+        On the way out, TP replicas end in step: see :meth:`_end_tp`."""
+        try:
+            self._serve(should_stop)
+        finally:
+            self._end_tp()
+
+    def _end_tp(self, drain_s: float = 10.0) -> None:
+        """Leaders tell their followers that no step follows (``TPEnd``); followers run the steps they were sent
+        until every leader said so, at most ``drain_s``. Members of a TP group stop together (one signal reaches
+        them all): a follower that left first would leave its leader blocked in the collectives of a step sent
+        just before, and with NCCL such a wait has no end."""
+        for node, role in self.tp_roles.items():
+            if role.leads:
+                for follower in role.followers:
+                    try:
+                        self._send(rank_name(follower), m.TPEnd(node=node))
+                    except Exception:  # the follower's socket is gone: it left already
+                        log.debug("%s: could not tell rank %d that TP steps of %s end", self.name, follower, node)
+        waiting = {node for node, role in self.tp_roles.items()
+                   if not role.leads and not self.transport.is_dead(role.ranks[0])}
+        deadline = time.monotonic() + drain_s
+        while waiting - self._tp_ended:
+            if time.monotonic() > deadline:
+                log.warning("%s: stopping without the end of the TP steps of %s (its leader did not say within %g s)",
+                            self.name, sorted(waiting - self._tp_ended), drain_s)
+                return
+            for sender, payload in self.channel.recv(5):
+                self._handle(sender, payload)
+            self._poll_transfers()
+            self._run_follower_steps()
+
+    def _serve(self, should_stop) -> None:
         while not self.stopping and not should_stop():
             # Never spin: poll at once only when a node call can run; wait briefly while transfers are in flight.
             if self._collect() and not self._deferred_only:
@@ -196,6 +229,8 @@ class Worker:
             self._follower.steps.append(body)
         elif isinstance(body, m.TPPush):
             self._on_tp_push(body)
+        elif isinstance(body, m.TPEnd):
+            self._tp_ended.add(body.node)
         elif isinstance(body, m.TransferAck):
             if sender != CONDUCTOR:
                 self.transport.on_ack(int(sender[4:]), body)

@@ -30,8 +30,23 @@ def greedy(base_url: str, n: int = 16, prompts: list[str] = PROMPTS) -> list[str
     return out
 
 
-def serve(config: str, nproc: int, overrides: dict, nodes: list[int] | None = None, **ask) -> list[str]:
+def keep_busy(base_url: str, stop_at: list[float]) -> None:
+    """Requests back to back until the server goes (they fail then: that is what is being done to them)."""
+    while not stop_at or time.monotonic() < stop_at[0] + 30:
+        try:
+            httpx.post(f"{base_url}/generate", timeout=30, json={
+                "prompt": "Tell me a story", "model_kwargs": {"max_tokens": 64, "temperature": 0}})
+        except httpx.HTTPError:
+            return
+
+
+def serve(config: str, nproc: int, overrides: dict, nodes: list[int] | None = None, busy_at_stop: bool = False,
+          **ask) -> list[str]:
+    """The greedy text of ``ask``; the server stops with SIGTERM and every rank must exit 0, with
+    ``busy_at_stop`` while requests are running (a TP follower that left before its leader's last step would leave
+    the leader blocked in that step's collectives)."""
     server = Server(REPO / config, nproc, overrides=overrides, nodes=nodes)
+    pool, stop_at = cf.ThreadPoolExecutor(4), []
     try:
         text = greedy(server.base_url, **ask)
         served = httpx.get(f"{server.base_url}/v1/models", timeout=10).json()["data"][0]["id"]
@@ -42,8 +57,15 @@ def serve(config: str, nproc: int, overrides: dict, nodes: list[int] | None = No
         while any((live := per_rank(server.base_url, "mstar_dist_live_tensors")).values()) and \
                 time.monotonic() < deadline:
             time.sleep(0.3)
+        if busy_at_stop:
+            for _ in range(4):
+                pool.submit(keep_busy, server.base_url, stop_at)
+            time.sleep(2)
     finally:
-        assert server.stop_clean(sum(nodes or [nproc])), server.log()
+        stop_at.append(time.monotonic())
+        clean = server.stop_clean(sum(nodes or [nproc]))
+        pool.shutdown(wait=True)
+        assert clean, server.log()
     assert not any(live.values()), live
     return text
 
@@ -54,8 +76,8 @@ def moe_tp1() -> list[str]:
     return serve("launch/configs/moe_tp2.yaml", 1, {**MOE, "node_groups": one_rank})
 
 
-def test_moe_tp2_gives_the_tp1_text(moe_tp1):
-    assert serve("launch/configs/moe_tp2.yaml", 2, MOE) == moe_tp1
+def test_moe_tp2_gives_the_tp1_text_and_stops_cleanly_under_load(moe_tp1):
+    assert serve("launch/configs/moe_tp2.yaml", 2, MOE, busy_at_stop=True) == moe_tp1
 
 
 def test_moe_pd_with_tp2_on_both_sides_gives_the_same_text(moe_tp1):
