@@ -239,7 +239,9 @@ def main() -> None:
             server = Server(path, nproc=nproc, overrides=overrides)
             cold.setdefault(name, server.ready_seconds)
             try:
-                ours(server.base_url, 1, 8, 1)  # warm the path once
+                # warm the path with every prompt once: a prompt length's first prefill on a GPU pays for new
+                # kernel shapes, which would otherwise land in the 1-stream TTFT (its requests come first)
+                ours(server.base_url, 1, 8, len(PROMPTS))
                 for n in args.streams:
                     rows[f"{name}_{n}"].append(ours(server.base_url, n, args.max_tokens, max(4, 2 * n)))
             finally:
