@@ -13,6 +13,7 @@ import time
 
 import httpx
 import pytest
+import yaml
 
 from tests.e2e.server import REPO, WEIGHTS, Server, per_rank
 
@@ -45,6 +46,10 @@ def serve(config: str, nproc: int, overrides: dict, nodes: list[int] | None = No
     """The greedy text of ``ask``; the server stops with SIGTERM and every rank must exit 0, with
     ``busy_at_stop`` while requests are running (a TP follower that left before its leader's last step would leave
     the leader blocked in that step's collectives)."""
+    # float32 everywhere (on CUDA the default is bfloat16, whose TP sums differ from TP1's in the last bits and
+    # then change greedy text): the comparison means the same on a GPU as on this CPU
+    own = yaml.safe_load((REPO / config).read_text()).get("model_kwargs") or {}
+    overrides = {**overrides, "model_kwargs": {**own, **overrides.get("model_kwargs", {}), "dtype": "float32"}}
     server = Server(REPO / config, nproc, overrides=overrides, nodes=nodes)
     pool, stop_at = cf.ThreadPoolExecutor(4), []
     try:
