@@ -151,6 +151,18 @@ class ReleaseQueue:
         return dict(out)
 
 
+def copy_into(dst: torch.Tensor, tensor: torch.Tensor) -> None:
+    """Copy ``tensor`` (any device, dtype, strides) into ``dst``, a flat uint8 CPU tensor of exactly its bytes.
+
+    A contiguous host tensor goes through numpy's ``copyto`` (libc ``memcpy``: non-temporal stores for large
+    blocks), about 1.4x the speed of ``Tensor.copy_``'s element loop at 64 MiB into a shared mapping."""
+    if tensor.device.type == "cpu" and tensor.is_contiguous():
+        np.copyto(dst.numpy(), tensor.reshape(-1).view(torch.uint8).numpy())
+        return
+    view = dst if tensor.dtype == torch.uint8 else dst.view(tensor.dtype)
+    view.view(tensor.shape).copy_(tensor)
+
+
 def wrap_bytes(
     base: np.ndarray, offset: int, nbytes: int, dtype: torch.dtype, shape: list[int],
     on_release: Callable[[], None],

@@ -36,7 +36,7 @@ import time
 import torch
 
 from mstar_dist.control import messages as m
-from mstar_dist.transport.arena import ArenaPlane, ReleaseQueue, wrap_bytes
+from mstar_dist.transport.arena import ArenaPlane, ReleaseQueue, copy_into, wrap_bytes
 from mstar_dist.transport.base import ArenaFull, Done, Transfer, TransferFailed
 from mstar_dist.transport.inline import str_to_dtype
 
@@ -223,10 +223,7 @@ class MooncakeTransport(ArenaPlane):
                             f"bytes in use and no free block of {nbytes} bytes")
         if tensor.device.type != "cpu":
             self._stats["host_staging_copies"] += 1
-        view = self._pool[offset:offset + nbytes]
-        if tensor.dtype != torch.uint8:
-            view = view.view(tensor.dtype)
-        view.view(tensor.shape).copy_(tensor)
+        copy_into(self._pool[offset:offset + nbytes], tensor)
         slot = self._lent.lend(dst, nbytes, lambda: self._alloc.free(offset))
         self._count_send(nbytes)
         return Done(tensor), m.MooncakeLocation(self.session, self._pool_addr + offset, nbytes, slot)

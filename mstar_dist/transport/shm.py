@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from mstar_dist.control import messages as m
-from mstar_dist.transport.arena import ArenaPlane, ReleaseQueue, wrap_bytes
+from mstar_dist.transport.arena import ArenaPlane, ReleaseQueue, copy_into, wrap_bytes
 from mstar_dist.transport.base import ArenaFull, Done, Transfer, TransferFailed
 from mstar_dist.transport.inline import str_to_dtype
 
@@ -142,10 +142,7 @@ class ShmTransport(ArenaPlane):
                             f"(largest {self._alloc.largest_free})")
         if tensor.device.type != "cpu":
             self._stats["host_staging_copies"] += 1
-        dst_view = self._own.tensor[offset:offset + nbytes]
-        if tensor.dtype != torch.uint8:
-            dst_view = dst_view.view(tensor.dtype)
-        dst_view.view(tensor.shape).copy_(tensor)
+        copy_into(self._own.tensor[offset:offset + nbytes], tensor)
         slot = self._lent.lend(dst, nbytes, lambda: self._alloc.free(offset))
         self._count_send(nbytes)
         return Done(tensor), m.ShmLocation(self.segment, offset, nbytes, slot)
