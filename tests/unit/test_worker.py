@@ -357,3 +357,40 @@ def test_an_arena_that_stays_full_fails_the_request_naming_it():
     failed = [b for _, b in channel.sent if isinstance(b, m.WalkDone) and b.error]
     assert "test-arena is full" in failed[0].error and "transport.backpressure_timeout_s" in failed[0].error
     assert not plane.is_dead(2)  # a full arena is not a broken peer
+
+
+def tp_worker(rank: int):
+    """A member of the TP replica of node C on ranks 0 (leader) and 1."""
+    from mstar_dist.worker.tp import TPRole
+
+    channel, transport, store = FakeChannel(), FakeTransport(), TensorStore()
+    router = Router(global_rank=rank, rank_hosts={0: "h", 1: "h"}, transports={"p2p": transport},
+                    intra_host="p2p", inter_host="p2p", inline_max_bytes=1024, device=torch.device("cpu"))
+    comp = Counter()
+    worker = Worker(global_rank=rank, graphs=GRAPHS, components={"C": comp}, channel=channel, transport=router,
+                    store=store, token=TOKEN, device=torch.device("cpu"), inline_max_bytes=1024,
+                    tp_roles={"C": TPRole(node="C", ranks=(0, 1), me=rank)})
+    return worker, channel, transport, comp
+
+
+def test_tp_members_stop_in_step_the_follower_runs_what_its_leader_sent_before_it_ended():
+    """With NCCL a leader waits without end in the collectives of a step its follower never runs."""
+    leader, leader_channel, _, _ = tp_worker(0)
+    leader.run(should_stop=lambda: True)
+    assert ("rank1", m.TPEnd(node="C")) in leader_channel.sent
+
+    follower, channel, _, comp = tp_worker(1)
+    step = m.TPStep(node="C", calls=[m.TPCall(request_id="r1", walk="count", walk_index=0, seed=0,
+                                               sampling=m.Sampling(), iteration=0,
+                                               inputs={"x": encode_tensor(torch.tensor([4]))})])
+    for body in (step, m.TPEnd(node="C")):  # both arrive after the signal: the loop has already stopped
+        channel.inbox.append(("rank0", m.encode(TOKEN, "rank0", body)))
+    follower.run(should_stop=lambda: True)
+    assert comp.batches == [["r1"]]
+
+    alone, _, transport, comp = tp_worker(1)  # the leader never says: the follower gives up after drain_s
+    alone._end_tp(drain_s=0.2)
+    assert comp.batches == []
+    transport.dead.add(0)  # a dead leader: no wait at all
+    alone._tp_ended.clear()
+    alone._end_tp(drain_s=3600)
