@@ -18,7 +18,8 @@ polling `done()`, and for the arena transports the consumer's `TransferAck` when
 
 One-way time = half a ping-pong measured on rank 0 (0 -> 1, and back: rank 1 sends what it received), so no
 clock is shared between ranks and the number also holds across hosts. The paths alternate iteration by
-iteration, so drift hits all alike. Prints a table and writes JSON (medians, GB/s, ratios over raw, versions,
+iteration, so drift hits all alike; an untimed barrier starts every ping-pong, so no path is charged for the
+previous one's tail on the other rank. Prints a table and writes JSON (medians, GB/s, ratios over raw, versions,
 device names, command line). Not a timed test: ratios only mean something measured in one run.
 """
 
@@ -217,6 +218,9 @@ class Bench:
         samples: dict[str, list[float]] = {name: [] for name in paths}
         for i in range(warmup + iters):
             for name, fn in paths.items():
+                # both ranks start each ping-pong together: the rank that finished the previous path's work later
+                # (an acknowledgement, a waiter thread) must not be timed as this path's latency
+                dist.barrier()
                 t0 = time.perf_counter()
                 fn(buf)
                 if i >= warmup:
