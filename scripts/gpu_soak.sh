@@ -12,7 +12,8 @@
 #   bash scripts/gpu_soak.sh auto [SECONDS] [WAIT] start unless a soak is in $SOAK_DIR already, then collect
 #   bash scripts/gpu_soak.sh status | stop
 # Env: SOAK_DIR, PYTHON (default python3, or .venv/bin/python where it exists), SOAK_CONCURRENCY_PD / _TP2
-# (default 16 / 8 on CUDA, 2 / 2 on CPU; the RSS baseline after 100 / 10 requests), MSTAR_TEST_WEIGHTS (default
+# (default 16 / 8 on CUDA, 2 / 2 on CPU), SOAK_BASELINE (the RSS baseline: after 2000 requests on CUDA, where
+# the first thousands warm kernels and caches up: in the 2026-11-30 run RSS rose 16% by 3k requests, 5% after; 10 on CPU), MSTAR_TEST_WEIGHTS (default
 # /tmp/smol-rand when it exists).
 # On CPU (no 2 GPUs) the same flow runs with the CPU defaults and writes soak_mixed_cpu.json.
 set -uo pipefail
@@ -41,7 +42,7 @@ run() {  # the detached part: both deployments at once, then the verdict
   device="$("$py" -c "import torch; print('cuda' if torch.cuda.device_count() >= 2 else 'cpu')")"
   echo "$device" > "$dir/device"
   if [ "$device" = cuda ]; then
-    conc_pd="${SOAK_CONCURRENCY_PD:-16}" conc_tp2="${SOAK_CONCURRENCY_TP2:-8}" baseline=100
+    conc_pd="${SOAK_CONCURRENCY_PD:-16}" conc_tp2="${SOAK_CONCURRENCY_TP2:-8}" baseline="${SOAK_BASELINE:-2000}"
     over_pd='{"model": "llama"}'  # plain HF Llama loader for the random checkpoint (as tests/gpu do)
   else
     conc_pd="${SOAK_CONCURRENCY_PD:-2}" conc_tp2="${SOAK_CONCURRENCY_TP2:-2}" over_pd='{}' baseline=10
