@@ -12,9 +12,9 @@
 #   bash scripts/gpu_soak.sh auto [SECONDS] [WAIT] start unless a soak is in $SOAK_DIR already, then collect
 #   bash scripts/gpu_soak.sh status | stop
 # Env: SOAK_DIR, PYTHON (default python3, or .venv/bin/python where it exists), SOAK_CONCURRENCY_PD / _TP2
-# (default 16 / 8 on CUDA, 2 / 2 on CPU), SOAK_BASELINE (the RSS baseline: after 2000 requests on CUDA, where
-# the first thousands warm kernels and caches up: in the 2026-11-30 run RSS rose 16% by 3k requests, 5% after; 10 on CPU), MSTAR_TEST_WEIGHTS (default
-# /tmp/smol-rand when it exists).
+# (default 16 / 8 on CUDA, 2 / 2 on CPU), SOAK_BASELINE (the RSS baseline: after 2000 requests on CUDA, where the
+# first thousands warm kernels and caches up: in the 2026-11-30 run RSS rose 16% by 3k requests and 5% after; 10 on
+# CPU), MSTAR_TEST_WEIGHTS (default /tmp/smol-rand when it exists).
 # On CPU (no 2 GPUs) the same flow runs with the CPU defaults and writes soak_mixed_cpu.json.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
