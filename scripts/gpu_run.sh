@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU runs on the device machine (torch + NCCL preinstalled, no network). Usage, from the repo root there:
-#   bash scripts/gpu_run.sh STEP...      STEP: tests | serving | pd | pace | profile | edges | composite | speech | image
+#   bash scripts/gpu_run.sh STEP...      STEP: tests | tpstop | serving | pd | pace | profile | edges | composite | speech |
+#                                        image | twohost | soak
 # Needs, carried from the dev machine (bash scripts/gpu_prepare.sh makes both): .whl/ (wheels the GPU image lacks: fastapi, starlette, pydantic(-core),
 # annotated-types, typing-inspection, opentelemetry-api, uvicorn, pyzmq, msgspec, py-spy) and .ckpt/smol-shape (config + tokenizer of
 # SmolLM2-135M; a random same-shaped checkpoint is generated there). Results go to $OUT (or bench/results).
@@ -18,7 +19,10 @@ for step in "$@"; do
   echo "== $step"
   case "$step" in
     tests)   python3 -m pytest -q -p no:cacheprovider tests/gpu tests/unit tests/dist --ignore=tests/unit/test_client.py \
-               --ignore=tests/unit/test_llama_parity.py 2>&1 | tail -15 ;;
+               --ignore=tests/unit/test_llama_parity.py 2>&1 | tee "$out/gpu_tests.log" | tail -15 ;;
+    tpstop)  # TP over NCCL through the launcher, stopped with SIGTERM under load (docs/architecture.md §4b)
+             timeout 400 python3 -m pytest -q -p no:cacheprovider tests/e2e/test_tensor_parallel.py \
+               -k "tp2_gives or losing" 2>&1 | tee "$out/gpu_tpstop.log" | tail -15 ;;
     serving) python3 scripts/bench_serving.py --device cuda --model llama --rounds 3 \
                --config launch/configs/smollm2_single.yaml:1 --out "$out/serving_h200_single.json" 2>&1 | tail -30 ;;
     pd)      python3 scripts/bench_serving.py --device cuda --model llama --rounds 3 \
