@@ -29,7 +29,7 @@ class LlamaChat(CompositeModel):
     ``cuda_graphs`` (decode steps replay captured CUDA graphs; default true on CUDA), ``prefill_token_budget``
     (most padded prompt tokens one batched prefill forward takes, default 4096), ``lookahead`` (launch each decode
     step before the host has read the previous one's tokens, docs/architecture.md §8; default true on CUDA outside
-    TP groups, where it is always off)."""
+    TP groups, where it is always off, as it is for models whose rows affect each other, such as the MoE family)."""
 
     name = "llama"
     tp_nodes = frozenset({LLM})

@@ -78,8 +78,9 @@ class KVCacheEngine(Component):
         more than the batch: it is kept as the padding rows' scratch slot. ``logit_bias`` (V,) is added to every
         row's logits before sampling (``-inf`` forbids a token: e.g. a speech LLM restricted to audio codes).
         ``lookahead`` runs decode steps one ahead (default: on CUDA; on a CPU it only costs the dropped rows, so
-        it is off there unless asked for). Members of a TP group must not use it (their collectives would no
-        longer pair up if one member dropped a row another used)."""
+        it is off there unless asked for; never for a model without ``pads_are_inert``, whose rows affect each
+        other's forward). Members of a TP group must not use it (their collectives would no longer pair up if one
+        member dropped a row another used)."""
         self.name = name
         self.logit_bias = None if logit_bias is None else logit_bias.to(device, torch.float32)
         self.model = model
@@ -96,7 +97,9 @@ class KVCacheEngine(Component):
             raise ValueError(f"prefill_token_budget must be >= 1, got {prefill_token_budget}")
         self.prefill_token_budget = prefill_token_budget
         self.ragged_prefill = bool(getattr(model, "pads_are_inert", False))
-        self.lookahead = device.type == "cuda" if lookahead is None else bool(lookahead)
+        # a dropped lookahead row took part in its batch's forward: only models whose rows do not affect each
+        # other (pads_are_inert; not a batch-wide stateful MoE router) may look ahead
+        self.lookahead = (device.type == "cuda" if lookahead is None else bool(lookahead)) and self.ragged_prefill
         self._ahead: _Ahead | None = None
         self._seqs: dict[str, _Seq] = {}
         self.steps = 0

@@ -205,3 +205,13 @@ def test_lookahead_with_cuda_graphs_gives_the_tokens_of_steps_run_one_at_a_time(
     eng = make(True)
     assert run_schedule(eng, steps=14, sampled=False) == plain
     assert eng.ahead_rows_used > 20 and eng.ahead_rows_dropped >= 3
+
+
+def test_a_model_whose_rows_affect_each_other_never_looks_ahead(model: Llama) -> None:
+    """A dropped lookahead row took part in its batch: with a batch-wide stateful MoE router it would have steered
+    the routing of the rows that were kept."""
+    import copy
+
+    coupled = copy.copy(model)
+    coupled.pads_are_inert = False
+    assert engine(model, lookahead=True).lookahead and not engine(coupled, lookahead=True).lookahead
