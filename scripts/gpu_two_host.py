@@ -90,19 +90,25 @@ LIVE: list[subprocess.Popen] = []
 # ------------------------------------------------------------------------------------------------ processes
 
 
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL ``proc`` (one this script started) and its descendants, by PID, if it still runs; reap it."""
+    if proc.poll() is not None:
+        return
+    for pid in [proc.pid, *descendants(proc.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        pass
+
+
 def kill_all() -> None:
     """SIGKILL every process this script started that still runs, with its descendants (by PID)."""
     for proc in LIVE:
-        if proc.poll() is None:
-            for pid in [proc.pid, *descendants(proc.pid)]:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                pass
+        kill_tree(proc)
 
 
 def _env_str(extra: dict) -> str:
@@ -221,13 +227,7 @@ def run_pair(cmds: list[tuple[list[str], dict]], log_dir: Path, name: str, timeo
                 pass
     finally:
         for p in procs:
-            if p.poll() is None:
-                for pid in [p.pid, *descendants(p.pid)]:
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-                p.wait(10)
+            kill_tree(p)
         for f in files:
             f.close()
     codes = [p.returncode for p in procs]

@@ -15,7 +15,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.e2e.server import REPO, WEIGHTS, Server, per_rank
+from tests.e2e.server import REPO, WEIGHTS, Server, metric, per_rank
 
 MOE = {"weights": "~/.cache/mstar_dist/qwen3-moe-tiny"}
 PROMPTS = ["Tell me a story", "The capital of France is", "Count to ten:"]
@@ -65,7 +65,9 @@ def serve(config: str, nproc: int, overrides: dict, nodes: list[int] | None = No
         if busy_at_stop:
             for _ in range(4):
                 pool.submit(keep_busy, server.base_url, stop_at)
-            time.sleep(2)
+            deadline = time.monotonic() + 30  # stop while generations run, not before the first one starts
+            while time.monotonic() < deadline and not metric(server.base_url, "mstar_dist_requests_running"):
+                time.sleep(0.05)
     finally:
         stop_at.append(time.monotonic())
         clean = server.stop_clean(sum(nodes or [nproc]))
