@@ -90,11 +90,12 @@ LIVE: list[subprocess.Popen] = []
 # ------------------------------------------------------------------------------------------------ processes
 
 
-def kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL ``proc`` (one this script started) and its descendants, by PID, if it still runs; reap it."""
-    if proc.poll() is not None:
+def kill_tree(proc: subprocess.Popen, also: tuple[int, ...] = ()) -> None:
+    """SIGKILL ``proc`` (one this script started) and its descendants, by PID, if it still runs, plus ``also``
+    (descendants noted earlier, which may have been orphaned since); reap it."""
+    if proc.poll() is not None and not also:
         return
-    for pid in [proc.pid, *descendants(proc.pid)]:
+    for pid in [proc.pid, *also, *descendants(proc.pid)]:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -194,15 +195,7 @@ class Deployment:
             except subprocess.TimeoutExpired:
                 pass
         for p in self.procs:
-            for pid in [p.pid, *family[p.pid], *descendants(p.pid)]:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                pass
+            kill_tree(p, also=tuple(family[p.pid]))
         for f in self._files:
             f.close()
         return self.text().count("exits with status 0") == self.nranks
