@@ -355,11 +355,14 @@ def serve(args: argparse.Namespace) -> int:
         try:
             components = _load_components(dep, info, device, store, args.startup_timeout, tp_groups)
         except Exception as exc:
+            cause = f"{type(exc).__name__}: {exc}"
             if frontend is not None:
-                frontend.configure(dep.token, endpoints, failed=f"{where} failed to load: {type(exc).__name__}: {exc}")
+                frontend.configure(dep.token, endpoints, failed=f"{where} failed to load: {cause}")
             channel.send(CONDUCTOR, m.encode(dep.token, rank_name(rank),
-                                             m.LoadFailed(rank=rank, host=info.host_name, error=f"{type(exc).__name__}: {exc}")))
-            raise
+                                             m.LoadFailed(rank=rank, host=info.host_name, error=cause)))
+            # said here too: torchrun ends the other ranks (and rank 0's front end with them) as soon as this
+            # process exits, sometimes before the conductor has logged the LoadFailed it was sent
+            raise _LoadError(f"{where} failed to load: {cause}") from exc
         if frontend is not None:
             frontend.configure(dep.token, endpoints)
         channel.send(CONDUCTOR, m.encode(dep.token, rank_name(rank),
@@ -381,6 +384,9 @@ def serve(args: argparse.Namespace) -> int:
             _tell_leaving(dep, channel, rank, info.host_name)
         if worker.stopping and worker.failed_reason:
             raise RuntimeError(worker.failed_reason)
+    except _LoadError as exc:
+        log.error("%s\n%s", exc, traceback.format_exc())
+        rc = 1
     except Exception as exc:
         log.error("%s failed: %s\n%s", where, exc, traceback.format_exc())
         rc = 1
@@ -395,6 +401,10 @@ def serve(args: argparse.Namespace) -> int:
         shutdown_distributed()
     log.info("%s exits with status %d", where, rc)
     return rc
+
+
+class _LoadError(RuntimeError):
+    """This rank's components failed to load; the message names the rank, its host and the cause."""
 
 
 def _tell_leaving(dep: Deployment, channel: ControlChannel, rank: int, host: str) -> None:
