@@ -8,7 +8,7 @@
 "raw_fresh" the same with a new receive buffer each time (as a real receive allocates), which separates
 allocation cost (page faults on CPU, ~nothing with CUDA's caching allocator) from protocol cost. Every other
 path is what the runtime does per edge on that transport (transport/base.py): `post_send`, the descriptor
-(`WireTensor` in a control message over the ZMQ channel), `post_recv` on the consumer, completion seen by
+(`WireTensor` in a control message on the control channel: its local link on one machine, ZMQ between machines), `post_recv` on the consumer, completion seen by
 polling `done()`, and for the arena transports the consumer's `TransferAck` when it lets the tensor go:
 - p2p: the directed pair groups (gloo for host tensors, NCCL for CUDA ones);
 - shm: the producer copies into its /dev/shm arena, the consumer wraps the bytes (no copy);
@@ -17,10 +17,12 @@ polling `done()`, and for the arena transports the consumer's `TransferAck` when
   transport.inline_max_bytes (64 KiB by default), so the 4 KiB row's real path.
 
 One-way time = half a ping-pong measured on rank 0 (0 -> 1, and back: rank 1 sends what it received), so no
-clock is shared between ranks and the number also holds across hosts. The paths alternate iteration by
-iteration, so drift hits all alike; an untimed barrier starts every ping-pong, so no path is charged for the
-previous one's tail on the other rank. Prints a table and writes JSON (medians, GB/s, ratios over raw, versions,
-device names, command line). Not a timed test: ratios only mean something measured in one run.
+clock is shared between ranks and the number also holds across hosts. The paths alternate sample by sample, so
+drift hits all alike; an untimed barrier starts every sample, so no path is charged for the previous one's tail
+on the other rank. Up to 1 MiB a sample is the mean of a burst of `--burst` ping-pongs back to back (as OSU's
+latency test loops): one ping-pong there is tens of microseconds, about what the ranks' skew leaving the barrier
+costs, which would otherwise be timed as latency. Prints a table and writes JSON (medians, GB/s, ratios over raw,
+versions, device names, command line). Not a timed test: ratios only mean something measured in one run.
 """
 
 from __future__ import annotations
@@ -72,7 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", choices=["cpu", "cuda"], required=True)
     p.add_argument("--iters", type=int, default=20,
                    help="timed ping-pongs per size and path (5x that for sizes up to 1 MiB, which are cheap and noisy)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed ping-pongs per size and path")
+    p.add_argument("--warmup", type=int, default=3, help="untimed samples per size and path")
+    p.add_argument("--burst", type=int, default=10, help="ping-pongs per sample for sizes up to 1 MiB")
     p.add_argument("--max-bytes", type=int, default=256 << 20, help="skip sizes above this")
     p.add_argument("--bind-addr", default=None, help="control-socket address (default: the address that "
                    "routes to MASTER_ADDR, 127.0.0.1 on one host)")
@@ -208,7 +211,7 @@ class Bench:
         del got  # the arena slot goes back (acknowledged on a later pump)
         self._pump(0)
 
-    def measure(self, nbytes: int, iters: int, warmup: int) -> dict:
+    def measure(self, nbytes: int, iters: int, warmup: int, burst: int = 1) -> dict:
         buf = torch.ones(nbytes // 4, dtype=torch.float32, device=self.device)
         self._sync()
         paths = {"raw": self.raw_once, "raw_fresh": self.raw_fresh_once}
@@ -222,9 +225,10 @@ class Bench:
                 # (an acknowledgement, a waiter thread) must not be timed as this path's latency
                 dist.barrier()
                 t0 = time.perf_counter()
-                fn(buf)
+                for _ in range(burst):
+                    fn(buf)
                 if i >= warmup:
-                    samples[name].append((time.perf_counter() - t0) / 2)
+                    samples[name].append((time.perf_counter() - t0) / 2 / burst)
         return {name: _summary(s, nbytes) for name, s in samples.items()}
 
 
@@ -301,7 +305,8 @@ def main(argv: list[str] | None = None) -> int:
         bench = Bench(rank, device, channel, planes, groups)
         results = []
         for label, nbytes in sizes:
-            r = bench.measure(nbytes, args.iters * (5 if nbytes <= 1 << 20 else 1), args.warmup)
+            small = nbytes <= 1 << 20
+            r = bench.measure(nbytes, args.iters * (5 if small else 1), args.warmup, args.burst if small else 1)
             r.update(size=label, bytes=nbytes, paths=[p for p in ("raw", "raw_fresh", *planes, "inline") if p in r])
             for name in r["paths"][1:]:
                 r[f"ratio_{name}_over_raw"] = r[name]["median_us"] / r["raw"]["median_us"]
@@ -359,9 +364,12 @@ def _report(args, rank: int, device: str, channel: ControlChannel, planes: dict,
         "iters": args.iters,
         "iters_up_to_1MiB": args.iters * 5,
         "warmup": args.warmup,
-        "method": "one-way = median of half a ping-pong on rank 0; raw, raw_fresh and every transport alternate "
-                  "per iteration; a transport's path is post_send + descriptor over ZMQ + post_recv + done(), "
-                  "arena slots acknowledged over ZMQ",
+        "burst_up_to_1MiB": args.burst,
+        "method": "one-way = median over samples of half a ping-pong on rank 0 (up to 1 MiB a sample is the mean of "
+                  "a burst of ping-pongs); raw, raw_fresh and every transport alternate per sample, each sample "
+                  "after an untimed barrier; a transport's path is post_send + descriptor on the control channel "
+                  "(its local link on one machine, else ZMQ) + post_recv + done(), arena slots acknowledged on "
+                  "the control channel",
         "load_average": os.getloadavg(),
         "results": results,
         "rank0_transport_stats": stats,

@@ -144,3 +144,53 @@ def test_wake_ends_a_waiting_recv_from_another_thread(ctx):
     finally:
         ch.close()
     ch.wake()  # after close: a no-op, not an error
+
+
+def test_peers_on_one_machine_talk_over_the_local_link_and_big_messages_keep_their_place(ctx):
+    with ControlChannel("rank0", "127.0.0.1", ctx) as a, ControlChannel("rank1", "127.0.0.1", ctx) as b:
+        assert " local:" in a.endpoint
+        b.connect("rank0", a.endpoint)
+        big = bytes(range(256)) * 1024  # 256 KiB: over LOCAL_MAX_BYTES, so it goes by ZMQ
+        sent = []
+        for i in range(300):
+            payload = big + b"%d" % i if i % 7 == 3 else b"small%d" % i
+            b.send("rank0", payload)
+            sent.append(payload)
+        assert b.sent_local == 300 - 43 and b.sent_zmq == 43  # the small ones did not wait for TCP
+        got = _drain(a, 300)
+        assert [p for _, p in got] == sent and {s for s, _ in got} == {"rank1"}
+
+
+def test_a_peer_that_does_not_read_fills_its_local_link_and_the_rest_goes_by_zmq_in_order(ctx):
+    with ControlChannel("rank0", "127.0.0.1", ctx) as a, ControlChannel("rank1", "127.0.0.1", ctx) as b:
+        b.connect("rank0", a.endpoint)
+        chunk = b"x" * 60_000
+        for i in range(200):  # about 12 MB, far more than the local socket buffers: never blocks
+            b.send("rank0", chunk + b"%d" % i)
+        assert b.sent_local > 0 and b.sent_zmq > 0
+        got = _drain(a, 200, timeout_s=20)
+        assert [p for _, p in got] == [chunk + b"%d" % i for i in range(200)]
+
+
+def test_a_peer_without_a_local_link_is_reached_by_zmq(ctx):
+    with ControlChannel("rank0", "127.0.0.1", ctx, local=False) as a, ControlChannel("rank1", "127.0.0.1", ctx) as b:
+        assert " local:" not in a.endpoint
+        b.connect("rank0", a.endpoint)
+        a.connect("rank1", b.endpoint.split(" local:")[0] + " local:mstar_dist.ctl.nobody-listens-here")
+        b.send("rank0", b"to a")
+        a.send("rank1", b"to b")
+        assert _drain(a, 1) == [("rank1", b"to a")] and _drain(b, 1) == [("rank0", b"to b")]
+        assert b.sent_zmq == 1 and a.sent_zmq == 1 and a.sent_local == b.sent_local == 0
+
+
+def test_a_frame_without_our_header_is_handed_up_for_the_envelope_check(ctx):
+    with ControlChannel("rank0", "127.0.0.1", ctx) as a:
+        stranger = ctx.socket(zmq.DEALER)
+        stranger.setsockopt(zmq.IDENTITY, b"rank1")
+        stranger.setsockopt(zmq.LINGER, 0)
+        stranger.connect(a.endpoint.split(" local:")[0])
+        stranger.send(b"not an envelope")
+        try:
+            assert _drain(a, 1) == [("rank1", b"not an envelope")]
+        finally:
+            stranger.close()

@@ -98,6 +98,22 @@ def test_a_tensor_crosses_without_a_copy_and_its_slot_returns_when_let_go(pair, 
     assert a.bytes_used == 0 and a.stats()["slots_lent"] == 0
 
 
+def test_a_large_copy_split_over_threads_lands_every_byte_and_nothing_beside_it(monkeypatch):
+    from mstar_dist.transport import arena
+
+    monkeypatch.setattr(arena, "copy_threads", lambda: 3)
+    n = arena.SPLIT_COPY_BYTES + 4099  # parts of unequal length, the last one short
+    src = torch.randint(0, 256, (n,), dtype=torch.uint8)
+    dst = torch.full((n + 2 * ALIGN,), 7, dtype=torch.uint8)
+    arena.copy_into(dst[ALIGN:ALIGN + n], src.view(torch.uint8))
+    assert torch.equal(dst[ALIGN:ALIGN + n], src)
+    assert int(dst[:ALIGN].ne(7).sum()) == 0 and int(dst[ALIGN + n:].ne(7).sum()) == 0
+    halves = torch.randn(n // 8, dtype=torch.float64)  # another dtype, viewed as bytes
+    out = torch.zeros(halves.numel() * 8, dtype=torch.uint8)
+    arena.copy_into(out, halves)
+    assert torch.equal(out.view(torch.float64), halves)
+
+
 def test_empty_and_zero_d_tensors(pair):
     a, b = pair
     for t in (torch.empty(0, 4), torch.tensor(3.5), torch.tensor(True)):
