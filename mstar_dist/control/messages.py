@@ -37,6 +37,9 @@ class ShmLocation(msgspec.Struct, frozen=True, tag=True):
     nbytes: int
     slot: int
     """The producer's id for this allocation: the consumer names it in its ``TransferAck``."""
+    ring: int = -1
+    """Byte offset in the producer's segment of the ring where this consumer hands slots back without a message
+    (-1: none; acknowledge by ``TransferAck``)."""
 
 
 class MooncakeLocation(msgspec.Struct, frozen=True, tag=True):

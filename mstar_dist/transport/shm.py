@@ -6,9 +6,17 @@ with ``posix_fallocate``, so a full /dev/shm is an error at start, not a SIGBUS 
 the rank's lifetime. A send copies the tensor into a first-fit slot of the sender's own segment (the one copy;
 the source can be freed at once) and the descriptor names segment, offset and slot. The consumer maps the
 producer's segment once and wraps the slot as a tensor without copying; when that tensor (and every view of
-it) is let go it acknowledges the slot (``TransferAck`` on the control plane) and the producer frees it. So
-arena occupancy is what consumers still hold, and 0 when the deployment is idle. CUDA tensors are staged
-through host memory on both sides (counted in ``host_staging_copies``); shm is a host-memory transport.
+it) is let go the slot goes back and the producer frees it. So arena occupancy is what consumers still hold, and
+0 when the deployment is idle. CUDA tensors are staged through host memory on both sides (counted in
+``host_staging_copies``); shm is a host-memory transport.
+
+Handing slots back: behind its arena each segment has ``RINGS`` release rings of ``RING_ENTRIES`` 8-byte entries,
+one per consumer (the first ``RINGS`` consumers it sends to; the descriptor names the ring). The consumer writes
+``slot + 1`` into the next entry if that entry is 0, the producer reads entries in order, frees their slots and
+writes 0 back: each entry has one writer at a time (0: the consumer's, else the producer's) and every access is
+one aligned 8-byte load or store, so no lock is needed and no control message is sent. The producer reads its
+rings in ``poll`` (every turn of the worker's loop) and before it reports a full arena. When a ring is full, or
+the producer has no ring for this consumer, the consumer sends ``TransferAck`` on the control plane instead.
 
 Backpressure: a send that finds no room raises ``ArenaFull``; the worker lets acknowledgements in and retries
 for ``transport.backpressure_timeout_s`` before failing the request with a message naming the arena. A tensor
@@ -47,6 +55,10 @@ __all__ = ["SEGMENT_PREFIX", "ShmTransport", "sweep_orphans"]
 log = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
+RINGS = 64
+"""Release rings per segment: consumers beyond the first 64 a rank sends to acknowledge by message."""
+RING_ENTRIES = 1024
+"""Slots one consumer can hand back before its producer reads them; more go by message."""
 SEGMENT_PREFIX = "mstar_dist."
 _SEGMENT_NAME = re.compile(r"mstar_dist\.[0-9A-Za-z_-]+\.r\d+\.p\d+")
 _SWEEPABLE = re.compile(r"mstar_dist\.[0-9A-Za-z_-]+\.r\d+\.p\d+|\.mstar_dist\.tmp\.[0-9a-f]+")
@@ -97,6 +109,7 @@ class _Segment:
         self.map = mmap.mmap(fd, size)
         self.array = np.frombuffer(self.map, dtype=np.uint8)
         self.tensor = torch.from_numpy(self.array)
+        self.words = np.frombuffer(self.map, dtype=np.uint64, count=size // 8)  # for the release rings
 
 
 class ShmTransport(ArenaPlane):
@@ -114,10 +127,14 @@ class ShmTransport(ArenaPlane):
         self.global_rank = global_rank
         self.device = torch.device(device)
         self._dir = Path(directory)
-        self._own = self._create(f"{SEGMENT_PREFIX}{launch_id}.r{global_rank}.p{os.getpid()}", arena_bytes)
-        self._init_arena(self._own.size)
+        arena_bytes -= arena_bytes % 64
+        self._own = self._create(f"{SEGMENT_PREFIX}{launch_id}.r{global_rank}.p{os.getpid()}",
+                                 arena_bytes + RINGS * RING_ENTRIES * 8)
+        self._init_arena(arena_bytes, slots_back_by_ring=0, slots_back_by_message=0)
         self._released = ReleaseQueue()
         self._peers: dict[str, _Segment] = {}
+        self._rings: dict[int, list[int]] = {}  # consumer -> [byte offset of its ring here, next entry to read]
+        self._peer_rings: dict[int, list] = {}  # producer -> [its segment, word index of our ring there, next entry]
         self._closed = False
         log.info("rank %d: shared-memory arena %s (%d bytes)", global_rank, self._own.path, self._own.size)
 
@@ -136,6 +153,8 @@ class ShmTransport(ArenaPlane):
             return Done(tensor), m.ShmLocation(self.segment, 0, 0, -1)
         self._check_fits(tensor, nbytes)
         offset = self._alloc.alloc(nbytes)
+        if offset is None and self._read_rings():
+            offset = self._alloc.alloc(nbytes)
         if offset is None:
             raise ArenaFull(f"rank {self.global_rank}'s shared-memory arena {self.segment} has {self.bytes_used} of "
                             f"{self._alloc.size} bytes lent to consumers and no free block of {nbytes} bytes "
@@ -145,7 +164,7 @@ class ShmTransport(ArenaPlane):
         copy_into(self._own.tensor[offset:offset + nbytes], tensor)
         slot = self._lent.lend(dst, nbytes, lambda: self._alloc.free(offset))
         self._count_send(nbytes)
-        return Done(tensor), m.ShmLocation(self.segment, offset, nbytes, slot)
+        return Done(tensor), m.ShmLocation(self.segment, offset, nbytes, slot, self._ring_for(dst))
 
     def post_recv(self, wire: m.WireTensor, src: int, device: torch.device | None = None) -> Transfer:
         """Wrap the bytes global rank ``src`` lent us (no copy; CUDA consumers get a device copy and the slot back
@@ -166,6 +185,11 @@ class ShmTransport(ArenaPlane):
                                      f"({loc.offset}+{loc.nbytes} > {seg.size})")
             released, slot = self._released, loc.slot
             self._leases += 1
+            if loc.ring >= 0 and src not in self._peer_rings:
+                if loc.ring % 8 or not seg.size - RINGS * RING_ENTRIES * 8 <= loc.ring <= seg.size - RING_ENTRIES * 8:
+                    raise TransferFailed(f"shm descriptor from rank {src} names a release ring at {loc.ring}, "
+                                         f"outside segment {loc.segment}'s rings")
+                self._peer_rings[src] = [seg, loc.ring // 8, 0]
             out = wrap_bytes(seg.array, loc.offset, loc.nbytes, dtype, wire.shape, lambda: released.put(src, slot))
         target = torch.device("cpu") if wire.host else (device or self.device)
         if target.type != "cpu":
@@ -174,11 +198,20 @@ class ShmTransport(ArenaPlane):
         return Done(out)
 
     def poll(self) -> list[tuple[int, m.TransferAck]]:
-        """Acknowledgements for the slots whose wrapped tensors were let go (none to dead peers)."""
+        """Free the slots our consumers handed back through their rings; hand back the ones we let go (through
+        the producer's ring, else as acknowledgements to send: returned here, none to dead peers)."""
+        self._read_rings()
         released = self._released.drain()
         self._leases -= sum(len(slots) for slots in released.values())
-        return [(peer, m.TransferAck(via=self.name, slots=slots))
-                for peer, slots in sorted(released.items()) if peer not in self._dead]
+        acks = []
+        for peer, slots in sorted(released.items()):
+            if peer in self._dead:
+                continue
+            rest = self._write_ring(peer, slots)
+            if rest:
+                self._stats["slots_back_by_message"] += len(rest)
+                acks.append((peer, m.TransferAck(via=self.name, slots=rest)))
+        return acks
 
     def on_ack(self, src: int, ack: m.TransferAck) -> None:
         self._lent.give_back(src, ack.slots)
@@ -200,6 +233,46 @@ class ShmTransport(ArenaPlane):
         # The mappings stay until the last wrapped tensor is gone (closing a map with live views would fail).
         self._peers.clear()
 
+    # -- release rings (see the module's docstring) -----------------------------------------------------------
+    def _ring_for(self, consumer: int) -> int:
+        """Byte offset of ``consumer``'s release ring in our segment (made on the first send), or -1."""
+        ring = self._rings.get(consumer)
+        if ring is None:
+            if len(self._rings) >= RINGS:
+                return -1
+            ring = self._rings[consumer] = [self._alloc.size + len(self._rings) * RING_ENTRIES * 8, 0]
+        return ring[0]
+
+    def _read_rings(self) -> int:
+        """Free every slot our consumers wrote into their rings; returns how many."""
+        words, n = self._own.words, 0
+        for consumer, ring in self._rings.items():
+            base = ring[0] // 8
+            while True:
+                i = base + ring[1] % RING_ENTRIES
+                value = int(words[i])
+                if value == 0:
+                    break
+                words[i] = 0
+                ring[1] += 1
+                n += self._lent.give_back(consumer, [value - 1])
+        return n
+
+    def _write_ring(self, producer: int, slots: list[int]) -> list[int]:
+        """Hand ``slots`` back through ``producer``'s ring; returns those that did not fit (or all: no ring)."""
+        ring = self._peer_rings.get(producer)
+        if ring is None:
+            return slots
+        words, base = ring[0].words, ring[1]
+        for k, slot in enumerate(slots):
+            i = base + ring[2] % RING_ENTRIES
+            if words[i] != 0:  # the producer has not read this far yet
+                return slots[k:]
+            words[i] = slot + 1
+            ring[2] += 1
+            self._stats["slots_back_by_ring"] += 1
+        return []
+
     # -- internals ------------------------------------------------------------------------------------------
     def _create(self, name: str, size: int) -> _Segment:
         path = self._dir / name
@@ -212,7 +285,9 @@ class ShmTransport(ArenaPlane):
             except OSError as exc:
                 free = _free_bytes(self._dir)
                 raise OSError(exc.errno, f"cannot reserve {size} bytes for rank {self.global_rank}'s shared-memory "
-                              f"arena {path} ({os.strerror(exc.errno)}; {free} bytes free there): lower "
+                              f"arena {path} (transport.arena_bytes {size - RINGS * RING_ENTRIES * 8} and "
+                              f"{RINGS * RING_ENTRIES * 8} of release rings; {os.strerror(exc.errno)}; {free} "
+                              f"bytes free there): lower "
                               f"transport.arena_bytes or enlarge {self._dir}") from None
             os.rename(tmp, path)
         except BaseException:

@@ -20,8 +20,8 @@ import torch
 
 from mstar_dist.control import messages as m
 from mstar_dist.transport.arena import ALIGN, FirstFit, LentSlots
-from mstar_dist.transport.base import ArenaFull, PeerDeadError
-from mstar_dist.transport.shm import ShmTransport, sweep_orphans
+from mstar_dist.transport.base import ArenaFull, PeerDeadError, TransferFailed
+from mstar_dist.transport.shm import RING_ENTRIES, ShmTransport, sweep_orphans
 
 
 def test_first_fit_never_overlaps_and_coalesces_back_to_one_block():
@@ -74,9 +74,12 @@ def wire(t: torch.Tensor, loc) -> m.WireTensor:
 
 
 def deliver_acks(src: ShmTransport, dst: ShmTransport) -> None:
+    """What two workers' loops do: the consumer hands slots back (ring, or messages), the producer reads them."""
     for peer, ack in src.poll():
         assert peer == dst.global_rank
         dst.on_ack(src.global_rank, ack)
+    for peer, ack in dst.poll():
+        src.on_ack(dst.global_rank, ack)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool])
@@ -137,6 +140,44 @@ def test_a_full_arena_pushes_back_and_a_too_big_tensor_is_refused(pair):
         a.post_send(torch.ones(1 << 20), 1)
 
 
+def test_slots_come_back_through_the_release_ring_without_a_message(pair):
+    a, b = pair
+    t = torch.arange(1000.0)
+    got = b.post_recv(wire(t, a.post_send(t, 1)[1]), 0).tensor
+    del got
+    assert b.poll() == []  # handed back in a's segment, nothing to send
+    assert a.bytes_used > 0  # until the producer reads its rings
+    assert a.poll() == [] and a.bytes_used == 0 and a.stats()["slots_lent"] == 0
+    assert b.stats()["slots_back_by_ring"] == 1 and b.stats()["slots_back_by_message"] == 0
+
+
+def test_a_full_ring_spills_into_acknowledgements_and_a_full_arena_reads_the_rings_first(pair):
+    a, b = pair
+    t = torch.ones(4)
+    held = [b.post_recv(wire(t, a.post_send(t, 1)[1]), 0).tensor for _ in range(RING_ENTRIES + 10)]
+    held.clear()
+    acks = b.poll()  # the producer read nothing yet: the ring takes RING_ENTRIES, the rest go by message
+    assert [(peer, len(ack.slots)) for peer, ack in acks] == [(0, 10)]
+    a.on_ack(1, acks[0][1])
+    assert a.stats()["slots_lent"] == RING_ENTRIES
+    a.poll()
+    assert a.bytes_used == 0
+    big = torch.ones(200 << 10)  # 800 KiB of the 1 MiB arena
+    got = b.post_recv(wire(big, a.post_send(big, 1)[1]), 0).tensor
+    del got
+    b.poll()  # into the ring; a does not poll
+    a.post_send(big, 1)  # no room until a's send reads its rings: no ArenaFull
+
+
+def test_a_release_ring_outside_the_producers_rings_is_refused(pair):
+    a, b = pair
+    t = torch.ones(4)
+    loc = a.post_send(t, 1)[1]
+    bogus = m.ShmLocation(loc.segment, loc.offset, loc.nbytes, loc.slot, ring=loc.offset)
+    with pytest.raises(TransferFailed, match="release ring"):
+        b.post_recv(wire(t, bogus), 0)
+
+
 def test_a_dead_peer_gives_back_what_was_lent_to_it_and_is_refused(pair):
     a, b = pair
     a.post_send(torch.ones(1000), 1)
@@ -179,7 +220,7 @@ def test_a_segment_that_does_not_fit_is_an_error_naming_the_space(tmp_path):
                       capture_output=True).returncode != 0:
         pytest.skip("cannot mount a small tmpfs here (needs root and mount rights)")
     try:
-        with pytest.raises(OSError, match="cannot reserve 8388608 bytes .* lower transport.arena_bytes"):
+        with pytest.raises(OSError, match="cannot reserve 8912896 bytes .*transport.arena_bytes 8388608 .* lower transport.arena_bytes"):
             ShmTransport(0, launch_id="big", arena_bytes=8 << 20, directory=small)
         assert list(small.iterdir()) == []  # nothing half-made is left
     finally:
