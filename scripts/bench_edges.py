@@ -133,11 +133,16 @@ class Bench:
             dist.send(got, group=self.out_group, group_dst=0)
 
     # -- the runtime's path on one transport --------------------------------------------------------------------
-    def _pump(self, timeout_ms: int = 0) -> None:
-        """Send the acks we owe, apply the ones we are owed, keep descriptors for `_recv`."""
+    def _hand_back(self) -> None:
+        """What the worker's loop does each turn: hand back the slots we let go and free the ones handed back to
+        us (through the shm rings, or as acknowledgements that we send here)."""
         for plane in self.planes.values():
             for peer, ack in plane.poll():
                 self.channel.send(f"rank{peer}", m.encode(TOKEN, f"rank{self.rank}", ack))
+
+    def _pump(self, timeout_ms: int = 0) -> None:
+        """Hand back, apply the acks we are owed, keep descriptors for `_recv`."""
+        self._hand_back()
         for _, payload in self.channel.recv(timeout_ms):
             try:
                 body = m.decode(payload).body
@@ -208,8 +213,8 @@ class Bench:
         else:
             got = self._recv(plane)
             self._wait(self._send(plane, got))
-        del got  # the arena slot goes back (acknowledged on a later pump)
-        self._pump(0)
+        del got  # the arena slot goes back now (acknowledgements by message are read on the next pump)
+        self._hand_back()
 
     def measure(self, nbytes: int, iters: int, warmup: int, burst: int = 1) -> dict:
         buf = torch.ones(nbytes // 4, dtype=torch.float32, device=self.device)

@@ -146,11 +146,13 @@ class ReleaseQueue:
 
     def drain(self) -> dict[int, list[int]]:
         """peer -> slots released since the last drain."""
-        out: dict[int, list[int]] = collections.defaultdict(list)
+        if not self._items:  # the common case, every turn of the worker's loop
+            return {}
+        out: dict[int, list[int]] = {}
         while self._items:
             peer, slot = self._items.popleft()
-            out[peer].append(slot)
-        return dict(out)
+            out.setdefault(peer, []).append(slot)
+        return out
 
 
 SPLIT_COPY_BYTES = 8 << 20
@@ -170,15 +172,17 @@ def copy_threads() -> int:
     return max(1, min(4, cpus))
 
 
-def copy_into(dst: torch.Tensor, tensor: torch.Tensor) -> None:
-    """Copy ``tensor`` (any device, dtype, strides) into ``dst``, a flat uint8 CPU tensor of exactly its bytes.
+def copy_into(dst: torch.Tensor | np.ndarray, tensor: torch.Tensor) -> None:
+    """Copy ``tensor`` (any device, dtype, strides) into ``dst``, a flat uint8 CPU tensor (or numpy array) of
+    exactly its bytes.
 
     A contiguous host tensor goes through numpy's ``copyto`` (libc ``memcpy``: non-temporal stores for large
     blocks), about 1.4x the speed of ``Tensor.copy_``'s element loop at 64 MiB into a shared mapping; from
     ``SPLIT_COPY_BYTES`` on, in equal parts on ``copy_threads()`` threads at once (numpy lets the GIL go while it
     copies), since one core's memcpy is what limits an arena transfer (docs/architecture.md §7)."""
     if tensor.device.type == "cpu" and tensor.is_contiguous():
-        out, src = dst.numpy(), tensor.reshape(-1).view(torch.uint8).numpy()
+        out = dst if isinstance(dst, np.ndarray) else dst.numpy()
+        src = tensor.reshape(-1).view(torch.uint8).numpy()
         parts = copy_threads() if src.nbytes >= SPLIT_COPY_BYTES else 1
         if parts == 1:
             np.copyto(out, src)
@@ -192,6 +196,8 @@ def copy_into(dst: torch.Tensor, tensor: torch.Tensor) -> None:
         for part in rest:
             part.result()
         return
+    if isinstance(dst, np.ndarray):
+        dst = torch.from_numpy(dst)
     view = dst if tensor.dtype == torch.uint8 else dst.view(tensor.dtype)
     view.view(tensor.shape).copy_(tensor)
 

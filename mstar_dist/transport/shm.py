@@ -161,7 +161,7 @@ class ShmTransport(ArenaPlane):
                             f"(largest {self._alloc.largest_free})")
         if tensor.device.type != "cpu":
             self._stats["host_staging_copies"] += 1
-        copy_into(self._own.tensor[offset:offset + nbytes], tensor)
+        copy_into(self._own.array[offset:offset + nbytes], tensor)
         slot = self._lent.lend(dst, nbytes, lambda: self._alloc.free(offset))
         self._count_send(nbytes)
         return Done(tensor), m.ShmLocation(self.segment, offset, nbytes, slot, self._ring_for(dst))
