@@ -33,6 +33,28 @@ def metric(base_url: str, series: str) -> float:
     return float(match.group(1)) if match else 0.0
 
 
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
+    """Call ``predicate()`` until it returns a truthy value (returned), sleeping ``interval`` between tries.
+
+    At the deadline: ``AssertionError(f"{what} did not happen within {timeout} s")``. A predicate may also assert
+    (raise AssertionError): it is retried until the deadline, and the last one is then raised, message and all.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            value = predicate()
+            if value:
+                return value
+            failure = None
+        except AssertionError as exc:
+            failure = exc
+        if time.monotonic() >= deadline:
+            if failure is not None:
+                raise failure
+            raise AssertionError(f"{what} did not happen within {timeout} s")
+        time.sleep(interval)
+
+
 def descendants(pid: int) -> list[int]:
     """Every live descendant of ``pid`` (from /proc), children first."""
     children: dict[int, list[int]] = {}

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import re
-import time
 
 import httpx
 import pytest
 
-from tests.e2e.server import REPO, Server
+from tests.e2e.server import REPO, Server, wait_for
 from tests.toy_model import audio_text as expected
 
 
@@ -45,6 +44,6 @@ def test_concurrent_streaming_requests_keep_their_own_streams(toy):
     with cf.ThreadPoolExecutor(8) as pool:
         got = list(pool.map(lambda s: text(toy.base_url, f"start={s + 5}", 11), starts))
     assert got == [expected(s + 5, 11) for s in starts]
-    time.sleep(1.0)
-    metrics = httpx.get(f"{toy.base_url}/metrics", timeout=10).text
-    assert re.search(r"^mstar_dist_requests_running 0(\.0)?$", metrics, re.M)
+    wait_for(lambda: re.search(r"^mstar_dist_requests_running 0(\.0)?$",
+                               httpx.get(f"{toy.base_url}/metrics", timeout=10).text, re.M),
+             15, "mstar_dist_requests_running back at 0")
