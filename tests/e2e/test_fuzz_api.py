@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from schemathesis.generation import GenerationMode
 
-from tests.e2e.server import REPO, Server, per_rank
+from tests.e2e.server import REPO, Server, per_rank, wait_for
 
 KEY = "fuzz-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -77,22 +77,26 @@ def test_without_the_key_every_route_but_health_is_401(toy):
 def test_metrics_of_real_ranks_have_help_type_process_and_edge_series(toy):
     r = httpx.post(f"{toy.base_url}/generate", headers=AUTH, timeout=30, json={"prompt": "start=3"})
     assert r.status_code == 200, r.text
-    time.sleep(1.2)  # ranks report every 0.5 s
-    text = httpx.get(f"{toy.base_url}/metrics", headers=AUTH, timeout=10).text
-    typed = set(re.findall(r"^# TYPE (\S+) ", text, re.M))
-    for name in {re.match(r"[a-zA-Z_:][a-zA-Z0-9_:]*", line).group(0) for line in text.splitlines()
-                 if line and not line.startswith("#")}:
-        assert name in typed or re.sub(r"_(bucket|sum|count)$", "", name) in typed, name
-    for rank in ("0", "1"):
-        assert float(re.search(rf'^mstar_dist_process_resident_memory_bytes{{rank="{rank}"}} (\S+)$', text,
-                               re.M).group(1)) > 10e6
-        assert re.search(rf'^mstar_dist_process_open_fds{{rank="{rank}"}} [1-9]', text, re.M)
-    sends = re.findall(r'^mstar_dist_edge_transfer_bytes_count\{direction="send",rank="\d",transport="p2p"\} (\S+)$',
-                       text, re.M)
-    assert sends and sum(float(v) for v in sends) > 0, "the toy's x moves rank 0 -> 1 over p2p"
-    assert re.search(r'^mstar_dist_edge_transfer_seconds_count\{direction="recv",rank="1",transport="p2p"\} '
-                     r'[1-9]', text, re.M)
-    assert re.search(r'^mstar_dist_control_messages_rejected_total\{receiver="conductor"\} 0\.0$', text, re.M)
+
+    def series_of_every_rank() -> bool:
+        text = httpx.get(f"{toy.base_url}/metrics", headers=AUTH, timeout=10).text
+        typed = set(re.findall(r"^# TYPE (\S+) ", text, re.M))
+        for name in {re.match(r"[a-zA-Z_:][a-zA-Z0-9_:]*", line).group(0) for line in text.splitlines()
+                     if line and not line.startswith("#")}:
+            assert name in typed or re.sub(r"_(bucket|sum|count)$", "", name) in typed, name
+        for rank in ("0", "1"):
+            rss = re.search(rf'^mstar_dist_process_resident_memory_bytes{{rank="{rank}"}} (\S+)$', text, re.M)
+            assert rss and float(rss.group(1)) > 10e6, (rank, rss)
+            assert re.search(rf'^mstar_dist_process_open_fds{{rank="{rank}"}} [1-9]', text, re.M)
+        sends = re.findall(r'^mstar_dist_edge_transfer_bytes_count\{direction="send",rank="\d",transport="p2p"\} '
+                           r'(\S+)$', text, re.M)
+        assert sends and sum(float(v) for v in sends) > 0, "the toy's x moves rank 0 -> 1 over p2p"
+        assert re.search(r'^mstar_dist_edge_transfer_seconds_count\{direction="recv",rank="1",transport="p2p"\} '
+                         r'[1-9]', text, re.M)
+        assert re.search(r'^mstar_dist_control_messages_rejected_total\{receiver="conductor"\} 0\.0$', text, re.M)
+        return True
+
+    wait_for(series_of_every_rank, 15, "the ranks' series in /metrics")  # ranks report every 0.5 s
 
 
 def wait_idle(base_url: str) -> None:

@@ -12,7 +12,7 @@ import time
 
 import httpx
 
-from tests.e2e.server import REPO, Server, per_rank
+from tests.e2e.server import REPO, Server, per_rank, wait_for
 
 CONFIG = {
     "node_groups": [
@@ -25,14 +25,17 @@ CONFIG = {
 }
 
 
-def stream(base_url: str, i: int) -> str:
+def stream(base_url: str, i: int, decoding: set[int] | None = None) -> str:
+    """The request's last output line; ``i`` joins ``decoding`` at its second (prefill samples the first token)."""
     body = {"prompt": f"Tell me a long story number {i}.", "stream": True,
             "model_kwargs": {"max_tokens": 400, "temperature": 0.9, "seed": i}}
     with httpx.stream("POST", f"{base_url}/generate", json=body, timeout=120) as r:
-        last = ""
+        last, n = "", 0
         for line in r.iter_lines():
             if line.strip():
-                last = line
+                last, n = line, n + 1
+                if n == 2 and decoding is not None:
+                    decoding.add(i)
     return last
 
 
@@ -40,8 +43,9 @@ def test_requests_on_a_dead_host_fail_fast_and_the_survivor_serves():
     server = Server(REPO / "launch/configs/smollm2_dp.yaml", 0, nodes=[2, 2], overrides=CONFIG)
     try:
         with cf.ThreadPoolExecutor(6) as pool:
-            futures = [pool.submit(stream, server.base_url, i) for i in range(6)]
-            time.sleep(4)  # every request is decoding by now
+            decoding: set[int] = set()
+            futures = [pool.submit(stream, server.base_url, i, decoding) for i in range(6)]
+            wait_for(lambda: len(decoding) == 6, 60, "every request decoding (a second streamed line each)")
             server.kill_node(1)  # host B: its agent and its ranks
             t_kill = time.monotonic()
             finals = [f.result(timeout=120) for f in futures]
@@ -71,7 +75,9 @@ def test_requests_on_a_dead_host_fail_fast_and_the_survivor_serves():
 def test_ranks_of_other_hosts_exit_when_the_conductor_host_dies():
     server = Server(REPO / "launch/configs/smollm2_dp.yaml", 0, nodes=[2, 2], overrides=CONFIG)
     try:
-        time.sleep(2)  # a few heartbeats arm the ranks' watchdog
+        # a few heartbeats arm the ranks' watchdog (a rank arms it on its first message from the conductor, which
+        # nothing outside the rank shows: a fixed wait)
+        time.sleep(2)
         server.kill_node(0)  # host A: rank 0 (conductor, HTTP) and rank 1
         status = server.procs[1].wait(timeout=30)  # host B's torchrun ends instead of serving nobody forever
         assert status != 0

@@ -10,12 +10,11 @@ from __future__ import annotations
 import concurrent.futures as cf
 import random
 import re
-import time
 
 import httpx
 import pytest
 
-from tests.e2e.server import REPO, Server, per_rank
+from tests.e2e.server import REPO, Server, per_rank, wait_for
 
 DP = REPO / "launch/configs/smollm2_dp.yaml"
 SINGLE = REPO / "launch/configs/smollm2_single.yaml"
@@ -26,16 +25,6 @@ def dp():
     server = Server(DP, nproc=3)
     yield server
     assert server.stop_clean(3), server.log()
-
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.25)
-    raise AssertionError(f"{what} did not happen within {timeout} s")
 
 
 def run_one(base_url: str, i: int, abandon: bool) -> str:

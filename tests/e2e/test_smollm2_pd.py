@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from mstar_dist.client import MStarClient
-from tests.e2e.server import REPO, Server, per_rank
+from tests.e2e.server import REPO, Server, per_rank, wait_for
 
 PD = REPO / "launch/configs/smollm2_pd.yaml"
 SINGLE = REPO / "launch/configs/smollm2_single.yaml"
@@ -114,10 +114,9 @@ def test_concurrent_requests_and_no_leak(pd):
 
     with cf.ThreadPoolExecutor(8) as pool:
         assert list(pool.map(one, range(16))) == [200] * 16
-    import time
-
-    time.sleep(1.5)  # gauges are reported every 0.5 s
-    assert per_rank(pd.base_url, "mstar_dist_live_tensors") == {"0": 0, "1": 0}
+    # gauges are reported every 0.5 s
+    wait_for(lambda: per_rank(pd.base_url, "mstar_dist_live_tensors") == {"0": 0, "1": 0}, 15,
+             "live tensors of ranks 0 and 1 back at 0")
 
 
 PINNED = [

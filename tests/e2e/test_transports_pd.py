@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from tests.dist.transport_rig import mooncake_available
-from tests.e2e.server import REPO, Server, per_rank
+from tests.e2e.server import REPO, Server, per_rank, wait_for
 
 PD = REPO / "launch/configs/smollm2_pd.yaml"
 RANK_TIMEOUT_S = 6.0
@@ -80,16 +80,17 @@ def test_pinned_requests_give_the_same_text_as_p2p(pd):
         if "texts" not in REFERENCE:
             pytest.skip("the p2p run (the reference) did not run in this session")
         assert texts == REFERENCE["texts"]
-    time.sleep(1.2)  # per-edge statistics arrive with the gauges (every 0.5 s)
-    text = httpx.get(f"{pd.base_url}/metrics", timeout=10).text
-    # prometheus_client writes labels in sorted order
-    assert re.search(rf'mstar_dist_edge_transfers_total{{dst="1",signal="kv",src="0",transport="{pd.transport}",'
-                     rf'walk="decode"}} [1-9]', text), text
+    # per-edge statistics arrive with the gauges (every 0.5 s); prometheus_client writes labels in sorted order
+    kv_edge = (rf'mstar_dist_edge_transfers_total{{dst="1",signal="kv",src="0",transport="{pd.transport}",'
+               rf'walk="decode"}} [1-9]')
+    wait_for(lambda: re.search(kv_edge, httpx.get(f"{pd.base_url}/metrics", timeout=10).text), 15,
+             f"/metrics showing {kv_edge}")
     if pd.transport == "shm":
         assert segments(pd), "each rank maps its segment under /dev/shm while it serves"
-    time.sleep(1.2)  # --log-stats 1: rank 0 logs every edge each second
-    assert re.search(rf"edge decode: rank 0 -> rank 1, kv via {pd.transport}: \d+ transfer\(s\), \d+ bytes, "
-                     rf"p50 [\d.]+ ms, p99 [\d.]+ ms", pd.log_path.read_text(errors="replace"))
+    edge_line = (rf"edge decode: rank 0 -> rank 1, kv via {pd.transport}: \d+ transfer\(s\), \d+ bytes, "
+                 rf"p50 [\d.]+ ms, p99 [\d.]+ ms")
+    wait_for(lambda: re.search(edge_line, pd.log_path.read_text(errors="replace")), 15,
+             f"the log line {edge_line!r} (--log-stats 1: rank 0 logs every edge each second)")
 
 
 def _one(base_url: str, i: int) -> str:
@@ -125,15 +126,19 @@ def test_arena_occupancy_returns_to_zero_after_200_requests_with_a_fifth_abandon
     assert httpx.get(f"{pd.base_url}/health", timeout=10).status_code == 200
 
 
-def _long(base_url: str, i: int) -> tuple[str, float]:
+def _long(base_url: str, i: int, decoding: set[int] | None = None) -> tuple[str, float]:
+    """The last output line and when it came; ``i`` joins ``decoding`` at its second line (prefill samples the
+    first token, rank 1 the rest)."""
     body = {"messages": [{"role": "user", "content": f"Write a long story about dragon number {i}."}],
             "stream": True, "model_kwargs": {"max_tokens": 400, "temperature": 1.0, "seed": i}}
-    last = ""
+    last, n = "", 0
     try:
         with httpx.stream("POST", f"{base_url}/generate", json=body, timeout=120) as r:
             for line in r.iter_lines():
                 if line.strip():
-                    last = line
+                    last, n = line, n + 1
+                    if n == 2 and decoding is not None:
+                        decoding.add(i)
     except httpx.HTTPError as exc:
         last = f"transport error: {exc}"
     return last, time.monotonic()
@@ -141,10 +146,12 @@ def _long(base_url: str, i: int) -> tuple[str, float]:
 
 def test_killing_the_consumer_rank_mid_transfer_ends_every_request_with_an_error(pd):
     with cf.ThreadPoolExecutor(12) as pool:
-        futures = [pool.submit(_long, pd.base_url, i) for i in range(6)]
-        time.sleep(3)  # these are decoding on rank 1 by now (unless they already ended)
+        decoding: set[int] = set()
+        futures = [pool.submit(_long, pd.base_url, i, decoding) for i in range(6)]
+        wait_for(lambda: all(i in decoding or f.done() for i, f in enumerate(futures)), 60,
+                 "the first 6 requests decoding on rank 1 (or ended)")
         futures += [pool.submit(_long, pd.base_url, 100 + i) for i in range(6)]  # these are mid-prefill or mid-push
-        time.sleep(0.2)
+        time.sleep(0.2)  # deliberately short: the kill must land while these are still in prefill or in the push
         pd.kill_node(1)  # node-b: the decode rank, the consumer of every KV transfer
         pd.killed.add(1)
         t_kill = time.monotonic()

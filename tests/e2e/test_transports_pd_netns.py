@@ -27,7 +27,8 @@ pytestmark = [
 ]
 
 CLIENT = """
-import json, time, httpx
+import json, re, httpx
+from tests.e2e.server import wait_for
 from tests.e2e.test_transports_pd import pinned_texts
 base = "{base}"
 texts = pinned_texts(base)
@@ -35,8 +36,11 @@ for i in range(10):  # more requests: both prefill replicas get some (prompts lo
     r = httpx.post(base + "/generate", timeout=120, json={{"prompt": "Tell me about the sea, the wind and the " * 3,
                                                             "model_kwargs": {{"max_tokens": 2, "seed": i}}}})
     assert r.status_code == 200, r.text
-time.sleep(1.5)
-print(json.dumps({{"texts": texts, "metrics": httpx.get(base + "/metrics", timeout=10).text}}))
+def both_edges():  # per-edge statistics arrive with the gauges (every 0.5 s): until both KV edges are there
+    text = httpx.get(base + "/metrics", timeout=10).text
+    return text if all(re.search(r'^mstar_dist_edge_transfers_total{{[^}}]*src="' + src + '",transport="' + via + '"',
+                                 text, re.M) for src, via in (("0", "mooncake"), ("2", "shm"))) else None
+print(json.dumps({{"texts": texts, "metrics": wait_for(both_edges, 15, "the KV edges 0 -> 1 and 2 -> 1 in /metrics")}}))
 """
 
 
