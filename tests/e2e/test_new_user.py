@@ -22,7 +22,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.e2e.server import REPO, descendants, free_port
+from tests.e2e.server import REPO, descendants, free_port, metric, wait_for
 
 SERVE = REPO / "launch/serve.sh"
 
@@ -181,7 +181,8 @@ def test_a_rank_stopped_with_sigterm_fails_its_requests_at_once(toy):
     body = {"prompt": "start=0", "model_kwargs": {"max_tokens": 95}}  # ~95 steps of 10 ms on rank 1
     with cf.ThreadPoolExecutor(1) as pool:
         future = pool.submit(httpx.post, f"{url}/generate", json=body, timeout=60)
-        time.sleep(0.4)
+        # SIGTERM while it runs (it lasts ~0.95 s)
+        wait_for(lambda: metric(url, "mstar_dist_requests_running") == 1, 10, "the request running")
         os.kill(rank_pid(proc.pid, 1), signal.SIGTERM)
         t0 = time.monotonic()
         r = future.result()
