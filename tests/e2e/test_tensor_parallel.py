@@ -15,7 +15,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.e2e.server import REPO, WEIGHTS, Server, metric, per_rank
+from tests.e2e.server import REPO, WEIGHTS, Server, metric, per_rank, wait_for
 
 MOE = {"weights": "~/.cache/mstar_dist/qwen3-moe-tiny"}
 PROMPTS = ["Tell me a story", "The capital of France is", "Count to ten:"]
@@ -115,7 +115,8 @@ def test_losing_a_tp_member_fails_its_requests_with_a_503_naming_it():
 
         with cf.ThreadPoolExecutor(4) as pool:
             futures = [pool.submit(long_one, i) for i in range(3)]
-            time.sleep(1.0)
+            wait_for(lambda: metric(server.base_url, "mstar_dist_requests_running") == 3, 30,
+                     "the 3 long requests running")
             server.kill_node(1)  # host node-b: rank 1, the follower
             t_kill = time.monotonic()
             futures.append(pool.submit(long_one, 99))  # reaches the leader before rank 1 is declared dead
