@@ -101,16 +101,15 @@ def test_metrics_of_real_ranks_have_help_type_process_and_edge_series(toy):
 
 def wait_idle(base_url: str) -> None:
     """Nothing running and every rank's live tensors back at 0 (ranks report every 0.5 s)."""
-    deadline = time.monotonic() + 15
-    while True:
+    def idle() -> bool:
         text = httpx.get(f"{base_url}/metrics", headers=AUTH, timeout=10).text
         live = {m.group(1): float(m.group(2))
                 for m in re.finditer(r'^mstar_dist_live_tensors\{rank="(\d+)"\} (\S+)$', text, re.M)}
         running = float(re.search(r"^mstar_dist_requests_running (\S+)$", text, re.M).group(1))
-        if running == 0 and live and not any(live.values()):
-            return
-        assert time.monotonic() < deadline, (running, live)
-        time.sleep(0.2)
+        assert running == 0 and live and not any(live.values()), (running, live)
+        return True
+
+    wait_for(idle, 15, "nothing running and every rank's live tensors at 0", interval=0.2)
 
 
 __all__ = ["per_rank"]

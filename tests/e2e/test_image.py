@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import base64
 import io
-import time
 
 import httpx
 import pytest
 from PIL import Image
 
 from mstar_dist.client import MStarClient
-from tests.e2e.server import REPO, Server, per_rank
+from tests.e2e.server import REPO, Server, per_rank, wait_for
 
 WEIGHTS = {"weights": "~/.cache/mstar_dist/bagel-tiny"}  # the default path: prepared by the family itself
 
@@ -62,16 +61,17 @@ def test_each_steps_latents_cross_the_pair_groups(parallel):
     before = per_rank(parallel.base_url, "mstar_dist_edge_bytes_sent_total")
     pngs(images(parallel.base_url, seed=9, steps=6, size="64x64"))
     latent = 4 * 32 * 32 * 4  # 64x64 image: 4 x 32 x 32 fp32 latents, above the config's inline_max_bytes
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:  # per-rank gauges arrive every 0.5 s (later on a loaded machine)
-        sent = {r: v - before.get(r, 0) for r, v in per_rank(parallel.base_url, "mstar_dist_edge_bytes_sent_total").items()}
+    def settled() -> bool:  # per-rank gauges arrive every 0.5 s (later on a loaded machine)
+        sent = {r: v - before.get(r, 0)
+                for r, v in per_rank(parallel.base_url, "mstar_dist_edge_bytes_sent_total").items()}
         live = per_rank(parallel.base_url, "mstar_dist_live_tensors")
-        if sent.get("0", 0) >= 2 * 6 * latent and min(sent.values()) >= 6 * latent and not any(live.values()):
-            break  # the same condition as asserted below: a stale gauge of one rank must not end the wait
-        time.sleep(0.2)
-    # rank 0 sends the latents to both branches every step; each branch sends its velocity back every step
-    assert sent["0"] >= 2 * 6 * latent and sent["1"] >= 6 * latent and sent["2"] >= 6 * latent, sent
-    assert not any(live.values()), live
+        # rank 0 sends the latents to both branches every step; each branch sends its velocity back every step
+        assert sent.get("0", 0) >= 2 * 6 * latent and sent.get("1", 0) >= 6 * latent \
+            and sent.get("2", 0) >= 6 * latent, sent
+        assert not any(live.values()), live
+        return True
+
+    wait_for(settled, 30, "the edges' bytes counted and live tensors at 0", interval=0.2)
 
 
 @pytest.mark.parametrize("body, words", [

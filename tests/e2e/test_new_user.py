@@ -56,10 +56,11 @@ def toy(venv, tmp_path_factory):
                                 stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while not _healthy(url):
-            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
-            time.sleep(0.25)
+        def up() -> bool:
+            assert proc.poll() is None, log_path.read_text()
+            return _healthy(url)
+
+        wait_for(up, 120, "serve.sh answering /health", interval=0.25)
         yield proc, url, log_path
     finally:
         family = [proc.pid, *descendants(proc.pid)]
@@ -189,8 +190,5 @@ def test_a_rank_stopped_with_sigterm_fails_its_requests_at_once(toy):
     assert r.status_code == 503, r.text
     assert "rank 1 on host localhost stopped (stopped by a signal (SIGTERM))" in r.json()["error"]
     assert time.monotonic() - t0 < 5, "must not wait for limits.rank_timeout_s (30 s)"
-    deadline = time.monotonic() + 10
-    while _healthy(url):  # COUNT has no other replica: the service says it is down
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
+    wait_for(lambda: not _healthy(url), 10, "/health reporting the service down")  # COUNT has no other replica
     assert "rank 1 on localhost is leaving" in log_path.read_text()

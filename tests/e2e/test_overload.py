@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.server import REPO, Server, metric, per_rank
+from tests.e2e.server import REPO, Server, metric, per_rank, wait_for
 
 TIMEOUT_S = 5
 STEP_S = 0.1  # the toy's steps: sleep-bound, so timings hold on a busy host
@@ -35,26 +35,26 @@ def gen(base_url: str, start: int, max_tokens: int, stream: bool = False) -> htt
         "prompt": f"start={start}", "stream": stream, "model_kwargs": {"max_tokens": max_tokens}})
 
 
-def wait_for(base_url: str, series: str, value: float, timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while metric(base_url, series) != value:
-        assert time.monotonic() < deadline, f"{series} never reached {value}"
-        time.sleep(0.05)
+def wait_metric(base_url: str, series: str, value: float, timeout: float = 10) -> None:
+    wait_for(lambda: metric(base_url, series) == value, timeout, f"{series} reaching {value}", interval=0.05)
 
 
 def idle(base_url: str) -> None:
     """Nothing running, and every rank's leak canary back at 0 (ranks report every 0.5 s)."""
-    wait_for(base_url, "mstar_dist_requests_running", 0)
-    deadline = time.monotonic() + 5
-    while any(per_rank(base_url, "mstar_dist_live_tensors").values()):
-        assert time.monotonic() < deadline, per_rank(base_url, "mstar_dist_live_tensors")
-        time.sleep(0.1)
+    wait_metric(base_url, "mstar_dist_requests_running", 0)
+
+    def no_live_tensors() -> bool:
+        live = per_rank(base_url, "mstar_dist_live_tensors")
+        assert not any(live.values()), live
+        return True
+
+    wait_for(no_live_tensors, 5, "every rank's live tensors at 0")
 
 
 def test_past_the_queue_requests_get_429_at_once_and_admitted_ones_finish(toy):
     with cf.ThreadPoolExecutor(4) as pool:
         admitted = [pool.submit(gen, toy.base_url, i * 100, 12) for i in range(4)]
-        wait_for(toy.base_url, "mstar_dist_requests_queued", 2)
+        wait_metric(toy.base_url, "mstar_dist_requests_queued", 2)
         refused = []
         for i in range(6):
             t0 = time.monotonic()

@@ -13,14 +13,13 @@ import concurrent.futures as cf
 import io
 import json
 import random
-import time
 import wave
 
 import httpx
 import pytest
 
 from mstar_dist.client import MStarClient
-from tests.e2e.server import REPO, Server, per_rank
+from tests.e2e.server import REPO, Server, per_rank, wait_for
 
 # the default path (prepared by the family itself); a random tiny model rarely says end_of_speech, so the
 # service's max_tokens bounds every request: 140 codes = 20 frames = 1.7 s of audio
@@ -110,11 +109,10 @@ def test_two_hundred_speech_requests_with_some_abandoned_leave_nothing_behind(sp
     with cf.ThreadPoolExecutor(12) as pool:
         outcomes = list(pool.map(lambda p: one(split.base_url, *p), plan))
     assert outcomes.count("done") == sum(1 for _, a in plan if not a), outcomes
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:  # aborts and gauges settle within a few heartbeats
+    def settled() -> bool:  # aborts and gauges settle within a few heartbeats
         live = per_rank(split.base_url, "mstar_dist_live_tensors")
-        if len(live) == 2 and not any(live.values()):
-            break
-        time.sleep(0.25)
-    assert len(live) == 2 and not any(live.values()), live
+        assert len(live) == 2 and not any(live.values()), live
+        return True
+
+    wait_for(settled, 20, "both ranks' live tensors at 0", interval=0.25)
     assert httpx.get(f"{split.base_url}/health", timeout=10).status_code == 200

@@ -58,22 +58,23 @@ def serve(config: str, nproc: int, overrides: dict, nodes: list[int] | None = No
         chat = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=120, json={
             "model": served, "max_tokens": 4, "temperature": 0, "messages": [{"role": "user", "content": "Hi"}]})
         assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] > 0, chat.text
-        deadline = time.monotonic() + 15  # per-rank gauges arrive every 0.5 s (later on a loaded machine)
-        while any((live := per_rank(server.base_url, "mstar_dist_live_tensors")).values()) and \
-                time.monotonic() < deadline:
-            time.sleep(0.3)
+        def no_live_tensors() -> bool:  # per-rank gauges arrive every 0.5 s (later on a loaded machine)
+            live = per_rank(server.base_url, "mstar_dist_live_tensors")
+            assert not any(live.values()), live
+            return True
+
+        wait_for(no_live_tensors, 15, "every rank's live tensors at 0", interval=0.3)
         if busy_at_stop:
             for _ in range(4):
                 pool.submit(keep_busy, server.base_url, stop_at)
-            deadline = time.monotonic() + 30  # stop while generations run, not before the first one starts
-            while time.monotonic() < deadline and not metric(server.base_url, "mstar_dist_requests_running"):
-                time.sleep(0.05)
+            # stop while generations run, not before the first one starts
+            wait_for(lambda: metric(server.base_url, "mstar_dist_requests_running"), 30, "a generation running",
+                     interval=0.05)
     finally:
         stop_at.append(time.monotonic())
         clean = server.stop_clean(sum(nodes or [nproc]))
         pool.shutdown(wait=True)
         assert clean, server.log()
-    assert not any(live.values()), live
     return text
 
 
@@ -126,13 +127,12 @@ def test_losing_a_tp_member_fails_its_requests_with_a_503_naming_it():
         assert failed and all(r.status_code == 503 and "rank 1" in r.text for r in failed), \
             [(r.status_code, r.text[:200]) for r in responses]
         # the leader lives on and says why it cannot serve
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline:
+        def down() -> bool:
             health = httpx.get(f"{server.base_url}/health", timeout=10)
-            if health.status_code == 503 and "1" in health.text:
-                break
-            time.sleep(0.3)
-        assert health.status_code == 503, health.text
+            assert health.status_code == 503 and "1" in health.text, health.text
+            return True
+
+        wait_for(down, 15, "/health answering 503 naming rank 1", interval=0.3)
         r = httpx.post(f"{server.base_url}/generate", timeout=30, json={"prompt": "hi",
                                                                         "model_kwargs": {"max_tokens": 4}})
         assert r.status_code == 503 and "rank 1" in r.text, r.text  # refused at once, naming the dead rank

@@ -87,13 +87,8 @@ def test_client_disconnect_aborts_the_request_everywhere(toy):
     before = metric(toy.base_url, r'mstar_dist_requests_finished_total\{reason="abort"\}')
     with pytest.raises(httpx.ReadTimeout):  # non-streaming: the client gives up while it runs
         gen(toy.base_url, "start=0", 250, timeout=0.5)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        if metric(toy.base_url, r'mstar_dist_requests_finished_total\{reason="abort"\}') > before:
-            break
-        time.sleep(0.1)
-    else:
-        raise AssertionError("the abandoned request was not aborted")
+    wait_for(lambda: metric(toy.base_url, r'mstar_dist_requests_finished_total\{reason="abort"\}') > before, 10,
+             "the abandoned request's abort")
     # it stopped counting: far fewer than 250 steps ran on the COUNT rank. The deadline stays short on purpose:
     # a request that kept running its 250 steps would outlast it
     wait_for(lambda: metric(toy.base_url, r'mstar_dist_requests_running') == 0, 1.0,

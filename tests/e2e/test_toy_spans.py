@@ -11,7 +11,7 @@ import concurrent.futures as cf
 import httpx
 import pytest
 
-from tests.e2e.server import REPO, Server, per_rank
+from tests.e2e.server import REPO, Server, per_rank, wait_for
 from tests.toy_model import span_text
 
 
@@ -39,14 +39,11 @@ def test_loop_across_two_ranks_equals_the_colocated_answer(spans):
 def test_values_cross_on_the_pair_and_nothing_is_left_behind(spans):
     before = per_rank(spans.base_url, "mstar_dist_edge_bytes_sent_total")
     assert gen(spans.base_url, "start=1000", 30).json()["text"] == span_text(1000, 30)
-    import time
-
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:  # gauges arrive every 0.5 s
+    def settled() -> bool:  # gauges arrive every 0.5 s
         sent = per_rank(spans.base_url, "mstar_dist_edge_bytes_sent_total")
         live = per_rank(spans.base_url, "mstar_dist_live_tensors")
-        if sent.get("0", 0) - before.get("0", 0) >= 30 * 80_000 and not any(live.values()):
-            break
-        time.sleep(0.2)
-    assert sent["0"] - before.get("0", 0) >= 30 * 80_000, (before, sent)  # y went 0 -> 1 on the pair
-    assert not any(live.values()), live
+        assert sent.get("0", 0) - before.get("0", 0) >= 30 * 80_000, (before, sent)  # y went 0 -> 1 on the pair
+        assert not any(live.values()), live
+        return True
+
+    wait_for(settled, 10, "y's bytes counted on the pair and live tensors at 0", interval=0.2)

@@ -113,16 +113,15 @@ def test_arena_occupancy_returns_to_zero_after_200_requests_with_a_fifth_abandon
     with cf.ThreadPoolExecutor(16) as pool:
         outcomes = list(pool.map(lambda i: _one(pd.base_url, i), range(n)))
     assert outcomes.count("done") == n * 4 // 5, outcomes
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline:
-        time.sleep(0.6)
+
+    def settled() -> bool:
         live = per_rank(pd.base_url, "mstar_dist_live_tensors")
-        used = per_rank(pd.base_url, f"mstar_dist_{pd.transport}_bytes_used") if pd.transport != "p2p" else {}
-        if live == {"0": 0, "1": 0} and all(v == 0 for v in used.values()):
-            break
-    assert live == {"0": 0, "1": 0}
-    if pd.transport != "p2p":
+        assert live == {"0": 0, "1": 0}, live
+        used = per_rank(pd.base_url, f"mstar_dist_{pd.transport}_bytes_used")
         assert used == {"0": 0, "1": 0}, f"arena bytes still lent after every request ended: {used}"
+        return True
+
+    wait_for(settled, 15, "live tensors and arena bytes back to 0", interval=0.6)
     assert httpx.get(f"{pd.base_url}/health", timeout=10).status_code == 200
 
 
