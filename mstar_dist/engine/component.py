@@ -55,5 +55,10 @@ class Component(ABC):
     def warmup(self) -> None:
         """Run once after loading so the first request is not slow."""
 
+    def close(self) -> None:
+        """Let go of device state that must not outlive the process groups, before they are destroyed at exit: a
+        CUDA graph that captured NCCL collectives keeps their communicator busy, and destroying it then never
+        returns (docs/architecture.md §2, teardown). The component is not used afterwards."""
+
     def stats(self) -> dict[str, int]:
         return {}

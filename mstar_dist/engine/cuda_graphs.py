@@ -77,6 +77,13 @@ class DecodeGraphs:
                     logits = self._forward(tokens, positions, slots, ctx)
                 self._captured[(bucket, ctx)] = _Captured(graph, tokens, positions, slots, logits)
 
+    def close(self) -> None:
+        """Destroy the graphs (after the device has finished the last replay). With TP they captured NCCL
+        all-reduces, which hold the TP group's communicator until the graphs go (see ``Component.close``)."""
+        if self._captured:
+            torch.cuda.synchronize(self.cache.device)
+        self._captured.clear()
+
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, ctx: int) -> torch.Tensor:
         self.cache.bind_graph(slots, positions, ctx)
         return self.model(tokens, positions[:, None], self.cache, last_only=True)

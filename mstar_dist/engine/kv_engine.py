@@ -155,6 +155,11 @@ class KVCacheEngine(Component):
                 "lookahead_rows_used_total": self.ahead_rows_used,
                 "lookahead_rows_dropped_total": self.ahead_rows_dropped}
 
+    def close(self) -> None:
+        if self.graphs is not None:
+            self.graphs.close()
+            self.graphs = None
+
     def warmup(self) -> None:
         if self.graphs is not None:
             self.graphs.capture()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import hashlib
 import logging
 import os
@@ -330,6 +331,7 @@ def serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, lambda *_: stop.set())
 
     channel = data_plane = None
+    components: dict = {}
     endpoints: dict[str, str] = {}
     rc = 0
     try:
@@ -398,9 +400,43 @@ def serve(args: argparse.Namespace) -> int:
             channel.close()
         if data_plane is not None:
             data_plane.close()  # unlinks the shm segment, drops registrations, stops gloo waiter threads
-        shutdown_distributed()
+        worker = None
+        finished = _teardown(components, shutdown_distributed, TEARDOWN_TIMEOUT_S)
+        components = None
     log.info("%s exits with status %d", where, rc)
+    if not finished:  # a thread is stuck in the backend: interpreter shutdown could block on it too
+        logging.shutdown()
+        os._exit(rc)
     return rc
+
+
+TEARDOWN_TIMEOUT_S = 15.0
+"""Bound on closing the components and destroying the process groups at exit (under torchrun's 30 s between
+SIGTERM and SIGKILL)."""
+
+
+def _teardown(components: dict, shutdown_distributed, timeout_s: float) -> bool:
+    """Close every component (CUDA graphs first: graphs that captured NCCL collectives keep the communicator busy
+    and ``destroy_process_group`` would never return), then destroy the process groups: in a helper thread, so
+    that a backend stuck in its teardown costs at most ``timeout_s``. True when it all finished in time."""
+    def run() -> None:
+        for node, component in components.items():
+            try:
+                component.close()
+            except Exception:  # noqa: BLE001 - teardown goes on; the process is leaving
+                log.warning("closing component %s failed", node, exc_info=True)
+        components.clear()
+        gc.collect()  # graphs referenced from cycles go now, not at interpreter exit
+        shutdown_distributed()
+
+    thread = threading.Thread(target=run, name="teardown", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        log.warning("closing the components and destroying the process groups did not finish within %g s; "
+                    "leaving without waiting for it", timeout_s)
+        return False
+    return True
 
 
 class _LoadError(RuntimeError):

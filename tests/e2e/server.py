@@ -75,6 +75,25 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def _gpus_per_node(nodes: list[int]) -> list[str] | None:
+    """With several simulated hosts on a machine with enough GPUs: the ``CUDA_VISIBLE_DEVICES`` of each (node k gets
+    the next ``nodes[k]`` GPUs), so two hosts' local rank 0 do not share a GPU; None otherwise (CPU, or one host)."""
+    if len(nodes) < 2:
+        return None
+    import torch
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [i.strip() for i in visible.split(",") if i.strip()] if visible else \
+        [str(i) for i in range(torch.cuda.device_count())]
+    if len(ids) < sum(nodes):
+        return None
+    out, start = [], 0
+    for n in nodes:
+        out.append(",".join(ids[start:start + n]))
+        start += n
+    return out
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -116,9 +135,12 @@ class Server:
                "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
         self._log = open(self.log_path, "wb")
         self.procs: list[subprocess.Popen] = []
+        gpus = _gpus_per_node(nodes)
         for node_rank, n in enumerate(nodes):
             # one host: --standalone; several: static rendezvous on loopback (host k of the spec = node rank k)
             node_env = dict(env)
+            if gpus is not None:  # each "host" sees only its own GPUs, as on separate machines
+                node_env["CUDA_VISIBLE_DEVICES"] = gpus[node_rank]
             if len(nodes) == 1:
                 flags = ["--standalone", f"--master-port={master_port}"]
             elif rdzv == "static":
