@@ -105,6 +105,7 @@ def ours(base_url: str, streams: int, max_tokens: int, n_requests: int) -> dict:
     global _clients
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(n_requests)]
     before = _server_ttft(base_url)
+    engine_before = _engine_counts(base_url)
     procs = -(-streams // CLIENT_STREAMS_PER_PROCESS)
     if procs == 1:
         parts = [_client(base_url, prompts, streams, max_tokens)]
@@ -125,6 +126,30 @@ def ours(base_url: str, streams: int, max_tokens: int, n_requests: int) -> dict:
     if before is not None and server_ttft is not None and server_ttft[1] > before[1]:
         # the conductor's own view: from a request's arrival at the conductor to its first token leaving it
         out["server_ttft_mean_s"] = (server_ttft[0] - before[0]) / (server_ttft[1] - before[1])
+    time.sleep(ENGINE_STATS_LAG_S)  # untimed: ranks report engine statistics every 0.5 s
+    done = {k: _engine_counts(base_url).get(k, 0.0) - engine_before.get(k, 0.0) for k in ENGINE_COUNTS}
+    if done["prefill_batches_total"] > 0:  # how well prefills batch, and the decode batch the engine ran
+        out["prefill_rows_per_forward"] = done["prefills_total"] / done["prefill_batches_total"]
+    if done["decode_steps_total"] > 0:
+        out["decode_rows_per_step"] = done["decode_rows_total"] / done["decode_steps_total"]
+    return out
+
+
+ENGINE_COUNTS = ("prefills_total", "prefill_batches_total", "decode_steps_total", "decode_rows_total")
+ENGINE_STATS_LAG_S = 1.2
+
+
+def _engine_counts(base_url: str) -> dict[str, float]:
+    """The engine counters of /metrics (``mstar_dist_engine_<key>{rank=...}``), summed over ranks."""
+    try:
+        text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        for key in ENGINE_COUNTS:
+            if line.startswith(f"mstar_dist_engine_{key}{{"):
+                out[key] = out.get(key, 0.0) + float(line.split()[-1])
     return out
 
 
@@ -262,6 +287,9 @@ def main() -> None:
     ttft = {k: statistics.median(x["ttft_median_s"] for x in v) for k, v in rows.items() if "ttft_median_s" in v[0]}
     server_ttft = {k: statistics.median(x["server_ttft_mean_s"] for x in v) for k, v in rows.items()
                    if all("server_ttft_mean_s" in x for x in v)}
+    batching = {k: {stat: statistics.median(x[stat] for x in v) for stat in ("prefill_rows_per_forward",
+                                                                            "decode_rows_per_step")
+                    if all(stat in x for x in v)} for k, v in rows.items() if "ttft_median_s" in v[0]}
     yard = "bare_graphs" if cuda else "bare"
     ratios, targets = {}, {}
     names = [Path(path).stem for path, _ in configs]
@@ -305,6 +333,7 @@ def main() -> None:
         "cold_start_to_health_s": cold,
         "median_tok_s": med,
         "ttft_median_s": ttft,
+        "engine_batching": batching,
         "server_ttft_mean_s": server_ttft,
         "ratios": ratios,
         "targets_met": targets,
@@ -313,7 +342,7 @@ def main() -> None:
     out = Path(args.out or REPO / f"bench/results/serving_{args.device.split(':')[0]}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
-    print(json.dumps({k: result[k] for k in ("cold_start_to_health_s", "median_tok_s", "ttft_median_s",
+    print(json.dumps({k: result[k] for k in ("cold_start_to_health_s", "median_tok_s", "ttft_median_s", "engine_batching",
                                              "server_ttft_mean_s", "ratios", "targets_met")}, indent=2))
 
 
