@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU runs on the device machine (torch + NCCL preinstalled, no network). Usage, from the repo root there:
-#   bash scripts/gpu_run.sh STEP...      STEP: tests | tpstop | serving | pd | pace | profile | edges | composite | speech |
+#   bash scripts/gpu_run.sh STEP...      STEP: tests | tpstop | serving | pd | pace | ttft | profile | edges | composite | speech |
 #                                        image | twohost | soak
 # Needs, carried from the dev machine (bash scripts/gpu_prepare.sh makes both): .whl/ (wheels the GPU image lacks: fastapi, starlette, pydantic(-core),
 # annotated-types, typing-inspection, opentelemetry-api, uvicorn, pyzmq, msgspec, py-spy) and .ckpt/smol-shape (config + tokenizer of
@@ -34,6 +34,10 @@ for step in "$@"; do
                --streams 1 8 32 64 --config launch/configs/smollm2_single.yaml:1 \
                --config launch/configs/smollm2_pd.yaml:2 --config /tmp/smollm2_single_nolookahead.yaml:1 \
                --out "$out/serving_h200x2_pace.json" 2>&1 | tail -60 ;;
+    ttft)    # the single rank at 1 and 32 streams: TTFT, and how the engine batched prefills and decode steps
+             timeout 200 python3 scripts/bench_serving.py --device cuda --model llama --rounds 1 --max-tokens 256 --no-hf \
+               --streams 1 32 --config launch/configs/smollm2_single.yaml:1 --out "$out/serving_h200_ttft.json" 2>&1 \
+               | tail -40 ;;
     profile) timeout 60 python3 scripts/profile_serving.py --model llama --streams 32 --seconds 8 \
                --out "$out/profile_h200_single.json" 2>&1 | tail -60 ;;
     edges)   torchrun --standalone --nproc-per-node 2 scripts/bench_edges.py --device cuda \
