@@ -230,6 +230,8 @@ def main() -> None:
     p.add_argument("--device", default="cpu", help="cpu | cuda (the server picks CUDA by itself when present)")
     p.add_argument("--model", default=None, help="registry key override for the served config (e.g. llama)")
     p.add_argument("--no-hf", action="store_true", help="skip HF generate (no transformers here)")
+    p.add_argument("--no-eager-bare", action="store_true",
+                   help="on CUDA, skip the eager bare loop (the yardstick there is the CUDA-graph one)")
     args = p.parse_args()
     configs = [(c.rsplit(":", 1)[0], int(c.rsplit(":", 1)[1])) for c in
                (args.config or [str(REPO / "launch/configs/smollm2_pd.yaml") + ":2"])]
@@ -276,8 +278,9 @@ def main() -> None:
                 rows["hf_1"].append(hf_generate(hf_model, ids[:2 if cuda else 4], args.max_tokens, args.device))
                 rows["hf_8"].append(hf_generate(hf_model, ids[:8], args.max_tokens, args.device, batch=8))
             for n in args.streams:
-                rows[f"bare_{n}"].append(bare(our_model, cfg, ids[: max(n, 4 if n == 1 else n)], n, args.max_tokens,
-                                              args.device, dtype))
+                if not (cuda and args.no_eager_bare):
+                    rows[f"bare_{n}"].append(bare(our_model, cfg, ids[: max(n, 4 if n == 1 else n)], n,
+                                                  args.max_tokens, args.device, dtype))
                 if cuda:
                     rows[f"bare_graphs_{n}"].append(bare(our_model, cfg, ids[: max(n, 4 if n == 1 else n)], n,
                                                          args.max_tokens, args.device, dtype, graphs=True))

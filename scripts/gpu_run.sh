@@ -36,7 +36,7 @@ for step in "$@"; do
                --out "$out/serving_h200x2_pace.json" 2>&1 | tail -60 ;;
     ttft)    # the single rank at 1 and 32 streams: TTFT, and how the engine batched prefills and decode steps
              timeout 200 python3 scripts/bench_serving.py --device cuda --model llama --rounds 1 --max-tokens 256 --no-hf \
-               --streams 1 32 --config launch/configs/smollm2_single.yaml:1 --out "$out/serving_h200_ttft.json" 2>&1 \
+               --no-eager-bare --streams 1 32 --config launch/configs/smollm2_single.yaml:1 --out "$out/serving_h200_ttft.json" 2>&1 \
                | tail -40 ;;
     profile) timeout 60 python3 scripts/profile_serving.py --model llama --streams 32 --seconds 8 \
                --out "$out/profile_h200_single.json" 2>&1 | tail -60 ;;
