@@ -144,6 +144,13 @@ class ReleaseQueue:
     def __bool__(self) -> bool:
         return bool(self._items)
 
+    def take(self) -> list[tuple[int, int]]:
+        """The (peer, slot) pairs released since the last ``take``/``drain``, in order."""
+        items, out = self._items, []
+        while items:  # only the worker thread takes: never empty between the test and the pop
+            out.append(items.popleft())
+        return out
+
     def drain(self) -> dict[int, list[int]]:
         """peer -> slots released since the last drain."""
         if not self._items:  # the common case, every turn of the worker's loop

@@ -223,16 +223,15 @@ class ShmTransport(ArenaPlane):
             self._read_rings()
         if not self._released:  # nothing let go since the last turn: the common case
             return []
-        released = self._released.drain()
-        self._leases -= sum(len(slots) for slots in released.values())
+        spill: dict[int, list[int]] = {}
+        for peer, slot in self._released.take():
+            self._leases -= 1
+            if peer not in self._dead and not self._write_ring(peer, slot):
+                spill.setdefault(peer, []).append(slot)
         acks = []
-        for peer, slots in sorted(released.items()):
-            if peer in self._dead:
-                continue
-            rest = self._write_ring(peer, slots)
-            if rest:
-                self._stats["slots_back_by_message"] += len(rest)
-                acks.append((peer, m.TransferAck(via=self.name, slots=rest)))
+        for peer, slots in sorted(spill.items()):
+            self._stats["slots_back_by_message"] += len(slots)
+            acks.append((peer, m.TransferAck(via=self.name, slots=slots)))
         return acks
 
     def on_ack(self, src: int, ack: m.TransferAck) -> None:
@@ -280,20 +279,18 @@ class ShmTransport(ArenaPlane):
                 n += lent.give_back_one(consumer, value - 1)
         return n
 
-    def _write_ring(self, producer: int, slots: list[int]) -> list[int]:
-        """Hand ``slots`` back through ``producer``'s ring; returns those that did not fit (or all: no ring)."""
+    def _write_ring(self, producer: int, slot: int) -> bool:
+        """Hand ``slot`` back through ``producer``'s ring; False when it does not fit now (or there is no ring)."""
         ring = self._peer_rings.get(producer)
         if ring is None:
-            return slots
-        words, base = ring[0].words, ring[1]
-        for k, slot in enumerate(slots):
-            i = base + ring[2] % RING_ENTRIES
-            if words[i] != 0:  # the producer has not read this far yet
-                return slots[k:]
-            words[i] = slot + 1
-            ring[2] += 1
-            self._stats["slots_back_by_ring"] += 1
-        return []
+            return False
+        words, i = ring[0].words, ring[1] + ring[2] % RING_ENTRIES
+        if words[i] != 0:  # the producer has not read this far yet
+            return False
+        words[i] = slot + 1
+        ring[2] += 1
+        self._stats["slots_back_by_ring"] += 1
+        return True
 
     # -- internals ------------------------------------------------------------------------------------------
     def _create(self, name: str, size: int) -> _Segment:
