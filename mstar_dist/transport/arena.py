@@ -5,7 +5,8 @@ Lifetime of a slot (docs/architecture.md §7): the producer allocates it and cop
 the tensor's own memory), the descriptor names it, the consumer wraps (shm) or reads (mooncake) it and sends a
 ``TransferAck`` naming it, and only then does the producer free it. A peer declared dead gives back every slot
 lent to it. Pure Python, no locks: used from the rank's worker thread; the one exception is the release
-callback of a wrapped tensor, which may run on any thread and only appends to a deque.
+callback of a wrapped tensor, which may run on any thread and only drops its entry from a dict and appends to a
+deque (single operations, atomic under the GIL).
 """
 
 from __future__ import annotations
