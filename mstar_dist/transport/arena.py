@@ -139,7 +139,7 @@ class ReleaseQueue:
     def __init__(self) -> None:
         self._items: collections.deque[tuple[int, int]] = collections.deque()
 
-    def put(self, peer: int, slot: int) -> None:  # may run on any thread (a finalizer): deque.append is atomic
+    def put(self, peer: int, slot: int) -> None:  # may run on any thread (a lease ending): deque.append is atomic
         self._items.append((peer, slot))
 
     def __bool__(self) -> bool:
@@ -261,7 +261,7 @@ def wrap_bytes(
 
     The tensor's storage holds a numpy view of those bytes; every tensor view derived from it shares that
     storage, so the numpy view dies (and a weak reference to it calls ``on_release``) only after the last of
-    them does. A plain weak reference kept in a table, not ``weakref.finalize``: a fifth of its cost, which
+    them does. A plain weak reference kept in a table, not ``weakref.finalize`` (0.2 us against 5 here), which
     counts on every small arena receive (docs/architecture.md §7).
     """
     view = base[offset:offset + nbytes]
