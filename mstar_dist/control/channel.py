@@ -115,6 +115,7 @@ class ControlChannel:
         self._links: dict[str, socket.socket] = {}  # peer -> our local link to it
         self._accepted: dict[int, list] = {}  # fd -> [socket, sender name or None before its hello]
         self._listener = self._listen_local() if local else None
+        self._listener_fd = -1 if self._listener is None else self._listener.fileno()
         if self._listener is not None:
             self.endpoint += f" local:{self._listener.getsockname()[1:].decode()}"
         self.sent_local = self.sent_zmq = 0
@@ -161,7 +162,8 @@ class ControlChannel:
         KeyError if `peer_name` was never connected; ChannelFullError if `sndhwm` messages are already queued
         for it (the peer is not reading).
         """
-        self._check_open()
+        if self._closed:
+            self._check_open()
         try:
             sock = self._dealers[peer_name]
         except KeyError:
@@ -198,24 +200,27 @@ class ControlChannel:
         Blocks at most `timeout_ms` (0: poll only; -1: until something arrives). Per-sender order is the
         send order. At most `max_messages` are returned so one busy sender cannot starve the caller's loop.
         """
-        self._check_open()
+        if self._closed:
+            self._check_open()
         out: list[tuple[str, bytes]] = []
         ready = self._poller.poll(timeout_ms)
         if not ready:
             return out
-        fds = {fd for fd, _ in ready}
-        if self._wake_r in fds:
-            try:
-                while os.read(self._wake_r, 4096):
-                    pass
-            except BlockingIOError:
-                pass
-        if self._listener is not None and self._listener.fileno() in fds:
-            self._accept_links()
-        for fd in fds:
+        router = False
+        for fd, _ in ready:  # usually one: the local link a message came on
             if fd in self._accepted:
                 self._read_link(fd, out, max_messages)
-        while self._router in fds and len(out) < max_messages:  # (a ZMQ socket with nothing raises Again: slow)
+            elif fd is self._router:
+                router = True
+            elif fd == self._wake_r:
+                try:
+                    while os.read(self._wake_r, 4096):
+                        pass
+                except BlockingIOError:
+                    pass
+            elif fd == self._listener_fd:
+                self._accept_links()
+        while router and len(out) < max_messages:  # (a ZMQ socket with nothing raises Again: slow)
             try:
                 frames = self._router.recv_multipart(zmq.NOBLOCK, copy=True)
             except zmq.Again:

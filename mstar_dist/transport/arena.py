@@ -5,7 +5,8 @@ Lifetime of a slot (docs/architecture.md §7): the producer allocates it and cop
 the tensor's own memory), the descriptor names it, the consumer wraps (shm) or reads (mooncake) it and sends a
 ``TransferAck`` naming it, and only then does the producer free it. A peer declared dead gives back every slot
 lent to it. Pure Python, no locks: used from the rank's worker thread; the one exception is the release
-callback of a wrapped tensor, which may run on any thread and only appends to a deque.
+callback of a wrapped tensor, which may run on any thread and only drops its entry from a dict and appends to a
+deque (single operations, atomic under the GIL).
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ from __future__ import annotations
 import bisect
 import collections
 import concurrent.futures
+import ctypes
 import os
 import weakref
-from dataclasses import dataclass
 from typing import Callable
 
 import logging
@@ -25,7 +26,7 @@ import torch
 
 from mstar_dist.transport.base import PeerDeadError
 
-__all__ = ["ArenaPlane", "FirstFit", "LentSlots", "ReleaseQueue", "wrap_bytes"]
+__all__ = ["ArenaPlane", "FirstFit", "LentSlots", "ReleaseQueue", "copy_into", "copy_into_at", "wrap_bytes"]
 
 ALIGN = 64
 """Allocation granularity in bytes: every slot starts on a cache line, so every dtype view is aligned."""
@@ -86,53 +87,50 @@ class FirstFit:
         return len(self._used)
 
 
-@dataclass
-class Lent:
-    """A slot lent to a consumer: where it is and what to do when it comes back."""
-
-    peer: int
-    nbytes: int
-    reclaim: Callable[[], None]
-    """Frees the memory (allocator block, or a registration); called once."""
-
-
 class LentSlots:
     """Slot id -> what it lent to which peer. Ids are never reused, so a late or duplicate ack is harmless."""
 
     def __init__(self) -> None:
-        self._slots: dict[int, Lent] = {}
+        self._slots: dict[int, tuple[int, int, Callable[[], None]]] = {}  # slot -> (peer, nbytes, reclaim)
         self._next = 0
 
     def lend(self, peer: int, nbytes: int, reclaim: Callable[[], None]) -> int:
+        """A new slot lent to ``peer``; ``reclaim`` frees its memory (allocator block, or a registration) and is
+        called once, when the slot comes back."""
         slot = self._next
-        self._next += 1
-        self._slots[slot] = Lent(peer, nbytes, reclaim)
+        self._next = slot + 1
+        self._slots[slot] = (peer, nbytes, reclaim)  # a tuple, not an object: one per transfer
         return slot
 
     def give_back(self, peer: int, slots: list[int]) -> int:
         """Reclaim ``slots`` that were lent to ``peer`` (others are ignored: not ours to free); returns how many."""
         n = 0
         for slot in slots:
-            lent = self._slots.get(slot)
-            if lent is not None and lent.peer == peer:
-                del self._slots[slot]
-                lent.reclaim()
-                n += 1
+            n += self.give_back_one(peer, slot)
         return n
+
+    def give_back_one(self, peer: int, slot: int) -> int:
+        """``give_back`` of one slot (the release rings hand them back one at a time); returns 1 or 0."""
+        lent = self._slots.get(slot)
+        if lent is None or lent[0] != peer:
+            return 0
+        del self._slots[slot]
+        lent[2]()
+        return 1
 
     def reclaim_peer(self, peer: int) -> int:
         """Reclaim every slot lent to ``peer`` (it is dead); returns how many."""
-        return self.give_back(peer, [s for s, lent in self._slots.items() if lent.peer == peer])
+        return self.give_back(peer, [s for s, lent in self._slots.items() if lent[0] == peer])
 
     def reclaim_all(self) -> None:
         for slot in list(self._slots):
-            self._slots.pop(slot).reclaim()
+            self._slots.pop(slot)[2]()
 
     def __len__(self) -> int:
         return len(self._slots)
 
     def to(self, peer: int) -> int:
-        return sum(1 for lent in self._slots.values() if lent.peer == peer)
+        return sum(1 for lent in self._slots.values() if lent[0] == peer)
 
 
 class ReleaseQueue:
@@ -141,8 +139,18 @@ class ReleaseQueue:
     def __init__(self) -> None:
         self._items: collections.deque[tuple[int, int]] = collections.deque()
 
-    def put(self, peer: int, slot: int) -> None:  # may run on any thread (a finalizer): deque.append is atomic
+    def put(self, peer: int, slot: int) -> None:  # may run on any thread (a lease ending): deque.append is atomic
         self._items.append((peer, slot))
+
+    def __bool__(self) -> bool:
+        return bool(self._items)
+
+    def take(self) -> list[tuple[int, int]]:
+        """The (peer, slot) pairs released since the last ``take``/``drain``, in order."""
+        items, out = self._items, []
+        while items:  # only the worker thread takes: never empty between the test and the pop
+            out.append(items.popleft())
+        return out
 
     def drain(self) -> dict[int, list[int]]:
         """peer -> slots released since the last drain."""
@@ -179,7 +187,10 @@ def copy_into(dst: torch.Tensor | np.ndarray, tensor: torch.Tensor) -> None:
     A contiguous host tensor goes through numpy's ``copyto`` (libc ``memcpy``: non-temporal stores for large
     blocks), about 1.4x the speed of ``Tensor.copy_``'s element loop at 64 MiB into a shared mapping; from
     ``SPLIT_COPY_BYTES`` on, in equal parts on ``copy_threads()`` threads at once (numpy lets the GIL go while it
-    copies), since one core's memcpy is what limits an arena transfer (docs/architecture.md §7)."""
+    copies), since one core's memcpy is what limits an arena transfer (docs/architecture.md §7). A lazily
+    conjugated or negated view (``x.conj()``, ``x.conj().imag``) is resolved first: its raw bytes are not its
+    values."""
+    tensor = tensor.resolve_conj().resolve_neg()
     if tensor.device.type == "cpu" and tensor.is_contiguous():
         out = dst if isinstance(dst, np.ndarray) else dst.numpy()
         src = tensor.reshape(-1).view(torch.uint8).numpy()
@@ -202,22 +213,72 @@ def copy_into(dst: torch.Tensor | np.ndarray, tensor: torch.Tensor) -> None:
     view.view(tensor.shape).copy_(tensor)
 
 
+_memmove = ctypes.memmove
+
+
+def copy_into_at(base: np.ndarray, address: int, offset: int, tensor: torch.Tensor, nbytes: int) -> None:
+    """``copy_into(base[offset:offset + nbytes], tensor)``, where ``address`` is the address of ``base``'s first
+    byte and ``nbytes`` the tensor's size.
+
+    A contiguous host tensor below ``SPLIT_COPY_BYTES`` is one ``memmove`` from its data pointer: a few hundred
+    nanoseconds, against several microseconds of views for numpy's copy, which is most of a small arena send's
+    cost (docs/architecture.md §7). Lazily conjugated or negated views take ``copy_into``, which resolves them."""
+    if (nbytes < SPLIT_COPY_BYTES and tensor.is_cpu and tensor.is_contiguous() and not tensor.is_neg()
+            and not tensor.is_conj()):
+        _memmove(address + offset, tensor.data_ptr(), nbytes)
+    else:
+        copy_into(base[offset:offset + nbytes], tensor)
+
+
+class _Lease(weakref.ref):
+    """A weak reference to the array under a wrapped tensor, with what to call once that array is gone."""
+
+    __slots__ = ("on_release",)
+
+
+_leases: dict[int, _Lease] = {}
+"""id -> lease of every wrapped tensor alive in this process: a weak reference calls back only while it is itself
+alive. Written by the worker thread (adds) and by whichever thread lets a tensor go (removes); single dict
+operations, atomic under the GIL."""
+
+
+def _lease_ended(lease: _Lease) -> None:
+    del _leases[id(lease)]
+    lease.on_release()
+
+
+_NUMPY_DTYPES = {getattr(torch, name): np.dtype(name) for name in (
+    "float64", "float32", "float16", "int64", "int32", "int16", "int8", "uint8", "bool")}
+"""torch dtypes numpy reads the same way: their wrapped tensors are shaped by numpy, cheaper per call than torch."""
+
+
 def wrap_bytes(
     base: np.ndarray, offset: int, nbytes: int, dtype: torch.dtype, shape: list[int],
     on_release: Callable[[], None],
 ) -> torch.Tensor:
     """A tensor of ``dtype``/``shape`` over ``base[offset:offset + nbytes]`` (no copy) that calls ``on_release``
-    once nothing refers to that memory any more.
+    once nothing refers to that memory any more (on the thread that lets the last reference go).
 
-    The tensor's storage holds the numpy view of those bytes; every tensor view derived from it shares that
-    storage, so the view dies (and the finalizer runs) only after the last of them does.
+    The tensor's storage holds a numpy view of those bytes; every tensor view derived from it shares that
+    storage, so the numpy view dies (and a weak reference to it calls ``on_release``) only after the last of
+    them does. A plain weak reference kept in a table, not ``weakref.finalize`` (0.2 us against 5 here), which
+    counts on every small arena receive (docs/architecture.md §7).
     """
     view = base[offset:offset + nbytes]
-    weakref.finalize(view, on_release)
-    flat = torch.from_numpy(view)
-    if dtype != torch.uint8:
-        flat = flat.view(dtype)
-    return flat.view(shape)
+    np_dtype = _NUMPY_DTYPES.get(dtype)
+    try:
+        if np_dtype is not None:
+            view = view.view(np_dtype).reshape(shape)  # the lease must watch the array the storage holds
+            out = torch.from_numpy(view)
+        else:
+            out = torch.from_numpy(view).view(dtype).view(shape)
+    except (ValueError, RuntimeError):  # shape and bytes disagree: nothing wraps the slot, it goes back now
+        on_release()
+        raise
+    lease = _Lease(view, _lease_ended)
+    lease.on_release = on_release
+    _leases[id(lease)] = lease
+    return out
 
 
 class ArenaPlane:

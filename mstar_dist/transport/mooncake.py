@@ -246,6 +246,8 @@ class MooncakeTransport(ArenaPlane):
         return tr
 
     def poll(self) -> list[tuple[int, m.TransferAck]]:
+        if not (self._local_free or self._zombies or self._acks):  # nothing to do: most turns of the loop
+            return []
         self._reclaim_local()
         return [(peer, m.TransferAck(via=self.name, slots=slots))
                 for peer, slots in sorted(self._acks.drain().items()) if peer not in self._dead]

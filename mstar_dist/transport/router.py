@@ -129,10 +129,10 @@ class Router:
             return Done(tensor), encode_tensor(tensor)  # to this rank itself (a stream between two partitions
             # placed on one rank): inline at any size, no transport serves a rank to itself
         plane = self.transport_for(dst)
+        dtype = dtype_to_str(tensor.dtype)  # before the post: a dtype the wire cannot name must not lend a slot
         transfer, at = plane.post_send(tensor, dst)
-        wire = m.WireTensor(shape=list(tensor.shape), dtype=dtype_to_str(tensor.dtype),
-                            host=tensor.device.type == "cpu", via=plane.name, at=at)
-        return transfer, wire
+        return transfer, m.WireTensor(shape=list(tensor.shape), dtype=dtype, host=tensor.is_cpu, via=plane.name,
+                                      at=at)
 
     def cancel(self, dst: int, value: m.Carried, reason: str) -> None:
         """Undo a posted send whose descriptor will never go out: an arena slot is taken back; a p2p send that

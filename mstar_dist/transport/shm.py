@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from mstar_dist.control import messages as m
-from mstar_dist.transport.arena import ArenaPlane, ReleaseQueue, copy_into, wrap_bytes
+from mstar_dist.transport.arena import ArenaPlane, ReleaseQueue, copy_into_at, wrap_bytes
 from mstar_dist.transport.base import ArenaFull, Done, Transfer, TransferFailed
 from mstar_dist.transport.inline import str_to_dtype
 
@@ -108,8 +108,11 @@ class _Segment:
         self.size = size
         self.map = mmap.mmap(fd, size)
         self.array = np.frombuffer(self.map, dtype=np.uint8)
-        self.tensor = torch.from_numpy(self.array)
-        self.words = np.frombuffer(self.map, dtype=np.uint64, count=size // 8)  # for the release rings
+        self.address = self.array.ctypes.data
+        """Address of the segment's first byte in this process (valid while the mapping lives: our lifetime)."""
+        # the release rings: a memoryview of 8-byte words reads and writes plain ints, each one aligned 8-byte
+        # load or store, at half the cost of numpy's scalars (the producer reads a ring every turn of its loop)
+        self.words = memoryview(self.map)[:size - size % 8].cast("Q")
 
 
 class ShmTransport(ArenaPlane):
@@ -130,6 +133,7 @@ class ShmTransport(ArenaPlane):
         arena_bytes -= arena_bytes % 64
         self._own = self._create(f"{SEGMENT_PREFIX}{launch_id}.r{global_rank}.p{os.getpid()}",
                                  arena_bytes + RINGS * RING_ENTRIES * 8)
+        self._segment = self._own.path.name
         self._init_arena(arena_bytes, slots_back_by_ring=0, slots_back_by_message=0)
         self._released = ReleaseQueue()
         self._peers: dict[str, _Segment] = {}
@@ -141,48 +145,62 @@ class ShmTransport(ArenaPlane):
     @property
     def segment(self) -> str:
         """This rank's segment name (under /dev/shm)."""
-        return self._own.path.name
+        return self._segment
 
     # -- DataPlane ------------------------------------------------------------------------------------------
     def post_send(self, tensor: torch.Tensor, dst: int) -> tuple[Transfer, m.ShmLocation]:
         """Copy ``tensor`` into a slot of this rank's arena lent to global rank ``dst``; done at once."""
-        self._check_peer(dst)
+        # Every line here runs once per tensor a rank sends over shm, small ones included: it stays lean
+        # (docs/architecture.md §7; a small send is one allocation, one memmove and one tuple).
+        if dst in self._dead:
+            self._check_peer(dst)
         nbytes = tensor.numel() * tensor.element_size()
         if nbytes == 0:
             self._count_send(0)
-            return Done(tensor), m.ShmLocation(self.segment, 0, 0, -1)
-        self._check_fits(tensor, nbytes)
-        offset = self._alloc.alloc(nbytes)
+            return Done(tensor), m.ShmLocation(self._segment, 0, 0, -1)
+        alloc = self._alloc
+        if nbytes > alloc.size:
+            self._check_fits(tensor, nbytes)
+        offset = alloc.alloc(nbytes)
         if offset is None and self._read_rings():
-            offset = self._alloc.alloc(nbytes)
+            offset = alloc.alloc(nbytes)
         if offset is None:
             raise ArenaFull(f"rank {self.global_rank}'s shared-memory arena {self.segment} has {self.bytes_used} of "
-                            f"{self._alloc.size} bytes lent to consumers and no free block of {nbytes} bytes "
-                            f"(largest {self._alloc.largest_free})")
-        if tensor.device.type != "cpu":
+                            f"{alloc.size} bytes lent to consumers and no free block of {nbytes} bytes "
+                            f"(largest {alloc.largest_free})")
+        if not tensor.is_cpu:
             self._stats["host_staging_copies"] += 1
-        copy_into(self._own.array[offset:offset + nbytes], tensor)
-        slot = self._lent.lend(dst, nbytes, lambda: self._alloc.free(offset))
+        try:
+            copy_into_at(self._own.array, self._own.address, offset, tensor, nbytes)
+        except BaseException:  # nothing was lent: the block is ours again
+            alloc.free(offset)
+            raise
+        slot = self._lent.lend(dst, nbytes, lambda: alloc.free(offset))
         self._count_send(nbytes)
-        return Done(tensor), m.ShmLocation(self.segment, offset, nbytes, slot, self._ring_for(dst))
+        ring = self._rings.get(dst)
+        return Done(tensor), m.ShmLocation(self._segment, offset, nbytes, slot,
+                                           self._ring_for(dst) if ring is None else ring[0])
 
     def post_recv(self, wire: m.WireTensor, src: int, device: torch.device | None = None) -> Transfer:
         """Wrap the bytes global rank ``src`` lent us (no copy; CUDA consumers get a device copy and the slot back
         at once). The slot is acknowledged when the returned tensor is let go."""
-        self._check_peer(src)
+        if src in self._dead:
+            self._check_peer(src)
         loc = wire.at
-        if not isinstance(loc, m.ShmLocation):
+        if type(loc) is not m.ShmLocation:
             raise TransferFailed(f"shm descriptor from rank {src} has no shared-memory location: {loc!r}")
         dtype = str_to_dtype(wire.dtype)
-        self._stats["recvs"] += 1
-        self._stats["bytes_received"] += loc.nbytes
-        if loc.nbytes == 0 or loc.slot < 0:
+        nbytes = loc.nbytes
+        stats = self._stats
+        stats["recvs"] += 1
+        stats["bytes_received"] += nbytes
+        if nbytes == 0 or loc.slot < 0:
             out = torch.empty(wire.shape, dtype=dtype)
         else:
-            seg = self._peer_segment(loc.segment, src)
-            if loc.offset + loc.nbytes > seg.size:
+            seg = self._peers.get(loc.segment) or self._peer_segment(loc.segment, src)
+            if loc.offset < 0 or loc.offset + nbytes > seg.size:
                 raise TransferFailed(f"shm descriptor from rank {src} points past segment {loc.segment} "
-                                     f"({loc.offset}+{loc.nbytes} > {seg.size})")
+                                     f"({loc.offset}+{nbytes} > {seg.size})")
             released, slot = self._released, loc.slot
             self._leases += 1
             if loc.ring >= 0 and src not in self._peer_rings:
@@ -190,27 +208,30 @@ class ShmTransport(ArenaPlane):
                     raise TransferFailed(f"shm descriptor from rank {src} names a release ring at {loc.ring}, "
                                          f"outside segment {loc.segment}'s rings")
                 self._peer_rings[src] = [seg, loc.ring // 8, 0]
-            out = wrap_bytes(seg.array, loc.offset, loc.nbytes, dtype, wire.shape, lambda: released.put(src, slot))
-        target = torch.device("cpu") if wire.host else (device or self.device)
-        if target.type != "cpu":
-            self._stats["host_staging_copies"] += 1
-            out = out.to(target)
+            out = wrap_bytes(seg.array, loc.offset, nbytes, dtype, wire.shape, lambda: released.put(src, slot))
+        if not wire.host:
+            target = device or self.device
+            if target.type != "cpu":
+                stats["host_staging_copies"] += 1
+                out = out.to(target)
         return Done(out)
 
     def poll(self) -> list[tuple[int, m.TransferAck]]:
         """Free the slots our consumers handed back through their rings; hand back the ones we let go (through
         the producer's ring, else as acknowledgements to send: returned here, none to dead peers)."""
-        self._read_rings()
-        released = self._released.drain()
-        self._leases -= sum(len(slots) for slots in released.values())
+        if self._rings:
+            self._read_rings()
+        if not self._released:  # nothing let go since the last turn: the common case
+            return []
+        spill: dict[int, list[int]] = {}
+        for peer, slot in self._released.take():
+            self._leases -= 1
+            if peer not in self._dead and not self._write_ring(peer, slot):
+                spill.setdefault(peer, []).append(slot)
         acks = []
-        for peer, slots in sorted(released.items()):
-            if peer in self._dead:
-                continue
-            rest = self._write_ring(peer, slots)
-            if rest:
-                self._stats["slots_back_by_message"] += len(rest)
-                acks.append((peer, m.TransferAck(via=self.name, slots=rest)))
+        for peer, slots in sorted(spill.items()):
+            self._stats["slots_back_by_message"] += len(slots)
+            acks.append((peer, m.TransferAck(via=self.name, slots=slots)))
         return acks
 
     def on_ack(self, src: int, ack: m.TransferAck) -> None:
@@ -245,33 +266,31 @@ class ShmTransport(ArenaPlane):
 
     def _read_rings(self) -> int:
         """Free every slot our consumers wrote into their rings; returns how many."""
-        words, n = self._own.words, 0
+        words, lent, n = self._own.words, self._lent, 0
         for consumer, ring in self._rings.items():
             base = ring[0] // 8
             while True:
                 i = base + ring[1] % RING_ENTRIES
-                value = int(words[i])
+                value = words[i]
                 if value == 0:
                     break
                 words[i] = 0
                 ring[1] += 1
-                n += self._lent.give_back(consumer, [value - 1])
+                n += lent.give_back_one(consumer, value - 1)
         return n
 
-    def _write_ring(self, producer: int, slots: list[int]) -> list[int]:
-        """Hand ``slots`` back through ``producer``'s ring; returns those that did not fit (or all: no ring)."""
+    def _write_ring(self, producer: int, slot: int) -> bool:
+        """Hand ``slot`` back through ``producer``'s ring; False when it does not fit now (or there is no ring)."""
         ring = self._peer_rings.get(producer)
         if ring is None:
-            return slots
-        words, base = ring[0].words, ring[1]
-        for k, slot in enumerate(slots):
-            i = base + ring[2] % RING_ENTRIES
-            if words[i] != 0:  # the producer has not read this far yet
-                return slots[k:]
-            words[i] = slot + 1
-            ring[2] += 1
-            self._stats["slots_back_by_ring"] += 1
-        return []
+            return False
+        words, i = ring[0].words, ring[1] + ring[2] % RING_ENTRIES
+        if words[i] != 0:  # the producer has not read this far yet
+            return False
+        words[i] = slot + 1
+        ring[2] += 1
+        self._stats["slots_back_by_ring"] += 1
+        return True
 
     # -- internals ------------------------------------------------------------------------------------------
     def _create(self, name: str, size: int) -> _Segment:

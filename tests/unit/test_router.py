@@ -104,3 +104,10 @@ def test_values_to_this_rank_itself_go_inline_at_any_size_even_with_no_transport
     assert transfer.done() and isinstance(value, m.InlineTensor)
     assert torch.equal(r.post_recv(value, 0, walk="speech", signal="codes").tensor, big)
     assert r.is_dead(1)  # another rank with no transport to it is unreachable
+
+
+def test_a_dtype_the_wire_cannot_name_is_refused_before_any_transport_is_posted():
+    r, planes = router()
+    with pytest.raises(ValueError, match="cannot be put on the wire"):
+        r.post_send(torch.ones(100).to(torch.float8_e4m3fnuz), 1)  # above inline_max_bytes: would take a slot
+    assert planes["shm"].sent == []  # nothing lent that no descriptor would ever name

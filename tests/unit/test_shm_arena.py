@@ -13,6 +13,7 @@ import os
 import random
 import subprocess
 import sys
+import threading
 import uuid
 
 import pytest
@@ -99,6 +100,43 @@ def test_a_tensor_crosses_without_a_copy_and_its_slot_returns_when_let_go(pair, 
     del view
     deliver_acks(b, a)
     assert a.bytes_used == 0 and a.stats()["slots_lent"] == 0
+
+
+def test_offset_views_and_lazy_conjugates_cross_with_their_values(pair):
+    # a small contiguous tensor is copied by address (one memmove): its storage offset must count, and a lazily
+    # conjugated or negated view (whose raw bytes are not its values) must be resolved, not copied as bytes
+    a, b = pair
+    z = torch.complex(torch.arange(6.0), torch.arange(6.0) + 10)
+    shorts = torch.arange(40, dtype=torch.int16)[3:].view(37, 1)
+    for t in (torch.arange(1000.0)[7:107], z.conj(), z.conj().imag, shorts):
+        _, loc = a.post_send(t, 1)
+        got = b.post_recv(wire(t, loc), 0).tensor
+        assert got.dtype == t.dtype and torch.equal(got, t.resolve_conj().resolve_neg())
+        del got
+        deliver_acks(b, a)
+    assert a.bytes_used == 0
+
+
+def test_a_descriptor_whose_shape_disagrees_with_its_bytes_fails_and_gives_the_slot_back(pair):
+    a, b = pair
+    t = torch.ones(10)
+    _, loc = a.post_send(t, 1)
+    bad = m.WireTensor(shape=[3, 4], dtype="float32", host=True, via="shm", at=loc)
+    with pytest.raises(ValueError):
+        b.post_recv(bad, 0)
+    deliver_acks(b, a)
+    assert a.bytes_used == 0 and b.stats()["leases"] == 0
+
+
+def test_a_tensor_let_go_on_another_thread_comes_back_on_the_next_poll(pair):
+    a, b = pair
+    t = torch.arange(100.0)
+    holder = [b.post_recv(wire(t, a.post_send(t, 1)[1]), 0).tensor]
+    thread = threading.Thread(target=holder.clear)
+    thread.start()
+    thread.join()
+    deliver_acks(b, a)
+    assert a.bytes_used == 0 and b.stats()["leases"] == 0
 
 
 def test_a_large_copy_split_over_threads_lands_every_byte_and_nothing_beside_it(monkeypatch):
