@@ -400,9 +400,8 @@ def serve(args: argparse.Namespace) -> int:
             channel.close()
         if data_plane is not None:
             data_plane.close()  # unlinks the shm segment, drops registrations, stops gloo waiter threads
-        worker = None
+        worker = None  # the worker holds the components too: nothing may keep their CUDA graphs alive
         finished = _teardown(components, shutdown_distributed, TEARDOWN_TIMEOUT_S)
-        components = None
     log.info("%s exits with status %d", where, rc)
     if not finished:  # a thread is stuck in the backend: interpreter shutdown could block on it too
         logging.shutdown()
