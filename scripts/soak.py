@@ -415,8 +415,25 @@ def _report(todo, results, series, first, end, idle, metrics_text, *, wall, conc
                 "baseline_after_requests": baseline_after, "baseline_mib": baseline["rss_mib"] if baseline else None,
                 "end_mib": end["rss_mib"] if end else None, "growth": growth, "tolerance": rss_tolerance,
                 "within_tolerance": bool(growth) and all(g is not None and g <= rss_tolerance for g in growth.values()),
+                "late_mib_per_1k_requests": late_slope(series),
                 "series": series},
     }
+
+
+def late_slope(series: list[dict]) -> dict[str, float]:
+    """Per rank, RSS growth in MiB per 1,000 completed requests over the second half of the samples after the
+    baseline (informative, not a criterion): a leak keeps its slope to the end, a one-time step (a cache or an
+    allocator arena filling once) does not."""
+    start = next((i for i, row in enumerate(series) if row.get("label") == "baseline"), None)
+    after = series[start:] if start is not None else []
+    if len(after) < 3:
+        return {}
+    mid, last = after[len(after) // 2], after[-1]
+    done = last["done"] - mid["done"]
+    if done <= 0:
+        return {}
+    return {rank: round((last["rss_mib"][rank] - mib) * 1000 / done, 3)
+            for rank, mib in mid["rss_mib"].items() if rank in last["rss_mib"]}
 
 
 def main() -> None:
