@@ -37,6 +37,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from scripts.soak import per_rank  # noqa: E402
 from tests.e2e.server import WEIGHTS, Server  # noqa: E402
 
 PROMPTS = [
@@ -145,12 +146,7 @@ def _engine_counts(base_url: str) -> dict[str, float]:
         text = httpx.get(f"{base_url}/metrics", timeout=10).text
     except httpx.HTTPError:
         return {}
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        for key in ENGINE_COUNTS:
-            if line.startswith(f"mstar_dist_engine_{key}{{"):
-                out[key] = out.get(key, 0.0) + float(line.split()[-1])
-    return out
+    return {key: sum(per_rank(text, f"mstar_dist_engine_{key}").values()) for key in ENGINE_COUNTS}
 
 
 def _server_ttft(base_url: str) -> tuple[float, float] | None:

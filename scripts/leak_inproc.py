@@ -25,6 +25,7 @@ import torch  # noqa: E402
 
 from mstar_dist.config.deployment import parse_config  # noqa: E402
 from mstar_dist.server.backend import GenerationParams  # noqa: E402
+from mstar_dist.telemetry import process_sample  # noqa: E402
 from mstar_dist.worker.boot import Deployment  # noqa: E402
 from tests.inproc import InProcDeployment  # noqa: E402
 
@@ -32,8 +33,7 @@ WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly j
 
 
 def rss_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    return process_sample()["rss_bytes"] / 2**20
 
 
 def main() -> None:
