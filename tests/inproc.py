@@ -71,6 +71,12 @@ class Direct:
     def poll(self):
         return []
 
+    def flush(self):
+        pass
+
+    def withdraw(self, transfer):
+        return False
+
     def on_ack(self, src, ack):
         pass
 

@@ -78,8 +78,16 @@ class DataPlane(Protocol):
 
     def post_send(self, tensor: torch.Tensor, dst: int) -> tuple[Transfer, m.Location | None]:
         """Start moving ``tensor`` to global rank ``dst``; returns the transfer and where the consumer finds the
-        bytes (None for p2p). The descriptor goes on the control plane after this returns. Never blocks;
+        bytes (None for p2p). The descriptor goes on the control plane after this returns, then ``flush``. Never blocks;
         ArenaFull when there is no room now, PeerDeadError when the peer is aborted."""
+
+    def flush(self) -> None:
+        """Issue the sends ``post_send`` deferred (p2p defers every send until its descriptor is out, so the
+        descriptor travels ahead of the bytes); a no-op for transports whose posts complete at once."""
+
+    def withdraw(self, transfer: Transfer) -> bool:
+        """Drop a posted send whose descriptor will never go out, if nothing of it reached the peer yet; True
+        if it was dropped (p2p: a deferred send). False: the caller must undo it some other way."""
 
     def post_recv(self, wire: m.WireTensor, src: int, device: torch.device | None = None) -> Transfer:
         """Start receiving the tensor ``wire`` describes from global rank ``src`` (call in descriptor order per

@@ -245,6 +245,13 @@ class MooncakeTransport(ArenaPlane):
         tr.done()  # start it now if the pool has room
         return tr
 
+    def flush(self) -> None:
+        """Nothing is deferred: a post has copied or exposed the bytes when it returns."""
+
+    def withdraw(self, transfer) -> bool:
+        """A lent slot is taken back through ``on_ack`` (the router does it), not here."""
+        return False
+
     def poll(self) -> list[tuple[int, m.TransferAck]]:
         if not (self._local_free or self._zombies or self._acks):  # nothing to do: most turns of the loop
             return []

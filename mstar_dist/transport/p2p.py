@@ -1,9 +1,13 @@
 """Point-to-point transport: tensors over the directed pair groups (docs/architecture.md §7, "p2p").
 
 Protocol (the caller's side of it):
-1. The producer sends the descriptor (shape, dtype, ...) on the control plane, THEN calls `send`.
-2. The consumer, on each descriptor from a producer, calls `recv` in descriptor order.
-3. Both poll `Transfer.done()` from their loop (or block in `Transfer.wait`).
+1. The producer calls `send` (or `post_send`): the op is *deferred*, nothing is issued yet. It puts the
+   descriptor (shape, dtype, ...) on the control plane, THEN calls `flush`, which issues every deferred op in
+   order. So the descriptor travels ahead of the bytes and the consumer posts its receive while the producer is
+   still issuing the send (the host cost of one NCCL call is off the transfer's critical path), and a send whose
+   descriptor never went out can be withdrawn (`withdraw`) instead of leaving the pair out of step.
+2. The consumer, on each descriptor from a producer, calls `recv` in descriptor order (issued at once).
+3. Both poll `Transfer.done()` from their loop (or block in `Transfer.wait`). Polling a deferred send flushes.
 Each directed pair is FIFO: the k-th `recv` on (src, dst) receives the k-th `send` on it. A pair group carries
 CUDA tensors on NCCL and host tensors on gloo (see distributed/groups.py); each backend is FIFO on its own and
 both sides issue ops in descriptor order, so mixing the two kinds on a pair stays correct.
@@ -14,17 +18,19 @@ once); 0-d tensors travel as 1 element; non-contiguous ones are made contiguous 
 (uint8 view). gloo accepts float32/16, bfloat16, bool, int8/64 natively (torch 2.11 and 2.13; tested in
 tests/dist/test_p2p.py).
 
-CUDA: `send` records an event on the caller's current stream, makes a side stream wait on it, and issues the
-NCCL op with the side stream current, so the transfer starts only after the producing kernels and never
-blocks the compute stream. ProcessGroupNCCL runs the op on its own stream ordered after the side stream.
-The source tensor is referenced by the `Transfer` (and by the transport until the transfer is seen complete),
-so the caching allocator cannot reuse its memory mid-send. A received tensor is allocated on the caller's
-current stream; it is ready once `done()` is true or `wait()` returned, or for GPU-side consumption without
-a host sync, after `ready_on(stream)`. No host staging: CUDA tensors go device to device
-(`stats()["host_staging_copies"]` stays 0; any host copy this module made would be counted there).
+Issuing an op is one call into the pair's `ProcessGroup` (`send`/`recv` on the C++ object: the checks of
+`dist.isend` are made once, when the pair is set up). CUDA: ProcessGroupNCCL runs a p2p op on its own stream,
+which it first makes wait for the caller's current stream, so the transfer starts only after the producing
+kernels (and, for a receive, after the buffer's allocation) and never blocks the compute stream. The source
+tensor is referenced by the `Transfer` (and by the transport until the transfer is seen complete), so the
+caching allocator cannot reuse its memory mid-send. A received tensor is allocated on the caller's current
+stream; it is ready once `done()` is true or `wait()` returned, or for GPU-side consumption without a host sync,
+after `ready_on(stream)`. No host staging: CUDA tensors go device to device (`stats()["host_staging_copies"]`
+stays 0; any host copy this module made would be counted there).
 
 Failure (docs/architecture.md §7): a pair that timed out or broke is dead for good. `Transfer.wait` timing out aborts the pair;
-`abort_pair` does it explicitly. Later sends/recvs on a dead pair raise `PairDeadError` naming the pair.
+`abort_pair` does it explicitly. Later sends/recvs on a dead pair raise `PairDeadError` naming the pair; a
+deferred send whose pair died before `flush` fails (its `done()` raises).
 
 Threads: every op is issued from the calling thread (the rank's worker thread); nothing here is thread-safe.
 One kind of helper thread exists, and it issues nothing: gloo's send/recv `Work` cannot be polled
@@ -102,11 +108,12 @@ class Transfer:
         self._wire = wire
         self._work = work
         self._result = result
-        self._complete = work is None
-        self._gloo = work is not None and wire.device.type != "cuda"
+        self._complete = wire is None  # an empty tensor: nothing goes on the wire
+        self._gloo = wire is not None and wire.device.type != "cuda"
         self._signal = threading.Event() if self._gloo else None  # set by the pair's gloo waiter thread
         self._error: BaseException | None = None
         self._handed_off = False  # gloo: the waiter thread owns the (single) Work.wait() call
+        self._stream: torch.cuda.Stream | None = None  # a deferred CUDA send: the stream it was posted under
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -123,6 +130,10 @@ class Transfer:
         if self._complete:
             return True
         self._check_alive()
+        if self._work is None:  # a deferred send: issue it (and every one deferred before it) now
+            self._transport.flush()
+            if self._work is None:
+                self._finish()  # flush recorded why it could not issue this one: raise it
         if self._gloo and not self._handed_off:
             self._transport._hand_off(self)
             return False
@@ -140,6 +151,10 @@ class Transfer:
         if self._complete:
             return self._result
         self._check_alive()
+        if self._work is None:  # a deferred send
+            self._transport.flush()
+            if self._work is None:
+                self._finish()
         if self._gloo and not self._handed_off:
             # Nobody has polled it yet: wait here, saving two thread wake-ups. A timed-out gloo wait breaks
             # the pair's group, which is what a timeout means for us anyway (the pair is aborted below).
@@ -204,6 +219,8 @@ class Transfer:
         raise PairDeadError(reason) from exc
 
     def _finish(self) -> None:
+        if self._work is None:  # a deferred send that could not be issued (flush recorded why)
+            self._fail(self._error, timed_out=False)
         if self._gloo:
             if self._error is not None:  # the waiter thread's wait() raised: peer gone, or the group timeout
                 self._fail(self._error, timed_out="timed out" in str(self._error).lower())
@@ -231,28 +248,60 @@ class P2PTransport:
         self._dead: dict[tuple[int, int], str] = {}
         self._stats: dict[tuple[int, int], _PairStats] = {pair: _PairStats() for pair in self._groups}
         self._inflight: dict[int, Transfer] = {}
-        self._side_streams: dict[int, torch.cuda.Stream] = {}
+        self._deferred: list[Transfer] = []  # sends whose descriptor is not out yet, in posting order
         self._waiters: dict[tuple[int, int], _GlooWaiter] = {}
         self._host_staging_copies = 0  # must stay 0: nothing in this module copies device tensors to host
         self._contiguous_copies = 0
 
     # -- public ops -----------------------------------------------------------------------------------------
     def send(self, tensor: torch.Tensor, dst: int) -> Transfer:
-        """Post an isend of `tensor` to global rank `dst` on pair (self, dst); return at once.
+        """Queue a send of `tensor` to global rank `dst` on pair (self, dst); return at once.
 
-        The descriptor must already be on the control plane. Never blocks. PairDeadError if the pair is dead,
+        Deferred: the op is issued by the next `flush` (or the first poll of the transfer), which the caller makes
+        right after the descriptor went out on the control plane. Never blocks. PairDeadError if the pair is dead,
         KeyError if there is no pair (self, dst).
         """
         pair = (self.global_rank, dst)
-        pg = self._pair(pair)
+        self._pair(pair)
         stats = self._stats[pair]
         stats.sends += 1
         stats.send_bytes += tensor.numel() * tensor.element_size()
         if tensor.numel() == 0:
             return Transfer(self, "send", pair, tuple(tensor.shape), tensor.dtype, None, None, tensor)
         wire = self._to_wire(tensor)
-        work = self._post(dist.isend, wire, pg)
-        return self._track(Transfer(self, "send", pair, tuple(tensor.shape), tensor.dtype, wire, work, tensor))
+        tr = Transfer(self, "send", pair, tuple(tensor.shape), tensor.dtype, wire, None, tensor)
+        if wire.is_cuda:  # the stream the bytes are produced on: the op is ordered after it, wherever flushed
+            tr._stream = torch.cuda.current_stream(wire.device)
+        self._deferred.append(tr)
+        return self._track(tr)
+
+    def flush(self) -> None:
+        """Issue every deferred send, in the order they were queued. Never blocks, never raises: a send that
+        cannot be issued (its pair died meanwhile) keeps the error, which its `done()` raises."""
+        deferred, self._deferred = self._deferred, []
+        for tr in deferred:
+            try:
+                pg = self._pair(tr.pair)
+                if tr._stream is None or tr._stream == torch.cuda.current_stream(tr._wire.device):
+                    tr._work = self._post(True, tr._wire, pg)
+                else:  # posted under another stream than the current one: order after that one
+                    with torch.cuda.stream(tr._stream):
+                        tr._work = self._post(True, tr._wire, pg)
+            except Exception as exc:  # noqa: BLE001 - handed to the caller through done()
+                tr._error = exc
+
+    def withdraw(self, tr: Transfer) -> bool:
+        """Drop a send that is still deferred (its descriptor will never go out): True if it was, and then the
+        pair stays in step with nothing to undo. False if it was already issued."""
+        if tr not in self._deferred:
+            return False
+        self._deferred.remove(tr)
+        self._inflight.pop(id(tr), None)
+        stats = self._stats[tr.pair]
+        stats.sends -= 1
+        stats.send_bytes -= tr.nbytes
+        tr._complete = True
+        return True
 
     def recv(
         self, shape: Sequence[int], dtype: torch.dtype, src: int, device: str | torch.device | None = None
@@ -273,7 +322,7 @@ class P2PTransport:
         if result.numel() == 0:
             return Transfer(self, "recv", pair, shape, dtype, None, None, result)
         wire = _wire_view(result)
-        work = self._post(dist.irecv, wire, pg)
+        work = self._post(False, wire, pg)
         return self._track(Transfer(self, "recv", pair, shape, dtype, wire, work, result))
 
     def abort_pair(self, src: int, dst: int, *, reason: str = "aborted") -> None:
@@ -296,6 +345,7 @@ class P2PTransport:
         for key, tr in list(self._inflight.items()):
             if tr.pair == pair:
                 del self._inflight[key]
+        self._deferred = [tr for tr in self._deferred if tr.pair != pair]  # their done() raises PairDeadError
 
     def close(self) -> None:
         """Stop the gloo waiter threads once their current wait ends (they are daemons: a wait stuck on a dead
@@ -309,7 +359,8 @@ class P2PTransport:
 
     # -- the DataPlane seam (transport/base.py) ---------------------------------------------------------------
     def post_send(self, tensor: torch.Tensor, dst: int) -> tuple[Transfer, None]:
-        """`send`; p2p descriptors carry no location (the pair's FIFO order pairs sends with receives)."""
+        """`send` (deferred until `flush`); p2p descriptors carry no location (the pair's FIFO order pairs sends
+        with receives)."""
         return self.send(tensor, dst), None
 
     def post_recv(self, wire, src: int, device: torch.device | None = None) -> Transfer:
@@ -383,27 +434,12 @@ class P2PTransport:
             tensor = tensor.contiguous()
         return _wire_view(tensor)
 
-    def _post(self, op, wire: torch.Tensor, pg: PairGroup) -> dist.Work:
-        kw = {"group_dst": pg.peer_rank_in_group} if op is dist.isend else {"group_src": pg.peer_rank_in_group}
-        if wire.device.type != "cuda":
-            return op(wire, group=pg.group, **kw)
-        # Order the op after everything queued so far on the caller's stream (the producing kernels, or the
-        # allocation of the receive buffer), without making that stream wait for the transfer.
-        current = torch.cuda.current_stream(wire.device)
-        side = self._side_stream(wire.device)
-        ready = torch.cuda.Event()
-        ready.record(current)
-        side.wait_event(ready)
-        with torch.cuda.stream(side):
-            return op(wire, group=pg.group, **kw)
-
-    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        stream = self._side_streams.get(index)
-        if stream is None:
-            stream = torch.cuda.Stream(device=index)
-            self._side_streams[index] = stream
-        return stream
+    def _post(self, sending: bool, wire: torch.Tensor, pg: PairGroup) -> dist.Work:
+        # One call into the C++ ProcessGroup, which routes by the tensor's device (NCCL or gloo). For CUDA,
+        # ProcessGroupNCCL orders its p2p stream after the caller's current stream: no stream juggling here.
+        if sending:
+            return pg.group.send([wire], pg.peer_rank_in_group, 0)
+        return pg.group.recv([wire], pg.peer_rank_in_group, 0)
 
     def _track(self, tr: Transfer) -> Transfer:
         self._inflight[id(tr)] = tr

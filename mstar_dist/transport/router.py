@@ -134,15 +134,23 @@ class Router:
         return transfer, m.WireTensor(shape=list(tensor.shape), dtype=dtype, host=tensor.is_cpu, via=plane.name,
                                       at=at)
 
-    def cancel(self, dst: int, value: m.Carried, reason: str) -> None:
-        """Undo a posted send whose descriptor will never go out: an arena slot is taken back; a p2p send that
-        nobody will receive leaves the pair out of step, so the peer is aborted."""
+    def flush(self) -> None:
+        """Issue the sends deferred until their descriptors went out (p2p; the worker calls this right after
+        every control message it sends)."""
+        for plane in self._transports.values():
+            plane.flush()
+
+    def cancel(self, dst: int, transfer: Transfer, value: m.Carried, reason: str) -> None:
+        """Undo a posted send whose descriptor will never go out: an arena slot is taken back; a p2p send still
+        deferred is withdrawn; one already issued that nobody will receive leaves the pair out of step, so the
+        peer is aborted."""
         if not isinstance(value, m.WireTensor):
             return
         plane = self._transports[value.via]
         slot = -1 if value.at is None else value.at.slot
         if value.at is None:
-            plane.abort_peer(dst, reason)
+            if not plane.withdraw(transfer):
+                plane.abort_peer(dst, reason)
         elif slot >= 0:
             plane.on_ack(dst, m.TransferAck(via=value.via, slots=[slot]))
 

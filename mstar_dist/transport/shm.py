@@ -216,6 +216,13 @@ class ShmTransport(ArenaPlane):
                 out = out.to(target)
         return Done(out)
 
+    def flush(self) -> None:
+        """Nothing is deferred: a post has copied or exposed the bytes when it returns."""
+
+    def withdraw(self, transfer) -> bool:
+        """A lent slot is taken back through ``on_ack`` (the router does it), not here."""
+        return False
+
     def poll(self) -> list[tuple[int, m.TransferAck]]:
         """Free the slots our consumers handed back through their rings; hand back the ones we let go (through
         the producer's ring, else as acknowledgements to send: returned here, none to dead peers)."""

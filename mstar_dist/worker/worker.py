@@ -195,6 +195,7 @@ class Worker:
 
     def _send(self, peer: str, body: m.Message) -> None:
         self.channel.send(peer, m.encode(self.token, self.name, body))
+        self.transport.flush()  # p2p sends wait for their descriptor to be out (docs/architecture.md §7)
 
     def _handle(self, sender: str, payload: bytes) -> None:
         try:
@@ -420,7 +421,7 @@ class Worker:
         """Post each (signal, tensor) for global rank ``dst``, in order; returns the values for the message and
         the transfers to watch. On a failure nothing stays posted: arena slots are taken back, and a pair left
         out of step (a p2p send nobody will receive) is aborted on both sides; then it raises."""
-        carried, transfers = [], []
+        carried, transfers, posted = [], [], []
         try:
             for signal, value in values:
                 if not isinstance(value, torch.Tensor):
@@ -429,15 +430,15 @@ class Worker:
                     raise RuntimeError(f"the data plane to rank {dst} is dead")
                 transfer, value = self._post_send(value, dst)
                 carried.append(value)
+                posted.append(transfer)
                 if not isinstance(transfer, Done):
                     transfers.append(_Outgoing(transfer, "", False, dst))
         except Exception as exc:
-            p2p = any(isinstance(c, m.WireTensor) and c.at is None for c in carried)
-            if p2p or not isinstance(exc, (ArenaFull, TypeError)):
+            if not isinstance(exc, (ArenaFull, TypeError)):
                 self._abort_pair(self.global_rank, dst, f"posting a send failed: {exc}")
-            else:
-                for value in carried:
-                    self.transport.cancel(dst, value, str(exc))
+            else:  # nothing went out yet: arena slots come back, deferred p2p sends are withdrawn
+                for transfer, value in zip(posted, carried):
+                    self.transport.cancel(dst, transfer, value, str(exc))
             raise
         return carried, transfers
 

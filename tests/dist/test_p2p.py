@@ -171,3 +171,27 @@ def test_aborted_or_timed_out_pair_raises_and_others_keep_working():
     assert "0->1" in e0[0] and "test abort" in e0[0]
     assert all("0->1" in e for e in e1[:2])
     assert "2->1" in e1[2] and "[2, 2]" in e1[2] and "16 bytes" in e1[2]
+
+
+def _deferred_rank(rank: int) -> list:
+    r = setup_rank(rank)
+    got = []
+    if rank == 0:
+        dropped = r.transport.send(torch.full((4,), -1.0), dst=1)  # its descriptor never goes out
+        assert r.transport.withdraw(dropped) and dropped.done()
+        kept = r.transport.send(torch.arange(4.0), dst=1)
+        r.channel.send("rank1", _enc.encode(Desc(0, [4], "float32")))
+        r.transport.flush()  # issued only now, after its descriptor
+        assert not r.transport.withdraw(kept)  # issued: too late to take back
+        kept.wait(10)
+        assert r.transport.stats()["pairs"]["0->1"]["sends"] == 1 and r.transport.inflight == 0
+    else:
+        (_, d), = _expect(r.channel, 1)
+        got = r.transport.recv(d.shape, str_to_dtype(d.dtype), src=0).wait(10).tolist()
+    teardown_rank(r)
+    return got
+
+
+def test_a_deferred_send_is_issued_after_its_descriptor_and_a_withdrawn_one_never_reaches_the_peer():
+    _, got = run_ranks(_deferred_rank, 2, timeout_s=40)
+    assert got == [0.0, 1.0, 2.0, 3.0]  # not the withdrawn -1s: the pair stayed in step

@@ -38,7 +38,10 @@ class Rig:
     stash: list = field(default_factory=list)
 
     def send(self, body: m.Message) -> None:
+        """Send ``body`` to the peer, then issue the sends whose descriptors it carried (as the worker does)."""
         self.channel.send(f"rank{self.peer}", m.encode(TOKEN, f"rank{self.rank}", body))
+        for plane in self.planes.values():
+            plane.flush()
 
     def pump(self, timeout_ms: int = 1) -> list[m.Message]:
         """Deliver acks to the transports, send the acks we owe, return the other messages."""

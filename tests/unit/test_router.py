@@ -7,6 +7,8 @@ leave keeps its arena slot, or the per-edge statistics (--log-stats, /metrics) l
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -33,6 +35,12 @@ class Recording:
 
     def poll(self):
         return []
+
+    def flush(self):
+        self.flushed = getattr(self, "flushed", 0) + 1
+
+    def withdraw(self, transfer):
+        return self.name == "p2p" and getattr(transfer, "deferred", False)
 
     def on_ack(self, src, ack):
         self.acked.append((src, ack.slots))
@@ -82,15 +90,19 @@ def test_receive_goes_where_the_descriptor_says_and_counts_the_edge():
         r.post_recv(m.WireTensor(shape=[100], dtype="float32", via="mooncake"), 2)
 
 
-def test_cancel_gives_an_arena_slot_back_and_aborts_a_p2p_peer():
+def test_cancel_gives_an_arena_slot_back_withdraws_a_deferred_p2p_send_and_aborts_an_issued_one():
     r, planes = router()
-    _, shm_value = r.post_send(torch.ones(100), 1)
-    _, p2p_value = r.post_send(torch.ones(100), 2)
-    r.cancel(1, shm_value, "the message never left")
-    r.cancel(2, p2p_value, "the message never left")
-    assert planes["shm"].acked == [(1, [shm_value.at.slot])] and planes["p2p"].aborted == [2]
+    shm_transfer, shm_value = r.post_send(torch.ones(100), 1)
+    issued, p2p_value = r.post_send(torch.ones(100), 2)
+    r.cancel(1, shm_transfer, shm_value, "the message never left")
+    r.cancel(2, SimpleNamespace(deferred=True), p2p_value, "the message never left")  # not issued yet
+    assert planes["shm"].acked == [(1, [shm_value.at.slot])] and planes["p2p"].aborted == []
+    r.cancel(2, issued, p2p_value, "the message never left")
+    assert planes["p2p"].aborted == [2]
     assert r.is_dead(2) and not r.is_dead(1)
     assert r.arena_bytes_used() == {"shm": 0}
+    r.flush()
+    assert planes["p2p"].flushed == planes["shm"].flushed == 1
 
 
 def test_values_to_this_rank_itself_go_inline_at_any_size_even_with_no_transport():

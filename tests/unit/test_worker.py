@@ -100,6 +100,12 @@ class FakeTransport:
     def poll(self):
         return []
 
+    def flush(self):
+        pass
+
+    def withdraw(self, transfer):
+        return False
+
     def on_ack(self, src, ack):
         pass
 
