@@ -83,6 +83,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="comma-separated subset of p2p,shm,mooncake (default: all three on cpu, p2p on cuda)")
     p.add_argument("--arena-bytes", type=int, default=None,
                    help="shm arena / Mooncake pool per rank (default: twice the largest size)")
+    p.add_argument("--window", type=int, default=None,
+                   help="bandwidth: transfers per sample sent back to back before one acknowledgement, for sizes "
+                        "from 1 MiB (default 8 on cuda, 0 = no bandwidth rows on cpu)")
+    p.add_argument("--spin-us", type=float, default=0.0,
+                   help="a receiver waiting for a descriptor polls without blocking this long before it blocks")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/edges_<device>.json)")
     return p.parse_args(argv)
 
@@ -105,6 +110,8 @@ class Bench:
         self._wires: list = []  # descriptors (and inline values) from the peer, in order
         self.inline_max_bytes = 1 << 20  # the inline path is measured up to this size
         self.other: list[bytes] = []
+        self.spin_s = 0.0
+        self.ack = torch.zeros(1, device=self.device)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -169,11 +176,18 @@ class Bench:
         self.channel.send(f"rank{self.peer}", m.encode(TOKEN, f"rank{self.rank}",
                                                          m.StreamItems(request_id="bench", signal=plane.name,
                                                                        values=[wire])))
+        plane.flush()  # p2p issues the send only now: the descriptor travels ahead of the bytes
         return transfer
 
-    def _recv(self, plane: DataPlane) -> torch.Tensor:
+    def _wait_wire(self) -> None:
+        """Until a descriptor from the peer is here: poll without blocking for up to ``--spin-us``, then block
+        in the channel's poll (1 ms at a time)."""
+        spin_until = time.perf_counter() + self.spin_s
         while not self._wires:
-            self._pump(1)
+            self._pump(0 if time.perf_counter() < spin_until else 1)
+
+    def _recv(self, plane: DataPlane) -> torch.Tensor:
+        self._wait_wire()
         transfer = plane.post_recv(self._wires.pop(0), self.peer)
         self._wait(transfer)
         return transfer.tensor
@@ -193,8 +207,7 @@ class Bench:
                 request_id="bench", signal="inline", values=[encode_tensor(t)])))
 
         def recv() -> torch.Tensor:
-            while not self._wires:
-                self._pump(1)
+            self._wait_wire()
             return decode_tensor(self._wires.pop(0), self.device)
 
         if self.rank == 0:
@@ -215,6 +228,62 @@ class Bench:
             self._wait(self._send(plane, got))
         del got  # the arena slot goes back now (acknowledgements by message are read on the next pump)
         self._hand_back()
+
+    # -- bandwidth: a window of transfers one way, then one small acknowledgement back (as OSU's bandwidth test) --
+    def _ack_back(self) -> None:
+        if self.rank == 0:
+            dist.recv(self.ack, group=self.in_group, group_src=1)
+            self._sync()
+        else:
+            dist.send(self.ack, group=self.out_group, group_dst=0)
+
+    def raw_window(self, buf: torch.Tensor, window: int) -> None:
+        if self.rank == 0:
+            works = [dist.isend(buf, group=self.out_group, group_dst=1) for _ in range(window)]
+        else:
+            works = [dist.irecv(buf, group=self.in_group, group_src=0) for _ in range(window)]
+        for work in works:
+            work.wait()
+        self._ack_back()
+
+    def ours_window(self, name: str, buf: torch.Tensor, window: int) -> None:
+        """``window`` tensors 0 -> 1 on the runtime's path, the receiver posting each receive as its descriptor
+        arrives (the runtime's order), then waiting for every one on the host before the acknowledgement."""
+        plane = self.planes[name]
+        if self.rank == 0:
+            outs = [self._send(plane, buf) for _ in range(window)]
+            for out in outs:
+                self._wait(out)
+        else:
+            pending, received = [], 0
+            while received < window:
+                self._wait_wire()
+                while self._wires and received < window:
+                    transfer = plane.post_recv(self._wires.pop(0), self.peer)
+                    received += 1
+                    if not transfer.done():  # an arena tensor is there at once: let it go, its slot goes back
+                        pending.append(transfer)
+            for transfer in pending:
+                self._wait(transfer)
+            del pending, transfer
+        self._ack_back()
+        self._hand_back()
+
+    def measure_window(self, nbytes: int, iters: int, warmup: int, window: int) -> dict:
+        """Per-transfer time and GB/s of a window of ``window`` back-to-back transfers, raw and every transport."""
+        buf = torch.ones(nbytes // 4, dtype=torch.float32, device=self.device)
+        self._sync()
+        paths = {"raw": lambda b: self.raw_window(b, window)}
+        paths.update({name: (lambda b, _n=name: self.ours_window(_n, b, window)) for name in self.planes})
+        samples: dict[str, list[float]] = {name: [] for name in paths}
+        for i in range(warmup + iters):
+            for name, fn in paths.items():
+                dist.barrier()
+                t0 = time.perf_counter()
+                fn(buf)
+                if i >= warmup:
+                    samples[name].append((time.perf_counter() - t0) / window)
+        return {name: _summary(s, nbytes) for name, s in samples.items()}
 
     def measure(self, nbytes: int, iters: int, warmup: int, burst: int = 1) -> dict:
         buf = torch.ones(nbytes // 4, dtype=torch.float32, device=self.device)
@@ -308,6 +377,8 @@ def main(argv: list[str] | None = None) -> int:
         publish_endpoint(store, f"rank{rank}", channel.endpoint)
         channel.connect(f"rank{1 - rank}", lookup_endpoint(store, f"rank{1 - rank}", 120))
         bench = Bench(rank, device, channel, planes, groups)
+        bench.spin_s = args.spin_us * 1e-6
+        window = args.window if args.window is not None else (8 if args.device == "cuda" else 0)
         results = []
         for label, nbytes in sizes:
             small = nbytes <= 1 << 20
@@ -315,11 +386,20 @@ def main(argv: list[str] | None = None) -> int:
             r.update(size=label, bytes=nbytes, paths=[p for p in ("raw", "raw_fresh", *planes, "inline") if p in r])
             for name in r["paths"][1:]:
                 r[f"ratio_{name}_over_raw"] = r[name]["median_us"] / r["raw"]["median_us"]
+            if window and nbytes >= 1 << 20:
+                bw = bench.measure_window(nbytes, args.iters, args.warmup, window)
+                r["window"] = {"transfers_per_sample": window, **bw,
+                               **{f"ratio_{name}_bandwidth_over_raw": bw["raw"]["median_us"] / bw[name]["median_us"]
+                                  for name in planes}}
             results.append(r)
             if rank == 0:
                 print(f"{label:>8}  " + "   ".join(
                     f"{name} {r[name]['median_us']:9.1f} us {r[name]['gbps']:6.2f} GB/s"
                     for name in r["paths"]), flush=True)
+                if "window" in r:
+                    print(f"{'':>8}  window of {window}: " + "   ".join(
+                        f"{name} {r['window'][name]['median_us']:9.1f} us {r['window'][name]['gbps']:6.2f} GB/s"
+                        for name in ("raw", *planes)), flush=True)
         _report(args, rank, device, channel, planes, results, bench.other)
     finally:
         for plane in planes.values():
@@ -374,7 +454,10 @@ def _report(args, rank: int, device: str, channel: ControlChannel, planes: dict,
                   "a burst of ping-pongs); raw, raw_fresh and every transport alternate per sample, each sample "
                   "after an untimed barrier; a transport's path is post_send + descriptor on the control channel "
                   "(its local link on one machine, else ZMQ) + post_recv + done(), arena slots acknowledged on "
-                  "the control channel",
+                  "the control channel; `window` rows: per-transfer time of a window of back-to-back transfers one "
+                  "way then one acknowledgement back (raw: isend/irecv; a transport: its path, each receive posted "
+                  "as its descriptor arrives, every one waited on the host), as OSU's bandwidth test",
+        "spin_us": args.spin_us,
         "load_average": os.getloadavg(),
         "results": results,
         "rank0_transport_stats": stats,
