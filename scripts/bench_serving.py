@@ -123,7 +123,7 @@ def ours(base_url: str, streams: int, max_tokens: int, n_requests: int) -> dict:
     wall = max(part[2] for part in parts) - min(part[1] for part in parts)
     tokens = sum(r[2] for r in results)
     out = {"tok_s": tokens / wall, "ttft_median_s": statistics.median(r[0] for r in results),
-           "tokens": tokens, "seconds": wall}
+           "e2e_s": [round(r[1], 5) for r in results], "tokens": tokens, "seconds": wall}
     if before is not None and server_ttft is not None and server_ttft[1] > before[1]:
         # the conductor's own view: from a request's arrival at the conductor to its first token leaving it
         out["server_ttft_mean_s"] = (server_ttft[0] - before[0]) / (server_ttft[1] - before[1])
@@ -315,10 +315,16 @@ def main() -> None:
                             ratios[f"{name}_{n}_over_hf_{n}"] >= 1.0
             if 8 in args.streams:
                 targets[f"{name}: 8 streams >= 0.85 x bare batched loop"] = ratios[f"{name}_8_over_{yard}_8"] >= 0.85
+    # end-to-end request latency, p50 over every request of every round (the same prompts for every deployment)
+    e2e = {k: statistics.median(t for x in v for t in x["e2e_s"]) for k, v in rows.items() if "e2e_s" in v[0]}
     if len(names) == 2:  # split vs colocated, e.g. P/D against single rank
         a, b = names
         for n in args.streams:
             ratios[f"{a}_{n}_over_{b}_{n}"] = med[f"{a}_{n}"] / med[f"{b}_{n}"]
+        if 1 in args.streams:
+            ratios[f"{a}_e2e_p50_1_over_{b}_e2e_p50_1"] = e2e[f"{a}_1"] / e2e[f"{b}_1"]
+            targets[f"split overhead: {a} vs {b}, end-to-end p50 at 1 stream within 1%"] = \
+                ratios[f"{a}_e2e_p50_1_over_{b}_e2e_p50_1"] <= 1.01
     result = {
         "command": " ".join([sys.executable, *sys.argv]),
         "configs": [f"{p}:{n}" for p, n in configs],
@@ -332,6 +338,7 @@ def main() -> None:
         "cold_start_to_health_s": cold,
         "median_tok_s": med,
         "ttft_median_s": ttft,
+        "e2e_p50_s": e2e,
         "engine_batching": batching,
         "server_ttft_mean_s": server_ttft,
         "ratios": ratios,
@@ -341,7 +348,8 @@ def main() -> None:
     out = Path(args.out or REPO / f"bench/results/serving_{args.device.split(':')[0]}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
-    print(json.dumps({k: result[k] for k in ("cold_start_to_health_s", "median_tok_s", "ttft_median_s", "engine_batching",
+    print(json.dumps({k: result[k] for k in ("cold_start_to_health_s", "median_tok_s", "ttft_median_s", "e2e_p50_s",
+                                             "engine_batching",
                                              "server_ttft_mean_s", "ratios", "targets_met")}, indent=2))
 
 
