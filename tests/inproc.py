@@ -74,6 +74,9 @@ class Direct:
     def flush(self):
         pass
 
+    def device_inflight(self):
+        return False
+
     def withdraw(self, transfer):
         return False
 

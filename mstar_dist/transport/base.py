@@ -85,6 +85,10 @@ class DataPlane(Protocol):
         """Issue the sends ``post_send`` deferred (p2p defers every send until its descriptor is out, so the
         descriptor travels ahead of the bytes); a no-op for transports whose posts complete at once."""
 
+    def device_inflight(self) -> bool:
+        """Whether a transfer the device completes (NCCL) is in flight: nothing wakes the worker when one ends, so
+        it polls instead of sleeping in the control channel's wait meanwhile."""
+
     def withdraw(self, transfer: Transfer) -> bool:
         """Drop a posted send whose descriptor will never go out, if nothing of it reached the peer yet; True
         if it was dropped (p2p: a deferred send). False: the caller must undo it some other way."""

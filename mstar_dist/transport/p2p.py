@@ -394,6 +394,10 @@ class P2PTransport:
                 finished.append(tr)
         return finished
 
+    def device_inflight(self) -> bool:
+        """Whether a CUDA (NCCL) transfer is posted and not yet seen complete."""
+        return any(tr.on_cuda for tr in self._inflight.values())
+
     @property
     def inflight(self) -> int:
         """Transfers posted and not yet seen complete."""

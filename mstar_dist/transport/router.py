@@ -140,6 +140,10 @@ class Router:
         for plane in self._transports.values():
             plane.flush()
 
+    def device_inflight(self) -> bool:
+        """Whether some transport has a transfer in flight that only polling sees end (NCCL)."""
+        return any(plane.device_inflight() for plane in self._transports.values())
+
     def cancel(self, dst: int, transfer: Transfer, value: m.Carried, reason: str) -> None:
         """Undo a posted send whose descriptor will never go out: an arena slot is taken back; a p2p send still
         deferred is withdrawn; one already issued that nobody will receive leaves the pair out of step, so the

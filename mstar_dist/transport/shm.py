@@ -219,6 +219,9 @@ class ShmTransport(ArenaPlane):
     def flush(self) -> None:
         """Nothing is deferred: a post has copied or exposed the bytes when it returns."""
 
+    def device_inflight(self) -> bool:
+        return False
+
     def withdraw(self, transfer) -> bool:
         """A lent slot is taken back through ``on_ack`` (the router does it), not here."""
         return False

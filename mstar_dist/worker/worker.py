@@ -179,7 +179,8 @@ class Worker:
                 timeout_ms = 0
             elif self._incoming or self._outgoing or self._waiting or self._chunks or self._in_flight() \
                     or self._follower.steps:
-                timeout_ms = 1
+                # an NCCL transfer's end wakes nobody: poll for it rather than sleep up to 1 ms past it
+                timeout_ms = 0 if self.transport.device_inflight() else 1
             else:
                 timeout_ms = 20
                 self.transport.collect_garbage_if_held()  # idle: received arena tensors in cycles go back

@@ -39,6 +39,9 @@ class Recording:
     def flush(self):
         self.flushed = getattr(self, "flushed", 0) + 1
 
+    def device_inflight(self):
+        return False
+
     def withdraw(self, transfer):
         return self.name == "p2p" and getattr(transfer, "deferred", False)
 

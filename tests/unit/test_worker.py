@@ -103,6 +103,9 @@ class FakeTransport:
     def flush(self):
         pass
 
+    def device_inflight(self):
+        return False
+
     def withdraw(self, transfer):
         return False
 
