@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU runs on the device machine (torch + NCCL preinstalled, no network). Usage, from the repo root there:
-#   bash scripts/gpu_run.sh STEP...      STEP: tests | tpstop | serving | pd | pace | ttft | profile | edges | composite | speech |
+#   bash scripts/gpu_run.sh STEP...      STEP: tests | tpstop | serving | pd | pace | ttft | profile | edges | split | composite | speech |
 #                                        image | twohost | soak
 # Needs, carried from the dev machine (bash scripts/gpu_prepare.sh makes both): .whl/ (wheels the GPU image lacks: fastapi, starlette, pydantic(-core),
 # annotated-types, typing-inspection, opentelemetry-api, uvicorn, pyzmq, msgspec, py-spy) and .ckpt/smol-shape (config + tokenizer of
@@ -40,8 +40,15 @@ for step in "$@"; do
                | tail -40 ;;
     profile) timeout 60 python3 scripts/profile_serving.py --model llama --streams 32 --seconds 8 \
                --out "$out/profile_h200_single.json" 2>&1 | tail -60 ;;
-    edges)   torchrun --standalone --nproc-per-node 2 scripts/bench_edges.py --device cuda \
-               --out "$out/edges_h200x2.json" 2>&1 | tail -20 ;;
+    edges)   # ping-pong one-way times and windowed bandwidth, then the small sizes again with a receiver that spins
+             timeout 240 torchrun --standalone --nproc-per-node 2 scripts/bench_edges.py --device cuda \
+               --out "$out/edges_h200x2.json" 2>&1 | tail -20
+             timeout 120 torchrun --standalone --nproc-per-node 2 scripts/bench_edges.py --device cuda --spin-us 300 \
+               --max-bytes 1048576 --out "$out/edges_h200x2_spin.json" 2>&1 | tail -8 ;;
+    split)   # P/D on the pair against the single rank at 1 stream: end-to-end p50 of the same requests (split overhead)
+             timeout 300 python3 scripts/bench_serving.py --device cuda --model llama --rounds 3 --max-tokens 256 --no-hf \
+               --no-eager-bare --streams 1 --config launch/configs/smollm2_pd.yaml:2 \
+               --config launch/configs/smollm2_single.yaml:1 --out "$out/serving_h200x2_split.json" 2>&1 | tail -40 ;;
     composite) python3 -m pytest -q -p no:cacheprovider tests/gpu/test_composite_cuda.py 2>&1 | tail -15 ;;
     speech)  python3 scripts/bench_composite.py speech --make 3b --weights /tmp/orpheus-3b --streams 1 8 32 \
                --max-tokens 560 --out "$out/speech_h200x2.json" 2>&1 | tail -30 ;;
