@@ -30,7 +30,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -48,6 +48,9 @@ from mstar_dist.telemetry import MeteredTransport
 from mstar_dist.topology.cuts import flows
 from mstar_dist.topology.placement import Placement
 from mstar_dist.worker.worker import CONDUCTOR, Worker, rank_name
+
+if TYPE_CHECKING:
+    from mstar_dist.worker.tp import TPRole
 
 log = logging.getLogger("mstar_dist.boot")
 
