@@ -15,6 +15,7 @@ import collections
 import threading
 from collections.abc import AsyncIterator
 
+from mstar_dist import trace
 from mstar_dist.conductor.conductor import Conductor
 from mstar_dist.events import BackendError, Finished, GenerationEvent, GenerationParams, TextDelta
 
@@ -83,10 +84,16 @@ class ConductorBackend:
             self._post(loop, events, event)
 
         self.conductor.command(("submit", params, sink, True))
+        if trace.ON:
+            trace.event("http_submitted", params.request_id)
         pending: collections.deque = collections.deque()  # events taken from the queue, not yet yielded
+        first = trace.ON
         try:
             while True:
                 event = pending.popleft() if pending else await events.get()
+                if first:  # phase trace: the first event is on the HTTP loop
+                    first = False
+                    trace.event("http_first_event", params.request_id, kind=type(event).__name__)
                 while not events.empty():
                     pending.append(events.get_nowait())
                 while isinstance(event, TextDelta) and pending and isinstance(pending[0], TextDelta):

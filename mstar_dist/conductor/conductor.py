@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 import torch
 
+from mstar_dist import trace
 from mstar_dist.conductor.metrics import Metrics
 from mstar_dist.control import messages as m
 from mstar_dist.graph.model import CompositeModel, RequestState, WalkStep
@@ -231,6 +232,9 @@ class Conductor:
             kind = cmd[0]
             if kind == "submit":
                 params, sink = cmd[1], cmd[2]
+                if trace.ON:
+                    trace.event("cond_received", params.request_id, queued=len(self._queue),
+                                active=len(self._active))
                 try:
                     self._submit(*cmd[1:])
                 except Exception as exc:  # never let one request take the conductor thread down
@@ -338,6 +342,8 @@ class Conductor:
         )
         try:
             self.model.preprocess(state, params.prompt, params.messages)
+            if trace.ON:
+                trace.event("cond_preprocessed", params.request_id, prompt_tokens=state.prompt_tokens)
         except ValueError as exc:
             sink(BackendError(400, str(exc)))
             return
@@ -356,6 +362,8 @@ class Conductor:
                        wire_id=f"{params.request_id}#{self._incarnation}")
         self._active[params.request_id] = req
         self._by_wire[req.wire_id] = req
+        if trace.ON:  # joins the front end's events (client id) with the ranks' (wire id)
+            trace.event("cond_admitted", req.wire_id, client=params.request_id, active=len(self._active))
         try:
             start_done = self.model.start_done(state)
             req.partitions = PartitionTracker(self.partitions, start_done)
@@ -429,6 +437,8 @@ class Conductor:
             )
             req.touched.add(rank)
             self._send(rank, msg)
+            if trace.ON:
+                trace.event("cond_dispatch", req.wire_id, walk=step.walk, rank=rank)
         req.touched.update(r for (w, _), ranks in req.replicas.items() if w == step.walk for r in ranks)
         for signal in stream_routes:
             req.stream_src[signal] = req.rank_of(*self._stream_producer[signal])
@@ -525,6 +535,8 @@ class Conductor:
         now = time.monotonic()
         if req.first_token_at is None:
             req.first_token_at = now
+            if trace.ON:
+                trace.event_at(now, "cond_first_emit", req.wire_id)
             self.metrics.ttft.observe(now - req.arrived)
         self.metrics.observe_tokens(n, None if req.last_token_at is None else now - req.last_token_at)
         if n:
@@ -541,6 +553,8 @@ class Conductor:
             req.stops = StopTrimmer(req.params.stop)
         text = req.stops.feed(delta.text)
         if text or delta.n_tokens:
+            if trace.ON:
+                trace.first("cond_first_delta", [req.wire_id], text=bool(text))
             req.sink(TextDelta(text=text, n_tokens=delta.n_tokens))
         if req.stops.stopped:
             self._finish(req, "stop")

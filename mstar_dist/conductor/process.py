@@ -128,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     from mstar_dist.worker.worker import CONDUCTOR
 
+    from mstar_dist import trace
+
+    trace.set_process("frontend")
     args = parse_args(argv)
     host_name, addr = os.environ[_WHERE].split(" ", 1)
     configure_logging(args.log_level, rank=0, host=host_name, fmt=args.log_format, progress="off")

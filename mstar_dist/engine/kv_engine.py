@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mstar_dist import trace
 from mstar_dist.engine.component import Component, WalkContext
 from mstar_dist.engine.kv_cache import StaticKVCache
 from mstar_dist.engine.sampling import SamplingParams, sample, to_device
@@ -207,6 +208,10 @@ class KVCacheEngine(Component):
         """One forward for every prompt (right-padded), then one sample per row."""
         lengths = [p.numel() for p in prompts]
         longest = max(lengths)
+        if trace.ON:
+            ids_ = [c.request_id for c in calls]
+            trace.event("eng_prefill_start", rows=len(calls), tokens=sum(lengths), padded=longest * len(calls),
+                        ids=ids_, engine=self.name)
         slots = [self.cache.alloc() for _ in calls]
         try:
             ids = torch.zeros((len(calls), longest), dtype=torch.long, device=self.device)
@@ -234,6 +239,8 @@ class KVCacheEngine(Component):
                 outputs["kv"] = self.cache.export(slot, n)
                 self.release(call.request_id)
             results.append(NodeResult(outputs=outputs, stop=int(token) in ctx.stop_token_ids))
+        if trace.ON:  # the tokens are on the host: the forward has ended
+            trace.event("eng_prefill_end", rows=len(calls), ids=ids_, engine=self.name)
         return results
 
     def _biased(self, logits: torch.Tensor) -> torch.Tensor:
@@ -264,10 +271,14 @@ class KVCacheEngine(Component):
 
     def _decode(self, calls: list[NodeCall]) -> list[NodeResult | BaseException]:
         t0 = time.perf_counter()
+        if trace.ON:
+            trace.event("eng_decode_start", rows=len(calls), engine=self.name)
         try:
             return self._decode_step(calls)
         finally:
             self.decode_seconds += time.perf_counter() - t0
+            if trace.ON:
+                trace.event("eng_decode_end", rows=len(calls), engine=self.name)
 
     def _decode_step(self, calls: list[NodeCall]) -> list[NodeResult | BaseException]:
         """One decode step of ``calls``: rows the lookahead already ran take its tokens, the others run now; then

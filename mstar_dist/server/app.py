@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from mstar_dist import trace
 from mstar_dist.server.backend import Finished, GenerationBackend, GenerationParams, MediaDelta, TextDelta
 from mstar_dist.server.checks import (
     REQUEST_ID_HEADER, ApiError, check_modality, check_model, error_body, header_request_id, max_tokens, parse_body,
@@ -107,6 +108,7 @@ def build_app(backend: GenerationBackend, *, api_key: str | None = None,
 
     @app.post("/v1/chat/completions", openapi_extra=body_doc(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
+        arrived = time.monotonic() if trace.ON else 0.0
         check_modality(backend, "text")
         req = await parse_body(request, ChatCompletionRequest)
         check_model(req.model, backend)
@@ -129,6 +131,8 @@ def build_app(backend: GenerationBackend, *, api_key: str | None = None,
         )
         reply = _ChatReply(f"chatcmpl-{request_id}", int(time.time()), backend.model_name)
         headers = {REQUEST_ID_HEADER: request_id}
+        if trace.ON:
+            _trace_prepared(arrived, request_id, "/v1/chat/completions")
         if req.stream:
             stream, first = await start_stream(request, backend, params, stats)
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -139,6 +143,7 @@ def build_app(backend: GenerationBackend, *, api_key: str | None = None,
 
     @app.post("/generate", openapi_extra=body_doc(GenerateRequest))
     async def generate(request: Request) -> Response:
+        arrived = time.monotonic() if trace.ON else 0.0
         req = await parse_body(request, GenerateRequest)
         check_model(req.model, backend)
         kw = req.model_kwargs
@@ -158,6 +163,8 @@ def build_app(backend: GenerationBackend, *, api_key: str | None = None,
             model_kwargs=kw.family_knobs(),
         )
         headers = {REQUEST_ID_HEADER: request_id}
+        if trace.ON:
+            _trace_prepared(arrived, request_id, "/generate")
         if req.stream:
             stream, first = await start_stream(request, backend, params, stats)
             body = _ndjson_body(stream, first, request_id)
@@ -170,6 +177,13 @@ def build_app(backend: GenerationBackend, *, api_key: str | None = None,
     install_openapi(app, backend, [GenerateRequest, ChatCompletionRequest, SpeechRequest, ImageGenerationRequest],
                     api_key=bool(api_key))
     return app
+
+
+def _trace_prepared(arrived: float, request_id: str, route: str) -> None:
+    """Phase trace (``mstar_dist/trace.py``): the route handler began (``arrived``; the request id is known only
+    once the body is parsed) and the request's parameters are built."""
+    trace.event_at(arrived, "http_arrived", request_id, route=route)
+    trace.event("http_prepared", request_id)
 
 
 # ------------------------------------------------------------------------------------------- responses

@@ -19,6 +19,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.requests import ClientDisconnect
 
+from mstar_dist import trace
 from mstar_dist.server.backend import (
     BackendError, Finished, GenerationBackend, GenerationEvent, GenerationParams, MediaDelta, TextDelta,
 )
@@ -165,8 +166,12 @@ class ClosingStreamingResponse(StreamingResponse):
         self._body, self._stats, self._complete = body, stats, False
 
     async def _until_exhausted(self, body: AsyncGenerator[bytes, None]) -> AsyncGenerator[bytes, None]:
+        first = trace.ON
         async for chunk in body:
             yield chunk
+            if first:  # phase trace: the server has written the first body chunk (it asks for the next one)
+                first = False
+                trace.event("http_first_chunk", self.headers.get("x-request-id", ""))
         self._complete = True
 
     async def __call__(self, scope, receive, send) -> None:

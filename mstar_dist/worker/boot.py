@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from mstar_dist import trace
 from mstar_dist.config.cluster import ClusterSpec, HostSpec, RankInfo, device_for, identify
 from mstar_dist.config.deployment import DeploymentConfig, load_config
 from mstar_dist.config.schema import ConfigError
@@ -313,6 +314,7 @@ def serve(args: argparse.Namespace) -> int:
         return 0
     info = identify(dep.cluster, env, _hostnames())
     rank = info.global_rank
+    trace.set_process(rank_name(rank))
     where = f"rank {rank} on host {info.host_name}"
     configure_logging(logging.getLogger().level, rank=rank, host=info.host_name, fmt=args.log_format)
     apply_host_env(dep.cluster.hosts[info.node_rank])
@@ -406,6 +408,8 @@ def serve(args: argparse.Namespace) -> int:
         worker = None  # the worker holds the components too: nothing may keep their CUDA graphs alive
         finished = _teardown(components, shutdown_distributed, TEARDOWN_TIMEOUT_S)
     log.info("%s exits with status %d", where, rc)
+    if trace.ON:
+        trace.flush()  # here too: os._exit below skips atexit
     if not finished:  # a thread is stuck in the backend: interpreter shutdown could block on it too
         logging.shutdown()
         os._exit(rc)

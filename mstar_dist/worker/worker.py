@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed  # noqa: F401 -- DistError, for TP batch failures
 
+from mstar_dist import trace
 from mstar_dist.control import messages as m
 from mstar_dist.engine.component import Component, WalkContext
 from mstar_dist.engine.sampling import SamplingParams
@@ -268,6 +269,8 @@ class Worker:
 
     # ---- messages ----
     def _on_run_walk(self, msg: m.RunWalk) -> None:
+        if trace.ON:
+            trace.event("rank_runwalk", msg.request_id, walk=msg.walk)
         if msg.request_id in self._removed:
             return
         missing = {
@@ -665,6 +668,8 @@ class Worker:
             items.clear()
         if out:
             self._send(CONDUCTOR, m.Emits(items=out))
+            if trace.ON:
+                trace.first("rank_emits_sent", [e.request_id for e in out], n=len(out))
         for request_id, items in list(self._stream_out.items()):
             if items:
                 try:
