@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU runs on the device machine (torch + NCCL preinstalled, no network). Usage, from the repo root there:
-#   bash scripts/gpu_run.sh STEP...      STEP: tests | tpstop | serving | pd | pace | ttft | profile | edges | split | composite | speech |
-#                                        image | twohost | soak
+#   bash scripts/gpu_run.sh STEP...      STEP: tests | tpstop | serving | pd | pace | ttft | ttftrace | profile | edges | split |
+#                                        composite | speech | image | twohost | soak
 # Needs, carried from the dev machine (bash scripts/gpu_prepare.sh makes both): .whl/ (wheels the GPU image lacks: fastapi, starlette, pydantic(-core),
 # annotated-types, typing-inspection, opentelemetry-api, uvicorn, pyzmq, msgspec, py-spy) and .ckpt/smol-shape (config + tokenizer of
 # SmolLM2-135M; a random same-shaped checkpoint is generated there). Results go to $OUT (or bench/results).
@@ -38,6 +38,10 @@ for step in "$@"; do
              timeout 200 python3 scripts/bench_serving.py --device cuda --model llama --rounds 1 --max-tokens 256 --no-hf \
                --no-eager-bare --streams 1 32 --config launch/configs/smollm2_single.yaml:1 --out "$out/serving_h200_ttft.json" 2>&1 \
                | tail -40 ;;
+    ttftrace) # where the 32-stream TTFT goes: the phase trace (MSTAR_DIST_TRACE_DIR) of the single rank at 1 and 32 streams
+             timeout 150 python3 scripts/ttft_trace.py --device cuda --model llama --max-tokens 256 --streams 1 32 \
+               --config launch/configs/smollm2_single.yaml:1 --out "$out/ttft_trace_h200.json" \
+               --events-out "$out/ttft_trace_h200.events.jsonl" 2>&1 | tail -45 ;;
     profile) timeout 60 python3 scripts/profile_serving.py --model llama --streams 32 --seconds 8 \
                --out "$out/profile_h200_single.json" 2>&1 | tail -60 ;;
     edges)   # ping-pong one-way times and windowed bandwidth, then the small sizes again with a receiver that spins
