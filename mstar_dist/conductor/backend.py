@@ -83,9 +83,9 @@ class ConductorBackend:
         def sink(event) -> None:  # called on the conductor thread
             self._post(loop, events, event)
 
-        self.conductor.command(("submit", params, sink, True))
-        if trace.ON:
+        if trace.ON:  # as it is handed over (after, the conductor thread may be first on the clock)
             trace.event("http_submitted", params.request_id)
+        self.conductor.command(("submit", params, sink, True))
         pending: collections.deque = collections.deque()  # events taken from the queue, not yet yielded
         first = trace.ON
         try:

@@ -436,9 +436,9 @@ class Conductor:
                 release=release[rank], node_ranks=node_ranks,
             )
             req.touched.add(rank)
-            self._send(rank, msg)
-            if trace.ON:
+            if trace.ON:  # as it is handed to the socket
                 trace.event("cond_dispatch", req.wire_id, walk=step.walk, rank=rank)
+            self._send(rank, msg)
         req.touched.update(r for (w, _), ranks in req.replicas.items() if w == step.walk for r in ranks)
         for signal in stream_routes:
             req.stream_src[signal] = req.rank_of(*self._stream_producer[signal])

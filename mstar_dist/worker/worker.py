@@ -667,9 +667,9 @@ class Worker:
                        for signal, values in by_signal.items())
             items.clear()
         if out:
-            self._send(CONDUCTOR, m.Emits(items=out))
-            if trace.ON:
+            if trace.ON:  # stamped as it is handed to the socket (after, the conductor may be first on the clock)
                 trace.first("rank_emits_sent", [e.request_id for e in out], n=len(out))
+            self._send(CONDUCTOR, m.Emits(items=out))
         for request_id, items in list(self._stream_out.items()):
             if items:
                 try:
