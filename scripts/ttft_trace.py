@@ -14,25 +14,31 @@ trace file then), merges the files and reports, per ``--streams`` value, over th
 run's time window (every process of the host reads one CLOCK_MONOTONIC, so their events line up):
 
 - ``segments``: each step of the TTFT path, median / p90 / mean ms and the number of requests that had both ends:
-  http_arrived (route handler) -> http_prepared (params built) -> http_submitted (command queued for the conductor)
-  -> cond_received (conductor thread took it) -> cond_preprocessed (tokenised) -> cond_admitted -> cond_dispatch
-  (prefill RunWalk sent) -> rank_runwalk (the rank's loop handled it) -> eng_prefill_start -> eng_prefill_end (the
-  first token on the host) -> rank_emits_sent -> cond_first_emit (conductor handled the Emit, detokenised) ->
-  cond_first_delta (handed to the HTTP loop) -> http_first_event (the response's generator has it) ->
-  http_first_chunk (written to the socket); plus the totals ``http_arrived -> http_first_chunk`` (the server's
-  TTFT) and ``cond_admitted -> cond_first_emit`` (what ``mstar_dist_time_to_first_token_seconds`` measures);
+  http_arrived (route handler) -> http_prepared (params built) -> http_submitted (handed to the conductor's
+  command queue) -> cond_received (conductor thread took it) -> cond_preprocessed (tokenised) -> cond_admitted ->
+  cond_dispatch (prefill RunWalk handed to the socket) -> rank_runwalk (the rank's loop handled it: a RunWalk that
+  lands during a forward waits for it) -> eng_prefill_start -> eng_prefill_end (the first token on the host) ->
+  rank_emits_sent (the turn's Emits handed to the socket: after every forward of that turn of the rank's loop, so
+  on a rank that also decodes, after the decode step that follows the prefill) -> cond_first_emit (conductor
+  handled the Emit, detokenised) -> cond_first_delta (handed to the HTTP loop) -> http_first_event (the response's
+  generator has it) -> http_first_chunk (written to the socket); plus the totals ``http_arrived ->
+  http_first_chunk`` (the server's TTFT), ``cond_admitted -> cond_first_emit`` (what
+  ``mstar_dist_time_to_first_token_seconds`` measures) and a few longer stretches;
 - ``prefill``: prefill forwards run in the window, rows (and prompt tokens) per forward, mean forward ms, and the
   rows of the forward each request's prefill ran in;
 - ``decode``: decode steps in the window, mean step ms and rows;
 - ``waiting_behind_decode``: per request, the decode steps that ran on the rank of its prefill between its
-  ``rank_runwalk`` and its ``eng_prefill_start`` (asked; the worker handles messages only between steps, so a
-  RunWalk that lands during a step waits in the socket and this is mostly 0), and between its ``cond_dispatch``
+  ``rank_runwalk`` and its ``eng_prefill_start`` (mostly 0: the worker handles messages only between turns of its
+  loop, so a RunWalk that lands during a step waits in the socket), and between its ``cond_dispatch``
   and ``eng_prefill_start`` (a step in progress when the RunWalk was sent counts), with the ms of decode inside
   that second window, and the other requests' prefill forwards (count, ms) in it: what the rank was busy with
-  while the request's prefill waited;
+  while the request's prefill waited; and the decode steps (count, ms) between its prefill's end and its first
+  Emits leaving the rank;
 - ``client_ttft_ms``: the clients' own TTFT (first streamed line with tokens), median and p90.
 Writes the JSON to ``--out`` (default ``bench/results/ttft_trace_<device>.json``) and prints a compact table.
-``--events-out`` keeps every merged event (JSON lines) for a closer look.
+``--events-out`` keeps every merged event (JSON lines) for a closer look. On one H200 (the 32-stream TTFT question):
+``bash scripts/gpu_run.sh ttftrace`` (carry ``.whl``, ``.ckpt``), that is ``python3 scripts/ttft_trace.py --device
+cuda --model llama --max-tokens 256 --streams 1 32 --config launch/configs/smollm2_single.yaml:1``.
 """
 
 from __future__ import annotations
@@ -219,6 +225,7 @@ def analyse(events: list[dict], t0: float, t1: float) -> dict:
               "rows_per_step": summary([x[2]["rows"] for x in dc], scale=1, digits=2)}
 
     behind_runwalk, behind_dispatch, behind_ms, before_pf, before_pf_ms, window_ms = [], [], [], [], [], []
+    after_steps, after_ms = [], []
     for wire, r in mine.items():
         proc = r["_proc"].get("eng_prefill_start")
         if proc is None:
@@ -236,6 +243,10 @@ def analyse(events: list[dict], t0: float, t1: float) -> dict:
             others = _overlap(prefills.get(proc, []), d, start)  # other requests' prefill forwards
             before_pf.append(len(others))
             before_pf_ms.append(sum(others))
+        if "eng_prefill_end" in r and "rank_emits_sent" in r and r["_proc"].get("rank_emits_sent") == proc:
+            after = _overlap(steps, r["eng_prefill_end"], r["rank_emits_sent"])
+            after_steps.append(len(after))
+            after_ms.append(sum(after))
     waiting = {
         "decode_steps_between_rank_runwalk_and_prefill": summary(behind_runwalk, scale=1, digits=2),
         "decode_steps_between_cond_dispatch_and_prefill": summary(behind_dispatch, scale=1, digits=2),
@@ -243,6 +254,8 @@ def analyse(events: list[dict], t0: float, t1: float) -> dict:
         "prefill_forwards_between_cond_dispatch_and_prefill": summary(before_pf, scale=1, digits=2),
         "prefill_ms_between_cond_dispatch_and_prefill": summary(before_pf_ms),
         "cond_dispatch_to_prefill_ms": summary(window_ms),
+        "decode_steps_between_prefill_end_and_emits": summary(after_steps, scale=1, digits=2),
+        "decode_ms_between_prefill_end_and_emits": summary(after_ms),
     }
     complete = sum(1 for r in mine.values() if "http_first_chunk" in r)
     return {"requests": len(mine), "requests_with_first_chunk": complete, "segments_ms": segments,
@@ -279,6 +292,8 @@ def table(runs: dict[str, dict]) -> str:
     lines.append(row("decode steps between rank_runwalk and prefill (count)",
                      [runs[k]["waiting_behind_decode"]["decode_steps_between_rank_runwalk_and_prefill"]
                       for k in keys]))
+    lines.append(row("decode ms between prefill end and the first Emits",
+                     [runs[k]["waiting_behind_decode"]["decode_ms_between_prefill_end_and_emits"] for k in keys]))
     lines.append(row("rows per prefill forward (count)", [runs[k]["prefill"]["rows_per_forward"] for k in keys]))
     lines.append(f"{'prefill forwards / decode steps / requests':58s}" + "".join(
         f"{runs[k]['prefill']['forwards']:>8d} /{runs[k]['decode']['steps']:>6d} /{runs[k]['requests']:>4d}"
