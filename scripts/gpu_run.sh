@@ -42,6 +42,10 @@ for step in "$@"; do
              timeout 150 python3 scripts/ttft_trace.py --device cuda --model llama --max-tokens 256 --streams 1 32 \
                --config launch/configs/smollm2_single.yaml:1 --out "$out/ttft_trace_h200.json" \
                --events-out "$out/ttft_trace_h200.events.jsonl" 2>&1 | tail -45 ;;
+    ttftrace_pd) # the same for P/D on the pair at 1 and 8 streams: the handoff (push, descriptor, landed) in the events
+             timeout 150 python3 scripts/ttft_trace.py --device cuda --model llama --max-tokens 256 --streams 1 8 \
+               --config launch/configs/smollm2_pd.yaml:2 --out "$out/ttft_trace_h200x2_pd.json" \
+               --events-out "$out/ttft_trace_h200x2_pd.events.jsonl" 2>&1 | tail -45 ;;
     profile) timeout 60 python3 scripts/profile_serving.py --model llama --streams 32 --seconds 8 \
                --out "$out/profile_h200_single.json" 2>&1 | tail -60 ;;
     edges)   # ping-pong one-way times and windowed bandwidth, then the small sizes again with a receiver that spins

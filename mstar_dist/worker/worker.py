@@ -296,10 +296,14 @@ class Worker:
             self._abort_pair(desc.src, self.global_rank, f"posting a receive failed: {exc}")
         self._incoming[desc.uuid] = transfer
         self._incoming_req[desc.uuid] = desc.request_id
+        if trace.ON:  # the P/D handoff: the KV's descriptor is here and its receive posted
+            trace.event("rank_tensor_desc", desc.request_id, signal=desc.signal)
 
     def _on_push(self, msg: m.Push, wire_uuid: str | None = None) -> None:
         """Send a kept tensor to ``msg.dst`` (descriptor first, named ``wire_uuid`` or its own uuid). A TP shard
         (``msg.tp_dst``): every follower of the producing replica sends its own shard to its counterpart."""
+        if trace.ON:
+            trace.event("rank_push", msg.request_id, dst=msg.dst)
         try:
             tensor = self.store.get(msg.uuid)
         except KeyError as exc:
@@ -533,6 +537,8 @@ class Worker:
             uuid = waiting.msg.inputs[name].uuid
             del self._incoming[uuid], self._incoming_req[uuid]
         del self._waiting[key]
+        if trace.ON:  # every input from another rank has landed: the walk starts now
+            trace.event("rank_inputs_landed", waiting.msg.request_id, walk=waiting.msg.walk)
         self._start_walk(waiting.msg, ready)
 
     # ---- walks ----
