@@ -34,6 +34,12 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
+SWITCH_INTERVAL_S = 0.0005
+"""How long a thread of the front end may keep the GIL while the other waits for it (Python's default: 5 ms). The
+HTTP thread and the conductor thread hand each request over to each other; with 5 ms a burst of 32 arrivals left
+the conductor 6.8 ms (median) behind the HTTP thread, and a first token 5 ms behind the conductor
+(bench/results/ttft_trace_h200.json, docs/notes.md)."""
+
 _HTTP_FD = "MSTAR_FRONTEND_HTTP_FD"
 _OUT_FD = "MSTAR_FRONTEND_OUT_FD"
 _WHERE = "MSTAR_FRONTEND_WHERE"  # "host_name addr"
@@ -137,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(1)
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     out = os.fdopen(int(os.environ[_OUT_FD]), "wb")
     http_sock = socket.socket(fileno=int(os.environ[_HTTP_FD]))
     stop = threading.Event()

@@ -20,6 +20,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from mstar_dist.engine.sampling import to_device
+
 
 class AttentionCache(Protocol):
     """What a model's attention layer needs: store this step's K/V and attend over the cached context."""
@@ -156,14 +158,14 @@ class StaticKVCache:
             elif n_new > 1:  # the new tokens continue a prefix: causal mask offset by `start`
                 mask = torch.arange(ctx, device=dev)[None, :] <= (start + new)[:, None]  # (T, ctx)
         else:
-            starts = torch.tensor(start_pos, device=dev)
+            starts = to_device(start_pos, dev)
             write_pos = starts[:, None] + new[None, :]  # (B, T)
             mask = (torch.arange(ctx, device=dev)[None, None, :] <= write_pos[:, :, None])[:, None]  # (B,1,T,ctx)
         self._graph_binding = None
         self._binding = _Binding(
             n_rows=n_rows, n_new=n_new, ctx=ctx,
             slot_start=slots[0] if contiguous else None,
-            slot_idx=torch.tensor(slots, device=dev),
+            slot_idx=to_device(slots, dev),
             uniform_start=start_pos[0] if uniform else None,
             write_pos=write_pos, mask=mask, is_causal=is_causal,
         )

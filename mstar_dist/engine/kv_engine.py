@@ -32,12 +32,19 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mstar_dist import trace
 from mstar_dist.engine.component import Component, WalkContext
 from mstar_dist.engine.kv_cache import StaticKVCache
 from mstar_dist.engine.sampling import SamplingParams, sample, to_device
 from mstar_dist.graph.walk import NodeCall, NodeResult
+
+_PREFILL_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+"""The attention kernels a prefill may use: not cuDNN's, which builds a new plan (~45 ms on an H200) for every new
+(rows, length) shape, and prefill shapes vary with every batch of prompts (bench/results/ttft_trace_h200.json:
+a 6-row prefill took 55 ms, a 1-row one of a length seen before 10 ms). Decode steps keep every kernel: their
+shapes are the CUDA graphs' buckets, planned once at capture."""
 
 
 @dataclass
@@ -179,7 +186,7 @@ class KVCacheEngine(Component):
         """The call's prompt ids (T,) on the device, checked."""
         if call.request_id in self._seqs:
             raise RuntimeError(f"request {call.request_id!r} already has a KV slot on {self.name!r}")
-        ids = call.inputs["input_ids"].to(self.device, torch.long).reshape(-1)
+        ids = to_device(call.inputs["input_ids"].reshape(-1).long(), self.device)  # no stream sync
         if ids.numel() == 0:
             raise ValueError("empty prompt")
         if ids.numel() >= self.cache.max_seq_len:
@@ -219,8 +226,9 @@ class KVCacheEngine(Component):
                 ids[row, : prompt.numel()] = prompt
             positions = torch.arange(longest, device=self.device).expand(len(calls), longest)
             self.cache.bind(slots, [0] * len(calls), longest)
-            last = None if min(lengths) == longest else torch.tensor(lengths, device=self.device) - 1
-            logits = self.model(ids, positions, self.cache, last_only=True, last_index=last)
+            last = None if min(lengths) == longest else to_device([n - 1 for n in lengths], self.device)
+            with sdpa_kernel(_PREFILL_ATTENTION):
+                logits = self.model(ids, positions, self.cache, last_only=True, last_index=last)
             ctxs: list[WalkContext] = [c.ctx for c in calls]
             tokens = sample(self._biased(logits[:, -1]), [x.sampling for x in ctxs],
                             [x.generator("cpu") for x in ctxs]).cpu()
