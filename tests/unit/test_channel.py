@@ -194,3 +194,24 @@ def test_a_frame_without_our_header_is_handed_up_for_the_envelope_check(ctx):
             assert _drain(a, 1) == [("rank1", b"not an envelope")]
         finally:
             stranger.close()
+
+
+def test_a_spinning_recv_takes_a_message_that_comes_while_it_spins_and_then_blocks_as_asked(ctx):
+    import threading
+
+    with ControlChannel("rank0", "127.0.0.1", ctx) as a, ControlChannel("rank1", "127.0.0.1", ctx) as b:
+        b.connect("rank0", a.endpoint)
+        b.send("rank0", b"hello")  # the link is set up on the first message
+        assert _drain(a, 1) == [("rank1", b"hello")]
+        timer = threading.Timer(0.05, lambda: b.send("rank0", b"during the spin"))
+        timer.start()
+        t0 = time.perf_counter()
+        got = a.recv(timeout_ms=0, spin_s=2.0)  # timeout 0: poll only, no spin
+        assert got == []
+        got = a.recv(timeout_ms=5000, spin_s=2.0)
+        timer.join()
+        assert got == [("rank1", b"during the spin")]
+        assert time.perf_counter() - t0 < 1.5  # taken when it came, not after the spin
+        t0 = time.perf_counter()
+        assert a.recv(timeout_ms=200, spin_s=0.1) == []  # nothing comes: spins, then blocks for the timeout
+        assert time.perf_counter() - t0 >= 0.29
