@@ -45,6 +45,7 @@ import torch.distributed as dist
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from mstar_dist.config.deployment import TransportConfig  # noqa: E402
 from mstar_dist.control import messages as m  # noqa: E402
 from mstar_dist.control.channel import ControlChannel, default_store, lookup_endpoint, publish_endpoint  # noqa: E402
 from mstar_dist.distributed.groups import create_pair_groups, warm_pairs  # noqa: E402
@@ -86,8 +87,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--window", type=int, default=None,
                    help="bandwidth: transfers per sample sent back to back before one acknowledgement, for sizes "
                         "from 1 MiB (default 8 on cuda, 0 = no bandwidth rows on cpu)")
-    p.add_argument("--spin-us", type=float, default=0.0,
-                   help="a receiver waiting for a descriptor polls without blocking this long before it blocks")
+    p.add_argument("--spin-us", type=float, default=None,
+                   help="a receiver waiting for a descriptor polls without blocking this long before it blocks "
+                        "(default: what a rank of this device does, transport.spin_us: 200 on cuda, 0 on cpu)")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/edges_<device>.json)")
     return p.parse_args(argv)
 
@@ -377,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         publish_endpoint(store, f"rank{rank}", channel.endpoint)
         channel.connect(f"rank{1 - rank}", lookup_endpoint(store, f"rank{1 - rank}", 120))
         bench = Bench(rank, device, channel, planes, groups)
-        bench.spin_s = args.spin_us * 1e-6
+        bench.spin_s = TransportConfig().spin_s(args.device) if args.spin_us is None else args.spin_us * 1e-6
         window = args.window if args.window is not None else (8 if args.device == "cuda" else 0)
         results = []
         for label, nbytes in sizes:
@@ -400,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{'':>8}  window of {window}: " + "   ".join(
                         f"{name} {r['window'][name]['median_us']:9.1f} us {r['window'][name]['gbps']:6.2f} GB/s"
                         for name in ("raw", *planes)), flush=True)
-        _report(args, rank, device, channel, planes, results, bench.other)
+        _report(args, rank, device, channel, planes, results, bench.other, bench.spin_s)
     finally:
         for plane in planes.values():
             plane.close()
@@ -419,7 +421,8 @@ def _command_line() -> str:
     return f"python {script} {argv}"
 
 
-def _report(args, rank: int, device: str, channel: ControlChannel, planes: dict, results, early: list) -> None:
+def _report(args, rank: int, device: str, channel: ControlChannel, planes: dict, results, early: list,
+            spin_s: float) -> None:
     me = _host_info(rank, device)
     if rank == 1:
         channel.send("rank0", _enc.encode(me))
@@ -457,7 +460,7 @@ def _report(args, rank: int, device: str, channel: ControlChannel, planes: dict,
                   "the control channel; `window` rows: per-transfer time of a window of back-to-back transfers one "
                   "way then one acknowledgement back (raw: isend/irecv; a transport: its path, each receive posted "
                   "as its descriptor arrives, every one waited on the host), as OSU's bandwidth test",
-        "spin_us": args.spin_us,
+        "spin_us": round(spin_s * 1e6, 1),
         "load_average": os.getloadavg(),
         "results": results,
         "rank0_transport_stats": stats,
