@@ -48,11 +48,11 @@ for step in "$@"; do
                --events-out "$out/ttft_trace_h200x2_pd.events.jsonl" 2>&1 | tail -45 ;;
     profile) timeout 60 python3 scripts/profile_serving.py --model llama --streams 32 --seconds 8 \
                --out "$out/profile_h200_single.json" 2>&1 | tail -60 ;;
-    edges)   # ping-pong one-way times and windowed bandwidth (receivers spin as GPU ranks do), then small sizes without spin
+    edges)   # ping-pong one-way times and windowed bandwidth (receivers spin as GPU ranks do), then the same without spin
              timeout 240 torchrun --standalone --nproc-per-node 2 scripts/bench_edges.py --device cuda \
                --out "$out/edges_h200x2.json" 2>&1 | tail -20
-             timeout 120 torchrun --standalone --nproc-per-node 2 scripts/bench_edges.py --device cuda --spin-us 0 \
-               --max-bytes 1048576 --out "$out/edges_h200x2_nospin.json" 2>&1 | tail -8 ;;
+             timeout 200 torchrun --standalone --nproc-per-node 2 scripts/bench_edges.py --device cuda --spin-us 0 \
+               --out "$out/edges_h200x2_nospin.json" 2>&1 | tail -12 ;;
     split)   # P/D on the pair against the single rank at 1 stream: end-to-end p50 of the same requests (split overhead)
              timeout 300 python3 scripts/bench_serving.py --device cuda --model llama --rounds 3 --max-tokens 256 --no-hf \
                --no-eager-bare --streams 1 --config launch/configs/smollm2_pd.yaml:2 \
