@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU runs on the device machine (torch + NCCL preinstalled, no network). Usage, from the repo root there:
-#   bash scripts/gpu_run.sh STEP...      STEP: tests | tpstop | serving | pd | pace | ttft | ttftrace | profile | edges | split |
+#   bash scripts/gpu_run.sh STEP...      STEP: tests | gpu | tpstop | serving | pd | pace | ttft | ttftrace | profile | edges | split |
 #                                        composite | speech | image | twohost | soak
 # Needs, carried from the dev machine (bash scripts/gpu_prepare.sh makes both): .whl/ (wheels the GPU image lacks: fastapi, starlette, pydantic(-core),
 # annotated-types, typing-inspection, opentelemetry-api, uvicorn, pyzmq, msgspec, py-spy) and .ckpt/smol-shape (config + tokenizer of
@@ -20,6 +20,8 @@ for step in "$@"; do
   case "$step" in
     tests)   python3 -m pytest -q -p no:cacheprovider tests/gpu tests/unit tests/dist --ignore=tests/unit/test_client.py \
                --ignore=tests/unit/test_llama_parity.py 2>&1 | tee "$out/gpu_tests.log" | tail -15 ;;
+    gpu)     # the CUDA tests alone: serving on one GPU, P/D over NCCL, speech and image split over the pair
+             timeout 500 python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$out/gpu_tests_gpu.log" | tail -15 ;;
     tpstop)  # TP over NCCL through the launcher, stopped with SIGTERM under load (docs/architecture.md §4b)
              timeout 400 python3 -m pytest -q -p no:cacheprovider tests/e2e/test_tensor_parallel.py \
                -k "tp2_gives or losing" 2>&1 | tee "$out/gpu_tpstop.log" | tail -15 ;;
