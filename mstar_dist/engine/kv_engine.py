@@ -73,9 +73,12 @@ class _Ahead:
     """A CUDA event after the copy (None on CPU: the copy is done)."""
     generator_states: dict[int, tuple[torch.Generator, torch.Tensor]] = field(default_factory=dict)
     """Row -> (generator, its state before this step drew from it), for sampled rows."""
-    inputs: list[int] = field(default_factory=list)
+    inputs: list[int | None] = field(default_factory=list)
     """The token ids each row started from (host values, set once the launching step's copy completed; empty if
-    that step failed, and then no row is claimed)."""
+    that step failed, and then no row is claimed). None for a joining row: see ``given``."""
+    given: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Row -> the very token tensor a joining row started from (a request's first decode step, launched here
+    instead of in a forward of its own): its call, retried, is claimed by that tensor's identity."""
 
 
 class KVCacheEngine(Component):
@@ -117,6 +120,7 @@ class KVCacheEngine(Component):
         self.decode_seconds = 0.0
         self.ahead_rows_used = 0
         self.ahead_rows_dropped = 0
+        self.joined_rows = 0
 
     @torch.inference_mode()
     def run_batch(self, calls: list[NodeCall]) -> list[NodeResult | BaseException | None]:
@@ -161,7 +165,8 @@ class KVCacheEngine(Component):
                 "decode_steps_total": self.steps,
                 "decode_rows_total": self.decode_rows, "decode_ms_total": int(self.decode_seconds * 1000),
                 "lookahead_rows_used_total": self.ahead_rows_used,
-                "lookahead_rows_dropped_total": self.ahead_rows_dropped}
+                "lookahead_rows_dropped_total": self.ahead_rows_dropped,
+                "decode_rows_joined_total": self.joined_rows}
 
     def close(self) -> None:
         if self.graphs is not None:
@@ -288,38 +293,48 @@ class KVCacheEngine(Component):
             if trace.ON:
                 trace.event("eng_decode_end", rows=len(calls), engine=self.name)
 
-    def _decode_step(self, calls: list[NodeCall]) -> list[NodeResult | BaseException]:
+    def _decode_step(self, calls: list[NodeCall]) -> list[NodeResult | BaseException | None]:
         """One decode step of ``calls``: rows the lookahead already ran take its tokens, the others run now; then
-        (lookahead) the next step of all of them is launched before this step's tokens are copied to the host."""
+        (lookahead) the next step of all of them is launched before this step's tokens are copied to the host.
+
+        Joining: when a lookahead step is being used and some calls are new to it (a request's first decode step,
+        a row the lookahead did not run), those rows do not get a forward of their own: they are launched with the
+        next step of the others and answered None (the worker retries them next turn, when the lookahead has
+        their token). One forward per step instead of two while requests keep arriving (a P/D decode rank takes
+        them one handoff at a time), for one step of delay on each new request's first decode token."""
         ahead, self._ahead = self._ahead, None
         seqs = [self._seqs[c.request_id] for c in calls]
         claimed = self._claim(ahead, calls, seqs) if ahead is not None else {}
         fresh = [i for i in range(len(calls)) if i not in claimed]
+        join: list[int] = []
+        if claimed and fresh and self.lookahead:
+            join, fresh = fresh, []
+        run = [i for i in range(len(calls)) if i in claimed or i in fresh]  # this step's rows, in call order
         ctxs: list[WalkContext] = [c.ctx for c in calls]
         fresh_tokens = fresh_host = fresh_ready = None
         if fresh:
-            # tokens this engine sampled are host tensors; a request's first one may arrive on the device
-            given = [calls[i].inputs["token"].reshape(1) for i in fresh]
-            if all(t.device.type == "cpu" for t in given):
-                inputs = to_device(torch.cat(given), self.device)
-            else:
-                inputs = torch.cat([to_device(t, self.device) for t in given])
-            fresh_tokens, _ = self._forward_sample(inputs.long(), [seqs[i] for i in fresh], [ctxs[i] for i in fresh])
+            inputs = self._given_on_device([calls[i] for i in fresh])
+            fresh_tokens, _ = self._forward_sample(inputs, [seqs[i] for i in fresh], [ctxs[i] for i in fresh])
             fresh_host, fresh_ready = self._copy_to_host(fresh_tokens)
         if not claimed:
             step_tokens = fresh_tokens
         elif not fresh and list(claimed.values()) == list(range(len(ahead.request_ids))):
             step_tokens = ahead.tokens  # the common case: the same rows in the same order
         else:
-            step_tokens = torch.empty(len(calls), dtype=torch.long, device=self.device)
-            at = to_device(list(claimed), self.device)
-            step_tokens[at] = ahead.tokens[to_device(list(claimed.values()), self.device)]
+            at = {i: k for k, i in enumerate(run)}
+            step_tokens = torch.empty(len(run), dtype=torch.long, device=self.device)
+            step_tokens[to_device([at[i] for i in claimed], self.device)] = \
+                ahead.tokens[to_device(list(claimed.values()), self.device)]
             if fresh:
-                step_tokens[to_device(fresh, self.device)] = fresh_tokens
-        for seq in seqs:
-            seq.length += 1
+                step_tokens[to_device([at[i] for i in fresh], self.device)] = fresh_tokens
+        for i in run:
+            seqs[i].length += 1
+        launch = run + join
         if self.lookahead:
-            self._launch_ahead(calls, seqs, ctxs, step_tokens)
+            tokens = step_tokens if not join else \
+                torch.cat([step_tokens, self._given_on_device([calls[i] for i in join])])
+            self._launch_ahead([calls[i] for i in launch], [seqs[i] for i in launch], [ctxs[i] for i in launch],
+                               tokens, given={len(run) + k: calls[i].inputs["token"] for k, i in enumerate(join)})
         # the step's device-to-host copies (the lookahead, if any, is already queued behind them)
         ids = [0] * len(calls)
         if claimed:
@@ -332,12 +347,24 @@ class KVCacheEngine(Component):
             for i, value in zip(fresh, fresh_host.tolist()):
                 ids[i] = value
         if self._ahead is not None:
-            self._ahead.inputs = [ids[i] for i in self._ahead.rows]
+            started = [ids[i] for i in run] + [None] * len(join)
+            self._ahead.inputs = [started[k] for k in self._ahead.rows]
         sampled = torch.tensor(ids, dtype=torch.long)
         self.steps += 1
-        self.decode_rows += len(calls)
-        return [NodeResult(outputs={"token": sampled[i : i + 1]}, stop=ids[i] in ctx.stop_token_ids)
-                for i, ctx in enumerate(ctxs)]
+        self.decode_rows += len(run)
+        self.joined_rows += len(join)
+        results: list[NodeResult | BaseException | None] = [None] * len(calls)  # joining rows: retried
+        for i in run:
+            results[i] = NodeResult(outputs={"token": sampled[i : i + 1]}, stop=ids[i] in ctxs[i].stop_token_ids)
+        return results
+
+    def _given_on_device(self, calls: list[NodeCall]) -> torch.Tensor:
+        """The calls' input tokens as one (n,) long tensor on the device, without a stream sync. Tokens this engine
+        sampled are host tensors; a request's first one may arrive on the device (from a prefill elsewhere)."""
+        given = [c.inputs["token"].reshape(1) for c in calls]
+        if all(t.device.type == "cpu" for t in given):
+            return to_device(torch.cat(given), self.device).long()
+        return torch.cat([to_device(t, self.device) for t in given]).long()
 
     def _forward_sample(self, tokens: torch.Tensor, seqs: list[_Seq], ctxs: list[WalkContext],
                         keep_states: bool = False) -> tuple[torch.Tensor, dict]:
@@ -368,8 +395,9 @@ class KVCacheEngine(Component):
         return host, event
 
     def _launch_ahead(self, calls: list[NodeCall], seqs: list[_Seq], ctxs: list[WalkContext],
-                      tokens: torch.Tensor) -> None:
-        """Queue the step after this one for every row that has room for it (its KV write is harmless if dropped)."""
+                      tokens: torch.Tensor, given: dict[int, torch.Tensor] | None = None) -> None:
+        """Queue the step after this one for every row that has room for it (its KV write is harmless if dropped).
+        ``given``: joining rows (index in ``calls``) -> the token tensor they start from."""
         rows = [i for i, s in enumerate(seqs) if s.length < self.cache.max_seq_len]
         if not rows:
             return
@@ -378,9 +406,10 @@ class KVCacheEngine(Component):
         picked = [seqs[i] for i in rows]
         sampled, states = self._forward_sample(tokens, picked, [ctxs[i] for i in rows], keep_states=True)
         host, ready = self._copy_to_host(sampled)
+        given = given or {}
         self._ahead = _Ahead(rows=rows, request_ids=[calls[i].request_id for i in rows], seqs=picked,
                              lengths=[s.length for s in picked], tokens=sampled, host=host, ready=ready,
-                             generator_states=states)
+                             generator_states=states, given={k: given[i] for k, i in enumerate(rows) if i in given})
 
     def _claim(self, ahead: _Ahead, calls: list[NodeCall], seqs: list[_Seq]) -> dict[int, int]:
         """{call index: lookahead row} for the calls the lookahead already ran; drops (and rewinds the generators
@@ -390,9 +419,14 @@ class KVCacheEngine(Component):
         for i, (call, seq) in enumerate(zip(calls, seqs)):
             row = row_of.get(call.request_id)
             token = call.inputs["token"]
+            if row is None or ahead.seqs[row] is not seq or ahead.lengths[row] != seq.length:
+                continue
+            given = ahead.given.get(row)
+            if given is not None:  # a joining row: its retried call brings the very tensor it was launched from
+                if token is given:
+                    claimed[i] = row
             # a token on the device did not come from this engine's last step (and reading it would sync)
-            if row is not None and ahead.seqs[row] is seq and ahead.lengths[row] == seq.length \
-                    and token.device.type == "cpu" and int(token.reshape(-1)[0]) == ahead.inputs[row]:
+            elif token.device.type == "cpu" and int(token.reshape(-1)[0]) == ahead.inputs[row]:
                 claimed[i] = row
         used = set(claimed.values())
         for row, rid in enumerate(ahead.request_ids):
