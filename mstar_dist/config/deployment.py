@@ -124,7 +124,7 @@ class TransportConfig:
     def spin_s(self, device_type: str) -> float:
         """``spin_us`` in seconds for a rank whose device is of ``device_type`` ("cuda" or "cpu")."""
         us = self.spin_us if self.spin_us is not None else (200 if device_type == "cuda" else 0)
-        return us * 1e-6
+        return us / 1e6
 
     def via(self, same_host: bool) -> str:
         """The transport for a tensor whose consumer is (``same_host``) or is not on the producer's host."""

@@ -78,12 +78,15 @@ def test_full_config_round_trips():
             {"name": "node-b", "addr": "10.0.0.2", "devices": [0, 1], "transfer_device": "mlx5_0",
              "env": {"NCCL_SOCKET_IFNAME": "eth1"}},
         ]},
-        transport={"intra_host": "p2p", "inter_host": "mooncake", "inline_max_bytes": 0},
+        transport={"intra_host": "p2p", "inter_host": "mooncake", "inline_max_bytes": 0, "spin_us": 50},
         limits={"max_concurrent_requests": 8, "request_timeout_s": 30, "max_tokens": 100},
         server={"host": "0.0.0.0", "port": 9000},
     )
     cfg = parse_config(data, "a.yaml")
     assert cfg.cluster.hosts[0].devices == (0, 1, 2)
+    assert cfg.transport.spin_s("cuda") == cfg.transport.spin_s("cpu") == 50e-6
+    assert parse_config(BASE, "c.yaml").transport.spin_s("cuda") == 200e-6  # unset: GPU ranks spin, CPU ranks not
+    assert parse_config(BASE, "c.yaml").transport.spin_s("cpu") == 0
     assert cfg.limits.request_timeout_s == 30.0 and isinstance(cfg.limits.request_timeout_s, float)
     again = parse_config(yaml.safe_load(yaml.safe_dump(cfg.to_dict())), "b.yaml")
     assert again == cfg
@@ -135,6 +138,7 @@ def test_load_config_reads_file_and_names_it(tmp_path):
         (with_("transport.inter_host", "tcp"), ["transport.inter_host = 'tcp'", "p2p | mooncake"]),
         (with_("transport.inline_max_bytes", -1), ["transport.inline_max_bytes = -1", ">= 0"]),
         (with_("transport.mode", "x"), ["transport.mode: unknown key"]),
+        (with_("transport.spin_us", -5), ["transport.spin_us = -5", ">= 0"]),
         (with_("limits.max_concurrent_requests", 0), ["limits.max_concurrent_requests = 0", ">= 1"]),
         (with_("limits.request_timeout_s", 0), ["limits.request_timeout_s = 0", "> 0"]),
         (with_("limits.request_timeout_s", -1.5), ["limits.request_timeout_s = -1.5"]),
