@@ -224,3 +224,30 @@ class FakeBackend:
             if not finished:
                 self.n_aborted += 1
                 self.aborted.set()
+
+
+class IdlePlane:
+    """The data-plane operations (mstar_dist/transport/base.py) a fake transport does not care about: nothing to
+    acknowledge, issue, withdraw or report. Fakes subclass it and define posting, receiving and dying."""
+
+    def poll(self):
+        return []
+
+    def flush(self):
+        pass
+
+    def device_inflight(self):
+        return False
+
+    def withdraw(self, transfer):
+        return False
+
+    def on_ack(self, src, ack):
+        pass
+
+    def stats(self):
+        return {}
+
+    def close(self):
+        pass
+

@@ -21,6 +21,7 @@ from mstar_dist.transport.base import Done
 from mstar_dist.transport.router import Router
 from mstar_dist.transport.store import TensorStore
 from mstar_dist.worker.worker import Worker
+from tests.fakes import IdlePlane
 
 TOKEN = "inproc"
 
@@ -49,7 +50,7 @@ class BusChannel:
         return out
 
 
-class Direct:
+class Direct(IdlePlane):
     """A data plane (``transport.base.DataPlane``) whose transfers complete at once: a receive takes the sender's
     tensor from the shared table, in order (like a p2p pair)."""
 
@@ -68,32 +69,11 @@ class Direct:
     def post_recv(self, wire, src, device=None):
         return Done(self.wires[(src, self.rank)].popleft())
 
-    def poll(self):
-        return []
-
-    def flush(self):
-        pass
-
-    def device_inflight(self):
-        return False
-
-    def withdraw(self, transfer):
-        return False
-
-    def on_ack(self, src, ack):
-        pass
-
     def abort_peer(self, peer, reason):
         self.dead.add(peer)
 
     def is_dead(self, peer):
         return peer in self.dead
-
-    def stats(self):
-        return {}
-
-    def close(self):
-        pass
 
 
 def direct_router(rank: int, wires: dict, world_size: int, inline_max_bytes: int, pairs=frozenset()) -> Router:

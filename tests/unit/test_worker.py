@@ -17,6 +17,7 @@ from mstar_dist.transport.base import ArenaFull
 from mstar_dist.transport.router import Router
 from mstar_dist.transport.store import TensorStore
 from mstar_dist.worker.worker import Worker
+from tests.fakes import IdlePlane
 
 TOKEN = "t0k3n"
 GRAPHS = {
@@ -71,7 +72,7 @@ class FakeTransfer:
         return self.finished
 
 
-class FakeTransport:
+class FakeTransport(IdlePlane):
     """A p2p-like data plane whose transfers finish when the test says so."""
 
     name = "p2p"
@@ -96,27 +97,6 @@ class FakeTransport:
     def post_recv(self, wire, src, device=None):
         self.recvs.append(FakeTransfer(torch.full(wire.shape, 7.0, dtype=getattr(torch, wire.dtype))))
         return self.recvs[-1]
-
-    def poll(self):
-        return []
-
-    def flush(self):
-        pass
-
-    def device_inflight(self):
-        return False
-
-    def withdraw(self, transfer):
-        return False
-
-    def on_ack(self, src, ack):
-        pass
-
-    def stats(self):
-        return {}
-
-    def close(self):
-        pass
 
 
 def make_worker():
