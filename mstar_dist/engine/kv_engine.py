@@ -11,7 +11,8 @@ Decode steps run one ahead on CUDA (``lookahead``, §8 "Decode lookahead"): righ
 the device, the next step of the same rows is launched from them, before the host has copied them back. The host
 then works on step N (stop checks, emits, the walks) while the GPU runs step N+1. When the next calls arrive, a row
 whose request is still here with the token the lookahead used takes the lookahead's result; other calls (a new
-request's first step, a token from elsewhere) run in a forward of their own, and lookahead rows that no call claims
+request's first step, a token from elsewhere) join the next launch and are answered None, to be retried next turn
+(with no lookahead step in use they run at once, in a forward of their own), and lookahead rows that no call claims
 (the request stopped, was removed or skipped a step) are dropped: their KV write lands at a position the request
 has not reached (it is rewritten before it is read) and their generators are put back as they were, so a pinned seed
 gives the same text with or without lookahead.
@@ -42,7 +43,7 @@ from mstar_dist.graph.walk import NodeCall, NodeResult
 
 _PREFILL_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 """The attention kernels a prefill may use: not cuDNN's, which builds a new plan (~45 ms on an H200) for every new
-(rows, length) shape, and prefill shapes vary with every batch of prompts (bench/results/ttft_trace_h200.json:
+(rows, length) shape, and prefill shapes vary with every batch of prompts (bench/results/ttft_trace_h200_cudnn.json:
 a 6-row prefill took 55 ms, a 1-row one of a length seen before 10 ms). Decode steps keep every kernel: their
 shapes are the CUDA graphs' buckets, planned once at capture."""
 

@@ -432,8 +432,10 @@ class Worker:
 
     def _post_values(self, values: list[tuple[str, Any]], dst: int, what: str) -> tuple[list, list]:
         """Post each (signal, tensor) for global rank ``dst``, in order; returns the values for the message and
-        the transfers to watch. On a failure nothing stays posted: arena slots are taken back, and a pair left
-        out of step (a p2p send nobody will receive) is aborted on both sides; then it raises."""
+        the transfers to watch. On a failure nothing stays posted: arena slots are taken back, p2p sends (still
+        deferred: their descriptors have not gone out) are withdrawn, and a pair left out of step otherwise (a
+        send nobody will receive, or a failure that is not the arena's or the value's) is aborted on both sides;
+        then it raises."""
         carried, transfers, posted = [], [], []
         try:
             for signal, value in values:
