@@ -207,8 +207,8 @@ class ControlChannel:
         if self._closed:
             self._check_open()
         out: list[tuple[str, bytes]] = []
-        ready = self._poller.poll(0) if spin_s > 0 and timeout_ms != 0 else None
-        if ready == []:
+        ready = None
+        if spin_s > 0 and timeout_ms != 0:
             until = time.perf_counter() + spin_s
             while not (ready := self._poller.poll(0)) and time.perf_counter() < until:
                 pass
