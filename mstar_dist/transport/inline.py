@@ -85,7 +85,8 @@ def encode_tensor(t: torch.Tensor) -> InlineTensor:
 
 
 def decode_tensor(it: InlineTensor, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Rebuild the tensor described by `it` on `device` (a fresh, writable, contiguous tensor).
+    """Rebuild the tensor described by `it` on `device` (a fresh, writable, contiguous tensor). On CUDA the copy is
+    queued on the current stream without waiting for it (use the tensor on that stream, or sync first).
 
     ValueError if the byte count does not match dtype and shape (a truncated or foreign message).
     """
@@ -105,4 +106,10 @@ def decode_tensor(it: InlineTensor, device: torch.device | str = "cpu") -> torch
         # bytearray: torch.frombuffer needs a writable buffer; this is the one host copy.
         raw = torch.frombuffer(bytearray(it.data), dtype=torch.uint8)
         out = raw.view(dtype).reshape(it.shape)
-    return out if device == "cpu" or torch.device(device).type == "cpu" else out.to(device)
+    if device == "cpu" or torch.device(device).type == "cpu":
+        return out
+    if torch.device(device).type == "cuda":
+        # through pinned memory, asynchronously: a copy from pageable memory first waits for every kernel queued
+        # on the stream (a decode step launched ahead, docs/architecture.md §8), stalling the rank's loop
+        return out.pin_memory().to(device, non_blocking=True)
+    return out.to(device)
