@@ -102,25 +102,39 @@ of 64 streams would measure its own GIL rather than the server."""
 _clients: cf.ProcessPoolExecutor | None = None
 
 
+def client_processes(streams: int) -> cf.ProcessPoolExecutor:
+    """Client processes for up to ``streams`` streams, spawned (not forked: the caller may hold a CUDA context) and
+    all up before anything is timed."""
+    workers = -(-streams // CLIENT_STREAMS_PER_PROCESS)
+    pool = cf.ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
+    list(pool.map(time.sleep, [1.0] * workers))
+    return pool
+
+
+def run_streams(base_url: str, prompts: list[str], streams: int, max_tokens: int,
+                pool: cf.ProcessPoolExecutor | None) -> tuple[list, float, float]:
+    """``streams`` concurrent streaming clients working through ``prompts``, in this process or, above
+    ``CLIENT_STREAMS_PER_PROCESS`` streams, spread over ``pool``: (per-request (ttft, total, tokens), wall-clock
+    start, end)."""
+    procs = -(-streams // CLIENT_STREAMS_PER_PROCESS)
+    if procs == 1 or pool is None:
+        return _client(base_url, prompts, streams, max_tokens)
+    share = [prompts[i::procs] for i in range(procs)]
+    parts = [f.result() for f in [pool.submit(_client, base_url, part, -(-streams // procs), max_tokens)
+                                  for part in share]]
+    return [r for part in parts for r in part[0]], min(part[1] for part in parts), max(part[2] for part in parts)
+
+
 def ours(base_url: str, streams: int, max_tokens: int, n_requests: int) -> dict:
     global _clients
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(n_requests)]
     before = _server_ttft(base_url)
     engine_before = _engine_counts(base_url)
-    procs = -(-streams // CLIENT_STREAMS_PER_PROCESS)
-    if procs == 1:
-        parts = [_client(base_url, prompts, streams, max_tokens)]
-    else:
-        if _clients is None:  # spawned, not forked: this process holds a CUDA context
-            _clients = cf.ProcessPoolExecutor(max_workers=64 // CLIENT_STREAMS_PER_PROCESS,
-                                              mp_context=multiprocessing.get_context("spawn"))
-            list(_clients.map(time.sleep, [1.0] * (64 // CLIENT_STREAMS_PER_PROCESS)))  # all of them up, untimed
-        share = [prompts[i::procs] for i in range(procs)]
-        futures = [_clients.submit(_client, base_url, part, -(-streams // procs), max_tokens) for part in share]
-        parts = [f.result() for f in futures]
+    if streams > CLIENT_STREAMS_PER_PROCESS and _clients is None:
+        _clients = client_processes(64)
+    results, start, end = run_streams(base_url, prompts, streams, max_tokens, _clients)
     server_ttft = _server_ttft(base_url) if before is not None else None
-    results = [r for part in parts for r in part[0]]
-    wall = max(part[2] for part in parts) - min(part[1] for part in parts)
+    wall = end - start
     tokens = sum(r[2] for r in results)
     out = {"tok_s": tokens / wall, "ttft_median_s": statistics.median(r[0] for r in results),
            "e2e_s": [round(r[1], 5) for r in results], "tokens": tokens, "seconds": wall}

@@ -47,7 +47,6 @@ import argparse
 import collections
 import concurrent.futures as cf
 import json
-import multiprocessing
 import os
 import platform
 import shutil
@@ -62,7 +61,9 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from scripts.bench_serving import CLIENT_STREAMS_PER_PROCESS, PROMPTS, _client, _local, stream_one  # noqa: E402
+from scripts.bench_serving import (  # noqa: E402
+    CLIENT_STREAMS_PER_PROCESS, PROMPTS, _local, client_processes, run_streams, stream_one,
+)
 from tests.e2e.server import WEIGHTS, Server  # noqa: E402
 
 TRACE_ENV = "MSTAR_DIST_TRACE_DIR"  # mstar_dist.trace.ENV (not imported: this process must not trace itself)
@@ -82,16 +83,9 @@ def run_clients(base_url: str, streams: int, per_stream: int, max_tokens: int,
                 pool: cf.ProcessPoolExecutor | None) -> tuple[list[tuple[float, float, int]], float, float]:
     """``streams`` concurrent streaming clients, ``per_stream`` requests each one after another: (per-request
     (ttft s, total s, tokens), monotonic start, monotonic end)."""
-    n = streams * per_stream
-    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(n)]
-    t0 = time.monotonic()
-    procs = -(-streams // CLIENT_STREAMS_PER_PROCESS)
-    if procs == 1 or pool is None:
-        results = _client(base_url, prompts, streams, max_tokens)[0]
-    else:
-        share = [prompts[i::procs] for i in range(procs)]
-        futures = [pool.submit(_client, base_url, part, -(-streams // procs), max_tokens) for part in share]
-        results = [r for f in futures for r in f.result()[0]]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(streams * per_stream)]
+    t0 = time.monotonic()  # the servers' clock: the window selects their trace events
+    results = run_streams(base_url, prompts, streams, max_tokens, pool)[0]
     return results, t0, time.monotonic()
 
 
@@ -332,10 +326,8 @@ def main() -> None:
     try:
         if not args.no_warmup:
             warm(server.base_url)
-        if top > CLIENT_STREAMS_PER_PROCESS:  # spawned, not forked; all up before any timing
-            workers = -(-top // CLIENT_STREAMS_PER_PROCESS)
-            pool = cf.ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
-            list(pool.map(time.sleep, [1.0] * workers))
+        if top > CLIENT_STREAMS_PER_PROCESS:
+            pool = client_processes(top)
         for n in args.streams:
             time.sleep(0.5)  # the previous run's last requests are released everywhere
             windows[n] = run_clients(server.base_url, n, args.requests_per_stream, args.max_tokens, pool)
