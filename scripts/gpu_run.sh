@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU runs on the device machine (torch + NCCL preinstalled, no network). Usage, from the repo root there:
 #   bash scripts/gpu_run.sh STEP...      STEP: tests | gpu | tpstop | serving | pd | pace | pace2 | ttft | ttftrace | profile | edges | split |
-#                                        composite | speech | image | twohost | soak
+#                                        composite | speech | image | twohost | soak | fastloop
 # Needs, carried from the dev machine (bash scripts/gpu_prepare.sh makes both): .whl/ (wheels the GPU image lacks: fastapi, starlette, pydantic(-core),
 # annotated-types, typing-inspection, opentelemetry-api, uvicorn, pyzmq, msgspec, py-spy) and .ckpt/smol-shape (config + tokenizer of
 # SmolLM2-135M; a random same-shaped checkpoint is generated there). Results go to $OUT (or bench/results).
@@ -15,6 +15,7 @@ export PYTHONPATH="/tmp/site:$PWD" MSTAR_TEST_WEIGHTS=/tmp/smol-rand PATH="/tmp/
   --out /tmp/smol-rand --dtype bfloat16 >/dev/null 2>&1 || exit 1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import torch; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version(), 'gpus', torch.cuda.device_count())"
+tag=""  # appended to the result names of ttft, ttftrace and profile once the fastloop step has run
 for step in "$@"; do
   echo "== $step"
   case "$step" in
@@ -43,18 +44,18 @@ for step in "$@"; do
              timeout 100 python3 -m pytest -q -p no:cacheprovider tests/unit/test_kv_engine.py 2>&1 | tail -4 ;;
     ttft)    # the single rank at 1 and 32 streams: TTFT, and how the engine batched prefills and decode steps
              timeout 200 python3 scripts/bench_serving.py --device cuda --model llama --rounds 1 --max-tokens 256 --no-hf \
-               --no-eager-bare --streams 1 32 --config launch/configs/smollm2_single.yaml:1 --out "$out/serving_h200_ttft.json" 2>&1 \
+               --no-eager-bare --streams 1 32 --config launch/configs/smollm2_single.yaml:1 --out "$out/serving_h200_ttft$tag.json" 2>&1 \
                | tail -40 ;;
     ttftrace) # where the 32-stream TTFT goes: the phase trace (MSTAR_DIST_TRACE_DIR) of the single rank at 1 and 32 streams
              timeout 150 python3 scripts/ttft_trace.py --device cuda --model llama --max-tokens 256 --streams 1 32 \
-               --config launch/configs/smollm2_single.yaml:1 --out "$out/ttft_trace_h200.json" \
-               --events-out "$out/ttft_trace_h200.events.jsonl" 2>&1 | tail -45 ;;
+               --config launch/configs/smollm2_single.yaml:1 --out "$out/ttft_trace_h200$tag.json" \
+               --events-out "$out/ttft_trace_h200$tag.events.jsonl" 2>&1 | tail -45 ;;
     ttftrace_pd) # the same for P/D on the pair at 1 and 8 streams: the handoff (push, descriptor, landed) in the events
              timeout 150 python3 scripts/ttft_trace.py --device cuda --model llama --max-tokens 256 --streams 1 8 \
                --config launch/configs/smollm2_pd.yaml:2 --out "$out/ttft_trace_h200x2_pd.json" \
                --events-out "$out/ttft_trace_h200x2_pd.events.jsonl" 2>&1 | tail -45 ;;
     profile) timeout 60 python3 scripts/profile_serving.py --model llama --streams 32 --seconds 8 \
-               --out "$out/profile_h200_single.json" 2>&1 | tail -60 ;;
+               --out "$out/profile_h200_single$tag.json" 2>&1 | tail -60 ;;
     edges)   # ping-pong one-way times and windowed bandwidth (receivers spin as GPU ranks do), then the same without spin
              timeout 240 torchrun --standalone --nproc-per-node 2 scripts/bench_edges.py --device cuda \
                --out "$out/edges_h200x2.json" 2>&1 | tail -20
@@ -74,6 +75,9 @@ for step in "$@"; do
     soak)    # detached: starts a ${SOAK_SECONDS:-600} s soak unless one is in /tmp/soak, waits up to SOAK_WAIT s;
              # collect the rest at once in the next command: bash scripts/gpu_soak.sh collect 540
              bash scripts/gpu_soak.sh auto "${SOAK_SECONDS:-600}" "${SOAK_WAIT:-480}" 2>&1 | tail -60 ;;
+    fastloop) # uvicorn on uvloop and httptools (.whl/extra) from here on: the steps after it compare with those before
+             python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+               .whl/extra/*.whl && tag="_fastloop" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done

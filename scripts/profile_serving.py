@@ -26,7 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from scripts.bench_serving import PROMPTS, stream_one  # noqa: E402
+from scripts.bench_serving import CLIENT_STREAMS_PER_PROCESS, PROMPTS, client_processes, run_streams  # noqa: E402
 from tests.e2e.server import Server, descendants  # noqa: E402
 
 
@@ -37,8 +37,12 @@ def _cmdline(pid: int) -> bytes:
         return b""
 
 
-def summarize(raw: Path, top: int = 40) -> dict:
-    """py-spy's raw (collapsed) stacks -> shares by thread, inclusive and self by function."""
+RATE_HZ = 250
+
+
+def summarize(raw: Path, seconds: float, top: int = 40) -> dict:
+    """py-spy's raw (collapsed) stacks -> shares by thread, inclusive and self by function, and how busy each
+    thread was (samples over ``RATE_HZ * seconds``: py-spy records a thread only while it is not idle)."""
     threads, incl, own = collections.Counter(), collections.Counter(), collections.Counter()
     total = 0
     for line in raw.read_text().splitlines():
@@ -52,7 +56,8 @@ def summarize(raw: Path, top: int = 40) -> dict:
         for frame in set(frames[1:]):
             incl[frame] += n
     share = lambda c: [[round(v / max(total, 1), 4), k] for k, v in c.most_common(top)]  # noqa: E731
-    return {"samples": total, "threads": share(threads), "inclusive": share(incl), "self": share(own)}
+    busy = {k: round(v / (RATE_HZ * seconds), 3) for k, v in threads.most_common()}
+    return {"samples": total, "busy": busy, "threads": share(threads), "inclusive": share(incl), "self": share(own)}
 
 
 def main() -> None:
@@ -61,6 +66,9 @@ def main() -> None:
     p.add_argument("--streams", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--seconds", type=int, default=8)
+    p.add_argument("--waves", type=int, default=12,
+                   help="requests per stream: enough that the load outlasts --seconds (a 256-token wave of 32 streams "
+                        "takes about 1 s on an H200)")
     p.add_argument("--model", default=None, help="registry key override (e.g. llama)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -81,24 +89,26 @@ def main() -> None:
             "rank0": min(p for p, c in procs.items() if b"mstar_dist.serve" in c and b"torch.distributed" not in c),
             "frontend": next(p for p, c in procs.items() if b"mstar_dist.conductor.process" in c),
         }
-        stream_one(server.base_url, "hi", 8)
-        n = 2 * args.streams
-        with cf.ThreadPoolExecutor(args.streams) as pool:
-            t0 = time.perf_counter()
-            futures = [pool.submit(stream_one, server.base_url, PROMPTS[i % len(PROMPTS)], args.max_tokens)
-                       for i in range(n)]
+        run_streams(server.base_url, ["hi"], 1, 8, None)  # warm-up, untimed
+        prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.waves * args.streams)]
+        clients = client_processes(args.streams) if args.streams > CLIENT_STREAMS_PER_PROCESS else None
+        with cf.ThreadPoolExecutor(1) as pool:
+            load = pool.submit(run_streams, server.base_url, prompts, args.streams, args.max_tokens, clients)
             time.sleep(1.0)  # let the batch fill
-            spies = {name: subprocess.Popen([spy, "record", "-p", str(pid), "-d", str(args.seconds), "-r", "250",
+            spies = {name: subprocess.Popen([spy, "record", "-p", str(pid), "-d", str(args.seconds), "-r", str(RATE_HZ),
                                              "-f", "raw", "-o", str(tmp / f"{name}.txt"), "--threads",
                                              "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
                      for name, pid in targets.items()}
             for name, proc in spies.items():
                 proc.wait(timeout=args.seconds + 60)
-            tokens = sum(f.result()[2] for f in futures)
-            result["tok_s"] = tokens / (time.perf_counter() - t0)
+            results, start, end = load.result()
+            result["tok_s"] = sum(r[2] for r in results) / (end - start)
+            result["seconds_of_load"] = end - start
+        if clients is not None:
+            clients.shutdown()
         for name in targets:
             raw = tmp / f"{name}.txt"
-            result[name] = summarize(raw) if raw.exists() else {"error": spies[name].stderr.read().decode()[-2000:]}
+            result[name] = summarize(raw, args.seconds) if raw.exists() else {"error": spies[name].stderr.read().decode()[-2000:]}
     finally:
         server.stop()
         shutil.rmtree(tmp, ignore_errors=True)
@@ -106,7 +116,7 @@ def main() -> None:
     if args.out:
         Path(args.out).write_text(text)
     for name in ("rank0", "frontend"):
-        print(f"== {name}")
+        print(f"== {name}: busy share of each thread {result.get(name, {}).get('busy')}")
         for share, frame in result.get(name, {}).get("inclusive", [])[:25]:
             print(f"{share:6.1%} {frame[:140]}")
     print(f"tok/s during the profile run: {result.get('tok_s', 0):.0f}")
