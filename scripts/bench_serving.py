@@ -145,12 +145,14 @@ def ours(base_url: str, streams: int, max_tokens: int, n_requests: int) -> dict:
     done = {k: _engine_counts(base_url).get(k, 0.0) - engine_before.get(k, 0.0) for k in ENGINE_COUNTS}
     if done["prefill_batches_total"] > 0:  # how well prefills batch, and the decode batch the engine ran
         out["prefill_rows_per_forward"] = done["prefills_total"] / done["prefill_batches_total"]
+        out["prefill_replayed_share"] = done["prefill_batches_replayed_total"] / done["prefill_batches_total"]
     if done["decode_steps_total"] > 0:
         out["decode_rows_per_step"] = done["decode_rows_total"] / done["decode_steps_total"]
     return out
 
 
-ENGINE_COUNTS = ("prefills_total", "prefill_batches_total", "decode_steps_total", "decode_rows_total")
+ENGINE_COUNTS = ("prefills_total", "prefill_batches_total", "prefill_batches_replayed_total", "decode_steps_total",
+                 "decode_rows_total")
 ENGINE_STATS_LAG_S = 1.2
 
 
@@ -301,6 +303,7 @@ def main() -> None:
     server_ttft = {k: statistics.median(x["server_ttft_mean_s"] for x in v) for k, v in rows.items()
                    if all("server_ttft_mean_s" in x for x in v)}
     batching = {k: {stat: statistics.median(x[stat] for x in v) for stat in ("prefill_rows_per_forward",
+                                                                            "prefill_replayed_share",
                                                                             "decode_rows_per_step")
                     if all(stat in x for x in v)} for k, v in rows.items() if "ttft_median_s" in v[0]}
     yard = "bare_graphs" if cuda else "bare"

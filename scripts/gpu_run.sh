@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU runs on the device machine (torch + NCCL preinstalled, no network). Usage, from the repo root there:
 #   bash scripts/gpu_run.sh STEP...      STEP: tests | gpu | tpstop | serving | pd | pace | pace2 | ttft | ttftrace | profile | edges | split |
-#                                        composite | speech | image | twohost | soak | fastloop
+#                                        composite | speech | image | twohost | soak | fastloop |
+#                                        prefillab | engine
 # Needs, carried from the dev machine (bash scripts/gpu_prepare.sh makes both): .whl/ (wheels the GPU image lacks: fastapi, starlette, pydantic(-core),
 # annotated-types, typing-inspection, opentelemetry-api, uvicorn, pyzmq, msgspec, py-spy) and .ckpt/smol-shape (config + tokenizer of
 # SmolLM2-135M; a random same-shaped checkpoint is generated there). Results go to $OUT (or bench/results).
@@ -42,6 +43,16 @@ for step in "$@"; do
                --no-eager-bare --streams 1 8 32 64 --config launch/configs/smollm2_single.yaml:1 \
                --config launch/configs/smollm2_pd.yaml:2 --out "$out/serving_h200x2_pace.json" 2>&1 | tail -60
              timeout 100 python3 -m pytest -q -p no:cacheprovider tests/unit/test_kv_engine.py 2>&1 | tail -4 ;;
+    prefillab) # the single rank with prefill graphs (the default) against without, side by side: TTFT and tok/s
+             { cat launch/configs/smollm2_single.yaml; echo "model_kwargs: {prefill_graphs: false}"; } \
+               > /tmp/smollm2_single_eager_prefill.yaml
+             timeout 420 python3 scripts/bench_serving.py --device cuda --model llama --rounds 1 --max-tokens 256 --no-hf \
+               --no-eager-bare --streams 1 8 32 64 --config launch/configs/smollm2_single.yaml:1 \
+               --config /tmp/smollm2_single_eager_prefill.yaml:1 --out "$out/serving_h200_prefill_graphs$tag.json" 2>&1 \
+               | tail -40 ;;
+    engine)  # the engine's CUDA tests: decode and prefill graphs, lookahead
+             timeout 200 python3 -m pytest -q -p no:cacheprovider tests/unit/test_kv_engine.py \
+               tests/unit/test_graph_decode.py 2>&1 | tail -4 ;;
     ttft)    # the single rank at 1 and 32 streams: TTFT, and how the engine batched prefills and decode steps
              timeout 200 python3 scripts/bench_serving.py --device cuda --model llama --rounds 1 --max-tokens 256 --no-hf \
                --no-eager-bare --streams 1 32 --config launch/configs/smollm2_single.yaml:1 --out "$out/serving_h200_ttft$tag.json" 2>&1 \

@@ -27,7 +27,9 @@ class LlamaChat(CompositeModel):
     """``model_kwargs``: ``dtype`` (float32 | bfloat16 | float16; default float32 on CPU, bfloat16 on CUDA),
     ``max_seq_len`` (KV positions per request, default 2048), ``max_batch`` (KV slots = decode batch, default 16),
     ``cuda_graphs`` (decode steps replay captured CUDA graphs; default true on CUDA), ``prefill_token_budget``
-    (most padded prompt tokens one batched prefill forward takes, default 4096), ``lookahead`` (launch each decode
+    (most padded prompt tokens one batched prefill forward takes, default 4096), ``prefill_graphs`` (batched
+    prefills within that budget replay CUDA graphs too, one per (rows, length) bucket; default true with
+    ``cuda_graphs``, off in TP groups), ``lookahead`` (launch each decode
     step before the host has read the previous one's tokens, docs/architecture.md §8; default true on CUDA outside
     TP groups, where it is always off, as it is for models whose rows affect each other, such as the MoE family)."""
 
@@ -35,7 +37,8 @@ class LlamaChat(CompositeModel):
     tp_nodes = frozenset({LLM})
 
     def __init__(self, weights_dir: str | None, **model_kwargs: Any):
-        allowed = {"dtype", "max_seq_len", "max_batch", "cuda_graphs", "prefill_token_budget", "lookahead"}
+        allowed = {"dtype", "max_seq_len", "max_batch", "cuda_graphs", "prefill_token_budget", "prefill_graphs",
+                   "lookahead"}
         if unknown := set(model_kwargs) - allowed:
             raise ValueError(f"model_kwargs: unknown keys {sorted(unknown)} (allowed: {', '.join(sorted(allowed))})")
         super().__init__(weights_dir, **model_kwargs)
@@ -101,8 +104,11 @@ class LlamaChat(CompositeModel):
         # a TP group's members must take the same rows from a lookahead; keeping it off there keeps them paired
         lookahead = device.startswith("cuda") and bool(self.model_kwargs.get("lookahead", True)) \
             and (tp is None or tp.size == 1)
+        # prefill graphs would capture the TP all-reduces of every (rows, length) bucket: not in TP groups (yet)
+        prefill_graphs = graphs and bool(self.model_kwargs.get("prefill_graphs", True)) and (tp is None or tp.size == 1)
         return KVCacheEngine(LLM, model, cache, torch.device(device), cuda_graphs=graphs,
-                             prefill_token_budget=self.prefill_token_budget, lookahead=lookahead)
+                             prefill_token_budget=self.prefill_token_budget, lookahead=lookahead,
+                             prefill_graphs=prefill_graphs)
 
     def _load_model(self, device: str, dtype: torch.dtype, tp):
         """(model, config) of this rank's shard; the model has ``local_kv_heads`` and the KV-cache interface."""

@@ -1,5 +1,7 @@
-"""CUDA-graph replay of one decode step (docs/architecture.md §8: an eager decode step is host-launch-bound on our GPUs).
+"""CUDA-graph replay of decode steps and of batched prefills (docs/architecture.md §8: an eager forward of a small
+model is host-launch-bound on our GPUs; an eager SmolLM2 prefill of one 44-token prompt took 10 ms on an H200).
 
+Decode (``DecodeGraphs``):
 One graph per (batch-size bucket, context bucket): batch 1, 2, 4, ... up to the engine's batch; context 512,
 2048, ... (x4) up to the cache's ``max_seq_len``, the positions a row's attention reads. Captured at warm-up over
 static input tensors: tokens (B, 1), positions (B,), slots (B,) -> last-token logits (B, 1, V). A step of n rows
@@ -9,15 +11,26 @@ are ignored. Attention over a context bucket instead of the whole cache keeps a 
 requests' lengths need (a 2048-position cache read by 300-token requests otherwise costs ~4x the attention).
 Sampling stays outside the graph (per-request generators). Built on ``StaticKVCache.bind_graph``, whose
 attention reads slots and positions on the device (no host syncs).
+
+Prefill (``PrefillGraphs``): one graph per (rows bucket, length bucket): rows 1, 2, 4, ... up to the engine's batch,
+lengths 16, 32, 64, ... up to the cache's ``max_seq_len``, every pair whose padded size rows x length is within the
+engine's prefill token budget. Static inputs: ids (R, L), slots (R,), each row's last index (R,) -> the logits of each
+row's last token (R, 1, V). Prompts are right-padded to the bucket's length (pad positions are written into the
+row's slot past its prompt, where decode overwrites them before reading), padding rows prefill token 0 into the
+scratch slot. Built on ``StaticKVCache.bind_prefill_graph`` (attention over the new tokens, causal, from position 0).
+A batch no bucket holds runs eagerly.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 
 from mstar_dist.engine.kv_cache import StaticKVCache
+
+PREFILL_MIN_LENGTH = 16
 
 CTX_BASE = 512
 CTX_FACTOR = 4
@@ -109,3 +122,98 @@ class DecodeGraphs:
             cap.slots[n:].fill_(self.scratch)
         cap.graph.replay()
         return cap.logits[:n]
+
+
+def _pow2_buckets(limit: int) -> list[int]:
+    """1, 2, 4, ... up to ``limit``, and ``limit`` itself."""
+    buckets = [1 << i for i in range(limit.bit_length()) if 1 << i <= limit]
+    return buckets if buckets[-1] == limit else [*buckets, limit]
+
+
+@dataclass
+class _CapturedPrefill:
+    graph: torch.cuda.CUDAGraph
+    ids: torch.Tensor
+    slots: torch.Tensor
+    last: torch.Tensor
+    logits: torch.Tensor
+
+
+class PrefillGraphs:
+    """Prefill forwards replayed from CUDA graphs, one per (rows, length) bucket (see the module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, cache: StaticKVCache, scratch_slot: int, max_rows: int,
+                 max_tokens: int, attention: list | None = None):
+        """``max_tokens``: the largest padded size (rows x length) captured; ``attention``: the SDPA backends the
+        captured attention may use (``torch.nn.attention.sdpa_kernel``), as for an eager prefill."""
+        self.model = model
+        self.cache = cache
+        self.scratch = scratch_slot
+        self.attention = attention
+        lengths, n = [], PREFILL_MIN_LENGTH
+        while n < cache.max_seq_len and n <= max_tokens:
+            lengths.append(n)
+            n *= 2
+        if n >= cache.max_seq_len and cache.max_seq_len <= max_tokens:
+            lengths.append(cache.max_seq_len)  # a prompt is shorter than the cache: the last bucket holds it
+        self.buckets = [(rows, length) for rows in _pow2_buckets(max_rows) for length in lengths
+                        if rows * length <= max_tokens]
+        self._captured: dict[tuple[int, int], _CapturedPrefill] = {}
+
+    def bucket_for(self, n: int, longest: int) -> tuple[int, int] | None:
+        """The smallest (rows, length) bucket that holds ``n`` prompts of at most ``longest`` tokens (fewest padded
+        tokens, then fewest rows), or None."""
+        fits = [b for b in self.buckets if b[0] >= n and b[1] >= longest]
+        return min(fits, key=lambda b: (b[0] * b[1], b[0])) if fits else None
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every bucket, largest first, into one memory pool (they never run at once)."""
+        from torch.nn.attention import sdpa_kernel
+
+        device = self.cache.device
+        pool = torch.cuda.graph_pool_handle()
+        for rows, length in sorted(self.buckets, key=lambda b: b[0] * b[1], reverse=True):
+            ids = torch.zeros((rows, length), dtype=torch.long, device=device)
+            slots = torch.full((rows,), self.scratch, dtype=torch.long, device=device)
+            last = torch.zeros(rows, dtype=torch.long, device=device)
+            with sdpa_kernel(self.attention) if self.attention else contextlib.nullcontext():
+                side = torch.cuda.Stream(device)
+                side.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(side):  # warm the kernels outside the capture
+                    self._forward(ids, slots, last)
+                torch.cuda.current_stream(device).wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    logits = self._forward(ids, slots, last)
+            self._captured[(rows, length)] = _CapturedPrefill(graph, ids, slots, last, logits)
+
+    def close(self) -> None:
+        if self._captured:
+            torch.cuda.synchronize(self.cache.device)
+        self._captured.clear()
+
+    def _forward(self, ids: torch.Tensor, slots: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        rows, length = ids.shape
+        self.cache.bind_prefill_graph(slots, length)
+        positions = torch.arange(length, device=ids.device).expand(rows, length)
+        return self.model(ids, positions, self.cache, last_only=True, last_index=last)
+
+    def logits(self, prompts: list[torch.Tensor], slots: list[int], bucket: tuple[int, int]) -> torch.Tensor:
+        """The last-token logits (n, 1, V) of ``prompts`` (each (T,) on the device) prefilled into ``slots``, replayed
+        from ``bucket`` (from ``bucket_for``); valid until the next replay of that bucket."""
+        cap = self._captured[bucket]
+        n = len(prompts)
+        cap.ids.zero_()
+        for row, prompt in enumerate(prompts):
+            cap.ids[row, : prompt.numel()].copy_(prompt)
+        # through pinned memory: a copy from pageable memory would wait for the queue (a decode step launched ahead)
+        cap.slots[:n].copy_(torch.tensor(slots, dtype=torch.long).pin_memory(), non_blocking=True)
+        cap.last[:n].copy_(torch.tensor([p.numel() - 1 for p in prompts], dtype=torch.long).pin_memory(),
+                           non_blocking=True)
+        if n < bucket[0]:
+            cap.slots[n:].fill_(self.scratch)
+            cap.last[n:].zero_()
+        cap.graph.replay()
+        return cap.logits[:n]
+

@@ -79,6 +79,7 @@ class StaticKVCache:
         self._allocated: set[int] = set()
         self._binding: _Binding | None = None
         self._graph_binding: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
+        self._prefill_binding: tuple[torch.Tensor, torch.Tensor] | None = None
         self._positions = torch.arange(max_seq_len, device=device)  # (L,) for graph-mode masks
 
     @property
@@ -126,8 +127,18 @@ class StaticKVCache:
         if not 0 < ctx <= self.max_seq_len:
             raise ValueError(f"bind_graph: ctx must be in [1, {self.max_seq_len}], got {ctx}")
         mask = (self._positions[None, :ctx] <= positions[:, None])[:, None, None, :]  # (B, 1, 1, ctx)
-        self._binding = None
+        self._binding = self._prefill_binding = None
         self._graph_binding = (slot_idx, positions, mask, ctx)
+
+    def bind_prefill_graph(self, slot_idx: torch.Tensor, n_new: int) -> None:
+        """Bind a prefill pass from position 0 whose slots are a device tensor (B,), read inside the pass (so it can
+        be captured in a CUDA graph, as ``bind_graph``): row b writes its ``n_new`` tokens at positions
+        [0, n_new) of slot ``slot_idx[b]`` and attends causally over them. Rows may repeat a slot only when
+        what they write is never read (padding rows into a scratch slot)."""
+        if not 0 < n_new <= self.max_seq_len:
+            raise ValueError(f"bind_prefill_graph: n_new must be in [1, {self.max_seq_len}], got {n_new}")
+        self._binding = self._graph_binding = None
+        self._prefill_binding = (slot_idx, self._positions[:n_new])
 
     def bind(self, slots: list[int], start_pos: list[int], n_new: int) -> None:
         """Describe the next forward pass: row b is slot slots[b], writing n_new tokens from start_pos[b]."""
@@ -146,6 +157,7 @@ class StaticKVCache:
         dev = self.device
         n_rows = len(slots)
         ctx = max(start_pos) + n_new
+        self._prefill_binding = None
         contiguous = slots == list(range(slots[0], slots[0] + n_rows))
         uniform = all(s == start_pos[0] for s in start_pos)
         new = torch.arange(n_new, device=dev)
@@ -178,6 +190,8 @@ class StaticKVCache:
         """
         if self._graph_binding is not None:
             return self._attend_graph(layer, q, k, v)
+        if self._prefill_binding is not None:
+            return self._attend_prefill_graph(layer, q, k, v)
         b = self._binding
         if b is None:
             raise RuntimeError("StaticKVCache.attend called before bind()")
@@ -203,6 +217,14 @@ class StaticKVCache:
         keys = k_cache[:, :, :ctx].index_select(0, slot_idx)  # (B, nkv, ctx, hd)
         values = v_cache[:, :, :ctx].index_select(0, slot_idx)
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+
+    def _attend_prefill_graph(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        slot_idx, positions = self._prefill_binding
+        # two advanced indices around a slice: the indexed view is (B, T, nkv, hd)
+        self.kv[layer, 0][slot_idx[:, None], :, positions[None, :]] = k.transpose(1, 2)
+        self.kv[layer, 1][slot_idx[:, None], :, positions[None, :]] = v.transpose(1, 2)
+        # from position 0, a row's context is exactly its new tokens: attend over them, not the cache
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
     @staticmethod
     def _write(b: _Binding, cache: torch.Tensor, new: torch.Tensor) -> None:

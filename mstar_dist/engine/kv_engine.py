@@ -85,10 +85,12 @@ class _Ahead:
 class KVCacheEngine(Component):
     def __init__(self, name: str, model: torch.nn.Module, cache: StaticKVCache, device: torch.device,
                  cuda_graphs: bool = False, logit_bias: torch.Tensor | None = None,
-                 prefill_token_budget: int = 4096, lookahead: bool | None = None):
+                 prefill_token_budget: int = 4096, lookahead: bool | None = None, prefill_graphs: bool = False):
         """With ``cuda_graphs`` (CUDA only) decode steps replay captured graphs; the cache must hold one slot
         more than the batch: it is kept as the padding rows' scratch slot. ``logit_bias`` (V,) is added to every
         row's logits before sampling (``-inf`` forbids a token: e.g. a speech LLM restricted to audio codes).
+        With ``prefill_graphs`` too (and a model with ``pads_are_inert``), batched prefills of at most
+        ``prefill_token_budget`` padded tokens replay captured graphs as well (``cuda_graphs.PrefillGraphs``).
         ``lookahead`` runs decode steps one ahead (default: on CUDA; on a CPU it only costs the dropped rows, so
         it is off there unless asked for; never for a model without ``pads_are_inert``, whose rows affect each
         other's forward). Members of a TP group must not use it (their collectives would no longer pair up if one
@@ -109,6 +111,13 @@ class KVCacheEngine(Component):
             raise ValueError(f"prefill_token_budget must be >= 1, got {prefill_token_budget}")
         self.prefill_token_budget = prefill_token_budget
         self.ragged_prefill = bool(getattr(model, "pads_are_inert", False))
+        self.prefill_graphs = None
+        if self.graphs is not None and prefill_graphs and self.ragged_prefill:
+            from mstar_dist.engine.cuda_graphs import PrefillGraphs
+
+            self.prefill_graphs = PrefillGraphs(model, cache, scratch_slot=self.graphs.scratch,
+                                                max_rows=self.graphs.max_rows, max_tokens=prefill_token_budget,
+                                                attention=_PREFILL_ATTENTION)
         # a dropped lookahead row took part in its batch's forward: only models whose rows do not affect each
         # other (pads_are_inert; not a batch-wide stateful MoE router) may look ahead
         self.lookahead = (device.type == "cuda" if lookahead is None else bool(lookahead)) and self.ragged_prefill
@@ -118,6 +127,7 @@ class KVCacheEngine(Component):
         self.decode_rows = 0
         self.prefills = 0
         self.prefill_batches = 0
+        self.prefill_batches_replayed = 0
         self.decode_seconds = 0.0
         self.ahead_rows_used = 0
         self.ahead_rows_dropped = 0
@@ -163,6 +173,7 @@ class KVCacheEngine(Component):
     def stats(self) -> dict[str, int]:
         return {"kv_slots_used": len(self._seqs), "kv_slots_free": self.cache.num_free,
                 "prefills_total": self.prefills, "prefill_batches_total": self.prefill_batches,
+                "prefill_batches_replayed_total": self.prefill_batches_replayed,
                 "decode_steps_total": self.steps,
                 "decode_rows_total": self.decode_rows, "decode_ms_total": int(self.decode_seconds * 1000),
                 "lookahead_rows_used_total": self.ahead_rows_used,
@@ -170,6 +181,9 @@ class KVCacheEngine(Component):
                 "decode_rows_joined_total": self.joined_rows}
 
     def close(self) -> None:
+        if self.prefill_graphs is not None:
+            self.prefill_graphs.close()
+            self.prefill_graphs = None
         if self.graphs is not None:
             self.graphs.close()
             self.graphs = None
@@ -177,6 +191,8 @@ class KVCacheEngine(Component):
     def warmup(self) -> None:
         if self.graphs is not None:
             self.graphs.capture()
+        if self.prefill_graphs is not None:
+            self.prefill_graphs.capture()
         with torch.inference_mode():
             slot = self.cache.alloc()
             try:
@@ -201,21 +217,26 @@ class KVCacheEngine(Component):
 
     def _prefill_groups(self, prefill: list[tuple[int, torch.Tensor]]) -> list[list[tuple[int, torch.Tensor]]]:
         """The prefills that get a slot now, in arrival order, cut into forwards of at most the token budget
-        (padded size: rows x longest prompt); prompts of one length only when pads are not inert. The rest wait
-        (answered None) for a free slot."""
+        (padded size: rows x longest prompt; with prefill graphs, the size of the bucket that holds them, so every
+        batch of more than one prompt replays a graph); prompts of one length only when pads are not inert. The rest
+        wait (answered None) for a free slot."""
         admitted = prefill[: self.cache.num_free]
         groups: list[list[tuple[int, torch.Tensor]]] = []
         for item in admitted:
             n = item[1].numel()
             for group in groups:
                 longest = max(n, *(ids.numel() for _, ids in group))
-                if (self.ragged_prefill or group[0][1].numel() == n) and longest * (len(group) + 1) <= \
-                        self.prefill_token_budget:
+                if (self.ragged_prefill or group[0][1].numel() == n) and self._fits(len(group) + 1, longest):
                     group.append(item)
                     break
             else:
                 groups.append([item])
         return groups
+
+    def _fits(self, rows: int, longest: int) -> bool:
+        if self.prefill_graphs is not None:
+            return self.prefill_graphs.bucket_for(rows, longest) is not None
+        return rows * longest <= self.prefill_token_budget
 
     def _prefill(self, calls: list[NodeCall], prompts: list[torch.Tensor]) -> list[NodeResult]:
         """One forward for every prompt (right-padded), then one sample per row."""
@@ -227,14 +248,12 @@ class KVCacheEngine(Component):
                         ids=ids_, engine=self.name)
         slots = [self.cache.alloc() for _ in calls]
         try:
-            ids = torch.zeros((len(calls), longest), dtype=torch.long, device=self.device)
-            for row, prompt in enumerate(prompts):
-                ids[row, : prompt.numel()] = prompt
-            positions = torch.arange(longest, device=self.device).expand(len(calls), longest)
-            self.cache.bind(slots, [0] * len(calls), longest)
-            last = None if min(lengths) == longest else to_device([n - 1 for n in lengths], self.device)
-            with sdpa_kernel(_PREFILL_ATTENTION):
-                logits = self.model(ids, positions, self.cache, last_only=True, last_index=last)
+            bucket = None if self.prefill_graphs is None else self.prefill_graphs.bucket_for(len(calls), longest)
+            if bucket is not None:
+                logits = self.prefill_graphs.logits(prompts, slots, bucket)
+                self.prefill_batches_replayed += 1
+            else:
+                logits = self._prefill_eager(prompts, slots, lengths)
             ctxs: list[WalkContext] = [c.ctx for c in calls]
             tokens = sample(self._biased(logits[:, -1]), [x.sampling for x in ctxs],
                             [x.generator("cpu") for x in ctxs]).cpu()
@@ -254,8 +273,19 @@ class KVCacheEngine(Component):
                 self.release(call.request_id)
             results.append(NodeResult(outputs=outputs, stop=int(token) in ctx.stop_token_ids))
         if trace.ON:  # the tokens are on the host: the forward has ended
-            trace.event("eng_prefill_end", rows=len(calls), ids=ids_, engine=self.name)
+            trace.event("eng_prefill_end", rows=len(calls), ids=ids_, engine=self.name, replayed=bucket is not None)
         return results
+
+    def _prefill_eager(self, prompts: list[torch.Tensor], slots: list[int], lengths: list[int]) -> torch.Tensor:
+        longest = max(lengths)
+        ids = torch.zeros((len(prompts), longest), dtype=torch.long, device=self.device)
+        for row, prompt in enumerate(prompts):
+            ids[row, : prompt.numel()] = prompt
+        positions = torch.arange(longest, device=self.device).expand(len(prompts), longest)
+        self.cache.bind(slots, [0] * len(prompts), longest)
+        last = None if min(lengths) == longest else to_device([n - 1 for n in lengths], self.device)
+        with sdpa_kernel(_PREFILL_ATTENTION):
+            return self.model(ids, positions, self.cache, last_only=True, last_index=last)
 
     def _biased(self, logits: torch.Tensor) -> torch.Tensor:
         return logits if self.logit_bias is None else logits.float() + self.logit_bias

@@ -222,6 +222,36 @@ def test_lookahead_with_cuda_graphs_gives_the_tokens_of_steps_run_one_at_a_time(
     assert eng.ahead_rows_used > 20 and eng.ahead_rows_dropped >= 3 and eng.joined_rows == 4
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_prefills_replayed_from_cuda_graphs_give_the_tokens_of_eager_prefills(model: Llama) -> None:
+    gpu = Llama(CFG).to("cuda").eval().requires_grad_(False)
+    gpu.load_state_dict(model.state_dict())
+    gpu.init_rope_tables()
+
+    def make(prefill_graphs: bool, budget: int = 4096) -> KVCacheEngine:
+        cache = StaticKVCache(CFG.n_layers, CFG.n_kv_heads, CFG.head_dim, max_slots=9, max_seq_len=64, device="cuda")
+        eng = KVCacheEngine("LLM", gpu, cache, torch.device("cuda"), cuda_graphs=True, lookahead=False,
+                            prefill_token_budget=budget, prefill_graphs=prefill_graphs)
+        eng.warmup()
+        return eng
+
+    def calls():  # ragged: bucket (8, 32) for the five together, each alone its own
+        return [call(f"r{i}", {"input_ids": prompt(n, i).cuda()}) for i, n in enumerate([5, 17, 9, 1, 30])]
+
+    eager = generate(make(False), calls(), steps=6)
+    replayed = make(True)
+    assert generate(replayed, calls(), steps=6) == eager
+    assert replayed.prefill_batches_replayed == replayed.prefill_batches == 1
+    alone = make(True)
+    for c in calls():
+        assert generate(alone, [c], steps=6)[c.request_id] == eager[c.request_id]
+        alone.release(c.request_id)
+    assert alone.prefill_batches_replayed == 5
+    tight = make(True, budget=64)  # 5 rows x 32 is past the budget: cut into batches the buckets hold
+    assert generate(tight, calls(), steps=6) == eager
+    assert tight.prefill_batches_replayed == tight.prefill_batches > 1
+
+
 def test_a_model_whose_rows_affect_each_other_never_looks_ahead(model: Llama) -> None:
     """A dropped lookahead row took part in its batch: with a batch-wide stateful MoE router it would have steered
     the routing of the rows that were kept."""
