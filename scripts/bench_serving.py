@@ -242,9 +242,14 @@ def main() -> None:
     p.add_argument("--device", default="cpu", help="cpu | cuda (the server picks CUDA by itself when present)")
     p.add_argument("--model", default=None, help="registry key override for the served config (e.g. llama)")
     p.add_argument("--no-hf", action="store_true", help="skip HF generate (no transformers here)")
+    p.add_argument("--streams-per-process", type=int, default=CLIENT_STREAMS_PER_PROCESS,
+                   help="client streams per client process (their threads share its GIL: fewer measure the server "
+                        "more closely, more leave the server more of the host's cores)")
     p.add_argument("--no-eager-bare", action="store_true",
                    help="on CUDA, skip the eager bare loop (the yardstick there is the CUDA-graph one)")
     args = p.parse_args()
+    global CLIENT_STREAMS_PER_PROCESS
+    CLIENT_STREAMS_PER_PROCESS = args.streams_per_process
     configs = [(c.rsplit(":", 1)[0], int(c.rsplit(":", 1)[1])) for c in
                (args.config or [str(REPO / "launch/configs/smollm2_pd.yaml") + ":2"])]
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32

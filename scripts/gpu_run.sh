@@ -2,7 +2,7 @@
 # GPU runs on the device machine (torch + NCCL preinstalled, no network). Usage, from the repo root there:
 #   bash scripts/gpu_run.sh STEP...      STEP: tests | gpu | tpstop | serving | pd | pace | pace2 | ttft | ttftrace | profile | edges | split |
 #                                        composite | speech | image | twohost | soak | fastloop |
-#                                        prefillab | engine
+#                                        prefillab | engine | ttftab
 # Needs, carried from the dev machine (bash scripts/gpu_prepare.sh makes both): .whl/ (wheels the GPU image lacks: fastapi, starlette, pydantic(-core),
 # annotated-types, typing-inspection, opentelemetry-api, uvicorn, pyzmq, msgspec, py-spy) and .ckpt/smol-shape (config + tokenizer of
 # SmolLM2-135M; a random same-shaped checkpoint is generated there). Results go to $OUT (or bench/results).
@@ -50,6 +50,14 @@ for step in "$@"; do
                --no-eager-bare --streams 1 8 32 64 --config launch/configs/smollm2_single.yaml:1 \
                --config /tmp/smollm2_single_eager_prefill.yaml:1 --out "$out/serving_h200_prefill_graphs$tag.json" 2>&1 \
                | tail -40 ;;
+    ttftab)  # TTFT at 1 and 32 streams of the single rank, 3 rounds, with 8 client streams per client process and
+             # with ${SPP:-2} (a client process's threads share its GIL)
+             for spp in 8 ${SPP:-2}; do
+               timeout 170 python3 scripts/bench_serving.py --device cuda --model llama --rounds 3 --max-tokens 256 \
+                 --no-hf --no-eager-bare --streams 1 32 --streams-per-process "$spp" \
+                 --config launch/configs/smollm2_single.yaml:1 --out "$out/serving_h200_ttft_spp$spp$tag.json" 2>&1 \
+                 | grep -A3 '"ttft_median_s"\|ttft_32_over'
+             done ;;
     engine)  # the engine's CUDA tests: decode and prefill graphs, lookahead
              timeout 200 python3 -m pytest -q -p no:cacheprovider tests/unit/test_kv_engine.py \
                tests/unit/test_graph_decode.py 2>&1 | tail -4 ;;
