@@ -229,6 +229,7 @@ def bare(model, cfg, ids_list: list[list[int]], batch: int, max_tokens: int, dev
 
 
 def main() -> None:
+    global CLIENT_STREAMS_PER_PROCESS
     p = argparse.ArgumentParser()
     p.add_argument("--config", action="append", default=None, metavar="PATH:NPROC",
                    help="a deployment to serve, with its rank count (repeatable; default "
@@ -248,7 +249,6 @@ def main() -> None:
     p.add_argument("--no-eager-bare", action="store_true",
                    help="on CUDA, skip the eager bare loop (the yardstick there is the CUDA-graph one)")
     args = p.parse_args()
-    global CLIENT_STREAMS_PER_PROCESS
     CLIENT_STREAMS_PER_PROCESS = args.streams_per_process
     configs = [(c.rsplit(":", 1)[0], int(c.rsplit(":", 1)[1])) for c in
                (args.config or [str(REPO / "launch/configs/smollm2_pd.yaml") + ":2"])]
