@@ -94,7 +94,8 @@ for step in "$@"; do
     soak)    # detached: starts a ${SOAK_SECONDS:-600} s soak unless one is in /tmp/soak, waits up to SOAK_WAIT s;
              # collect the rest at once in the next command: bash scripts/gpu_soak.sh collect 540
              bash scripts/gpu_soak.sh auto "${SOAK_SECONDS:-600}" "${SOAK_WAIT:-480}" 2>&1 | tail -60 ;;
-    fastloop) # uvicorn on uvloop and httptools (.whl/extra) from here on: the steps after it compare with those before
+    fastloop) # installs .whl/extra (httptools, uvloop) for the steps after it, to compare with those before: uvicorn's
+             # http="auto" then parses with httptools; uvloop stays unused (HttpServer runs its own asyncio loop)
              python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
                .whl/extra/*.whl && tag="_fastloop" ;;
     *) echo "unknown step $step"; exit 2 ;;
