@@ -210,15 +210,25 @@ class _ChatReply:
             del chunk["usage"]
         return _sse(chunk)
 
+    def _content_framing(self, include_usage: bool) -> tuple[bytes, bytes]:
+        """The bytes around a content delta's JSON string in its event: what ``_chunk`` writes for
+        ``[ChunkChoice(delta=ChunkDelta(content=text))]``, cut at the text (built once per response, so a token's
+        event costs one string encoding, not two pydantic models and a dump)."""
+        marker = "\x00"
+        whole = self._chunk([ChunkChoice(delta=ChunkDelta(content=marker))], None, include_usage)
+        head, tail = whole.split(b'"content":' + _json(marker), 1)
+        return head + b'"content":', tail
+
     async def sse(self, stream, first, *, include_usage: bool) -> AsyncIterator[bytes]:
         """``data: {chunk}`` events: role, content deltas, finish_reason, [usage], then ``data: [DONE]``.
         Media deltas (which a text model does not produce) are left out."""
         try:
             yield self._chunk([ChunkChoice(delta=ChunkDelta(role="assistant", content=""))], None, include_usage)
+            head, tail = self._content_framing(include_usage)
             event = first
             while not isinstance(event, Finished):
                 if isinstance(event, TextDelta):
-                    yield self._chunk([ChunkChoice(delta=ChunkDelta(content=event.text))], None, include_usage)
+                    yield head + _json(event.text) + tail
                 event = await stream.__anext__()
             yield self._chunk([ChunkChoice(delta=ChunkDelta(), finish_reason=event.finish_reason)], None,
                               include_usage)
@@ -234,9 +244,15 @@ class _ChatReply:
 async def _ndjson_body(stream, first, request_id: str) -> AsyncIterator[bytes]:
     """NDJSON lines (see ``protocol`` module docstring): one per delta, then one final or error line."""
     try:
+        text_head = b'{"modality":"text","data":"'
+        text_meta = b'","metadata":{"request_id":' + _json(request_id) + b',"n_tokens":'
         event = first
         while not isinstance(event, Finished):
-            yield _line(_delta_line(event, request_id))
+            if isinstance(event, TextDelta):  # the per-token line, written directly (what _delta_line gives)
+                yield b"".join((text_head, base64.b64encode(event.text.encode("utf-8")), text_meta,
+                                str(event.n_tokens).encode("ascii"), b"}}\n"))
+            else:
+                yield _line(_delta_line(event, request_id))
             event = await stream.__anext__()
         usage = Usage.of(event.prompt_tokens, event.completion_tokens).model_dump()
         meta = {"request_id": request_id, "finish_reason": event.finish_reason, "usage": usage}

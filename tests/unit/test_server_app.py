@@ -500,3 +500,28 @@ def test_streamed_lines_survive_clients_that_split_on_unicode_line_breaks(client
     chunks = [json.loads(line[len("data: "):]) for line in lines[:-1]]  # every line whole
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == \
         "".join(fake.deltas)
+
+
+@pytest.mark.parametrize("text", ["hé", 'a "quote" and a \\ backslash', "line\u2028sep\u2029x\u0085", "\x01\n\t", "🚀", ""])
+def test_streamed_text_events_are_the_bytes_the_response_models_give(text):
+    """The per-token SSE and NDJSON events are written without pydantic; they must stay byte for byte what the
+    response models serialise to (JSON escapes, the line breakers clients split on, null fields)."""
+    from mstar_dist.events import Finished, TextDelta
+    from mstar_dist.server.app import _ChatReply, _delta_line, _json, _line, _ndjson_body
+    from mstar_dist.server.protocol import ChunkChoice, ChunkDelta
+
+    reply = _ChatReply('chatcmpl-a"b\u2028', 1700000000, "org/model")
+    for include_usage in (False, True):
+        head, tail = reply._content_framing(include_usage)
+        slow = reply._chunk([ChunkChoice(delta=ChunkDelta(content=text))], None, include_usage)
+        assert head + _json(text) + tail == slow
+
+    async def body(request_id: str) -> list[bytes]:
+        async def rest():
+            yield Finished(finish_reason="stop", prompt_tokens=1, completion_tokens=3)
+        return [line async for line in _ndjson_body(rest(), TextDelta(text=text, n_tokens=3), request_id)]
+
+    for request_id in ("r1", 'q"u\u2028ote'):
+        lines = asyncio.run(body(request_id))
+        assert lines[0] == _line(_delta_line(TextDelta(text=text, n_tokens=3), request_id))
+        assert json.loads(lines[-1])["metadata"]["finish_reason"] == "stop"
