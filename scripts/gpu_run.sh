@@ -2,7 +2,7 @@
 # GPU runs on the device machine (torch + NCCL preinstalled, no network). Usage, from the repo root there:
 #   bash scripts/gpu_run.sh STEP...      STEP: tests | gpu | tpstop | serving | pd | pace | pace2 | ttft | ttftrace | profile | edges | split |
 #                                        composite | speech | image | twohost | soak | fastloop |
-#                                        prefillab | engine | ttftab
+#                                        prefillab | engine | ttftab | treeab
 # Needs, carried from the dev machine (bash scripts/gpu_prepare.sh makes both): .whl/ (wheels the GPU image lacks: fastapi, starlette, pydantic(-core),
 # annotated-types, typing-inspection, opentelemetry-api, uvicorn, pyzmq, msgspec, py-spy) and .ckpt/smol-shape (config + tokenizer of
 # SmolLM2-135M; a random same-shaped checkpoint is generated there). Results go to $OUT (or bench/results).
@@ -57,6 +57,17 @@ for step in "$@"; do
                  --no-hf --no-eager-bare --streams 1 32 --streams-per-process "$spp" \
                  --config launch/configs/smollm2_single.yaml:1 --out "$out/serving_h200_ttft_spp$spp$tag.json" 2>&1 \
                  | grep -A3 '"ttft_median_s"\|ttft_32_over'
+             done ;;
+    treeab)  # this tree against the one in .ab_base (carried; e.g. `git archive HEAD~1 mstar_dist models scripts tests
+             # launch`), alternating, one round each: tok/s and TTFT of the single rank at 1, 32 and 64 streams
+             for i in 1 2; do
+               for tree in .ab_base .; do
+                 name=$([ "$tree" = . ] && echo new || echo base)
+                 (cd "$tree" && PYTHONPATH="/tmp/site:$PWD" timeout 150 python3 scripts/bench_serving.py --device cuda \
+                   --model llama --rounds 1 --max-tokens 256 --no-hf --no-eager-bare --streams 1 32 64 \
+                   --config launch/configs/smollm2_single.yaml:1 --out "$out/serving_h200_treeab_${name}_$i.json" 2>&1 \
+                   | grep -A4 '"median_tok_s"\|"ttft_median_s"')
+               done
              done ;;
     engine)  # the engine's CUDA tests: decode and prefill graphs, lookahead
              timeout 200 python3 -m pytest -q -p no:cacheprovider tests/unit/test_kv_engine.py \
