@@ -2,7 +2,7 @@
 # GPU runs on the device machine (torch + NCCL preinstalled, no network). Usage, from the repo root there:
 #   bash scripts/gpu_run.sh STEP...      STEP: tests | gpu | tpstop | serving | pd | pace | pace2 | ttft | ttftrace | profile | edges | split |
 #                                        composite | speech | image | twohost | soak | fastloop |
-#                                        prefillab | engine | ttftab | treeab | loopab
+#                                        prefillab | engine | ttftab | treeab
 # Needs, carried from the dev machine (bash scripts/gpu_prepare.sh makes both): .whl/ (wheels the GPU image lacks: fastapi, starlette, pydantic(-core),
 # annotated-types, typing-inspection, opentelemetry-api, uvicorn, pyzmq, msgspec, py-spy) and .ckpt/smol-shape (config + tokenizer of
 # SmolLM2-135M; a random same-shaped checkpoint is generated there). Results go to $OUT (or bench/results).
@@ -67,17 +67,6 @@ for step in "$@"; do
                    --model llama --rounds 1 --max-tokens 256 --no-hf --no-eager-bare --streams 1 32 64 \
                    --config launch/configs/smollm2_single.yaml:1 --out "$out/serving_h200_treeab_${name}_$i.json" 2>&1 \
                    | grep -A4 '"median_tok_s"\|"ttft_median_s"')
-               done
-             done ;;
-    loopab)  # the HTTP thread on asyncio's loop against uvloop's (MSTAR_DIST_UVLOOP), httptools installed for both,
-             # alternating, one round each: tok/s and TTFT of the single rank at 1, 32 and 64 streams
-             python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-               .whl/extra/*.whl
-             for i in 1 2; do
-               for u in 0 1; do
-                 MSTAR_DIST_UVLOOP=$u timeout 150 python3 scripts/bench_serving.py --device cuda --model llama --rounds 1 \
-                   --max-tokens 256 --no-hf --no-eager-bare --streams 1 32 64 --config launch/configs/smollm2_single.yaml:1 \
-                   --out "$out/serving_h200_uvloop${u}_$i.json" 2>&1 | grep -A4 '"median_tok_s"\|"ttft_median_s"'
                done
              done ;;
     engine)  # the engine's CUDA tests: decode and prefill graphs, lookahead

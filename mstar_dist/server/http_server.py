@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
-import os
 import socket
 import threading
 import time
@@ -100,7 +99,7 @@ class HttpServer:
         self._thread = None
 
     def _run(self, sock: socket.socket) -> None:
-        loop = new_event_loop()
+        loop = asyncio.new_event_loop()
         asyncio.set_event_loop(loop)
         self._loop = loop
         try:
@@ -121,19 +120,6 @@ class HttpServer:
 
     def __exit__(self, *exc_info) -> None:
         self.stop()
-
-
-def new_event_loop() -> asyncio.AbstractEventLoop:
-    """uvloop's loop where uvloop is installed (its socket writes and cross-thread wake-ups cost less per streamed
-    chunk), else asyncio's. ``MSTAR_DIST_UVLOOP=0`` keeps asyncio's."""
-    if os.environ.get("MSTAR_DIST_UVLOOP", "1") != "0":
-        try:
-            import uvloop
-        except ImportError:
-            pass
-        else:
-            return uvloop.new_event_loop()
-    return asyncio.new_event_loop()
 
 
 def reserve_port(host: str, port: int) -> socket.socket:
