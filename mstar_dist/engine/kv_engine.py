@@ -24,7 +24,9 @@ A call that finds no free slot is answered ``None`` and retried by the worker on
 Prefills handed over together run as batched forwards of at most ``prefill_token_budget`` tokens (rows right-padded
 to the batch's longest prompt; a row's logits are read at its own last token, and the pad positions it writes into
 its slot are never attended: decode overwrites and masks them). A model whose pads are not inert (a stateful MoE
-router would count them) sets ``pads_are_inert = False``: then only prompts of one length share a forward.
+router would count them) sets ``pads_are_inert = False``: then only prompts of one length share a forward. With
+prefill graphs (CUDA, with decode graphs) a batch is cut so that one captured (rows, length) bucket holds it, and
+replays that bucket's graph (``cuda_graphs.PrefillGraphs``); a prompt no bucket holds runs eagerly, alone.
 """
 
 from __future__ import annotations
