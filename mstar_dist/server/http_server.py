@@ -1,7 +1,6 @@
-"""Running an ASGI app under uvicorn on a background thread with its own asyncio loop (rank 0 only).
-
-The conductor shares this loop: it schedules coroutines on ``HttpServer.loop`` with
-``asyncio.run_coroutine_threadsafe``. The worker loop keeps the main thread (docs/architecture.md §2, threads).
+"""Running an ASGI app under uvicorn on a thread of its own, with its own asyncio loop: the HTTP thread of the front
+end (``conductor/process.py``, docs/architecture.md §2 "Threads"). The conductor thread hands events to this loop with
+``call_soon_threadsafe`` (``conductor/backend.py``); nothing else runs on it.
 """
 
 from __future__ import annotations
