@@ -59,9 +59,7 @@ class DecodeGraphs:
         self.model = model
         self.cache = cache
         self.scratch = scratch_slot
-        self.buckets = [1 << i for i in range(max_batch.bit_length()) if 1 << i <= max_batch]
-        if self.buckets[-1] != max_batch:
-            self.buckets.append(max_batch)
+        self.buckets = _pow2_buckets(max_batch)
         self.contexts = context_buckets(cache.max_seq_len)
         self._captured: dict[tuple[int, int], _Captured] = {}
 
