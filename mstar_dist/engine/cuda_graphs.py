@@ -199,7 +199,8 @@ class PrefillGraphs:
 
     def logits(self, prompts: list[torch.Tensor], slots: list[int], bucket: tuple[int, int]) -> torch.Tensor:
         """The last-token logits (n, 1, V) of ``prompts`` (each (T,) on the device) prefilled into ``slots``, replayed
-        from ``bucket`` (from ``bucket_for``); valid until the next replay of that bucket."""
+        from ``bucket`` (from ``bucket_for``); valid until the next call (the buckets share one memory pool, so
+        another bucket's replay may write where this output lies: use it on this stream before then)."""
         cap = self._captured[bucket]
         n = len(prompts)
         cap.ids.zero_()
