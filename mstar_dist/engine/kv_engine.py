@@ -120,6 +120,8 @@ class KVCacheEngine(Component):
             self.prefill_graphs = PrefillGraphs(model, cache, scratch_slot=self.graphs.scratch,
                                                 max_rows=self.graphs.max_rows, max_tokens=prefill_token_budget,
                                                 attention=_PREFILL_ATTENTION)
+            if not self.prefill_graphs.buckets:  # a budget below the shortest bucket: batches cut as without graphs
+                self.prefill_graphs = None
         # a dropped lookahead row took part in its batch's forward: only models whose rows do not affect each
         # other (pads_are_inert; not a batch-wide stateful MoE router) may look ahead
         self.lookahead = (device.type == "cuda" if lookahead is None else bool(lookahead)) and self.ragged_prefill
