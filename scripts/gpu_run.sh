@@ -5,12 +5,15 @@
 #                                        prefillab | engine | ttftab | treeab
 # Needs, carried from the dev machine (bash scripts/gpu_prepare.sh makes both): .whl/ (wheels the GPU image lacks: fastapi, starlette, pydantic(-core),
 # annotated-types, typing-inspection, opentelemetry-api, uvicorn, pyzmq, msgspec, py-spy) and .ckpt/smol-shape (config + tokenizer of
-# SmolLM2-135M; a random same-shaped checkpoint is generated there). Results go to $OUT (or bench/results).
+# SmolLM2-135M; a random same-shaped checkpoint is generated there); .whl/extra (httptools, uvloop) for the fastloop
+# step only. Results go to $OUT (or bench/results).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 out="${OUT:-bench/results}"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || exit 1
+# a warm machine keeps /tmp/site: drop what an earlier fastloop step added, so every command starts without it
+rm -rf /tmp/site/httptools* /tmp/site/uvloop*
 export PYTHONPATH="/tmp/site:$PWD" MSTAR_TEST_WEIGHTS=/tmp/smol-rand PATH="/tmp/site/bin:$PATH"
 [ -f /tmp/smol-rand/model.safetensors ] || python3 scripts/make_random_checkpoint.py --like .ckpt/smol-shape \
   --out /tmp/smol-rand --dtype bfloat16 >/dev/null 2>&1 || exit 1
