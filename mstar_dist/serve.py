@@ -24,6 +24,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="every route but /health needs 'Authorization: Bearer KEY' (default: $MSTAR_API_KEY; "
                         "unset: no authentication)")
     p.add_argument("--max-body-bytes", type=int, default=None, help="overrides server.max_body_bytes (413 above)")
+    p.add_argument("--http-processes", type=int, default=None,
+                   help="overrides server.http_processes (processes parsing HTTP on the port; default 1)")
     p.add_argument("--intra-host-tensor-protocol", choices=["p2p", "mooncake", "shm"], default=None,
                    help="transport for tensors whose consumer is on the same host (overrides transport.intra_host)")
     p.add_argument("--inter-host-tensor-protocol", choices=["p2p", "mooncake", "shm"], default=None,

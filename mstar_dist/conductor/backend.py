@@ -14,10 +14,13 @@ import asyncio
 import collections
 import threading
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 from mstar_dist import trace
-from mstar_dist.conductor.conductor import Conductor
 from mstar_dist.events import BackendError, Finished, GenerationEvent, GenerationParams, TextDelta
+
+if TYPE_CHECKING:
+    from mstar_dist.conductor.conductor import Conductor
 
 
 class ConductorBackend:
@@ -54,20 +57,7 @@ class ConductorBackend:
             events.put_nowait(event)
 
     def health(self) -> tuple[bool, str]:
-        c = self.conductor
-        if c.failed:
-            return False, c.failed
-        if c.thread is not None and not c.thread.is_alive() and not c.stopped.is_set():
-            return False, "the conductor thread died; see rank 0's log"
-        if not c.serving:
-            return False, f"starting: {len(c.ready_ranks)}/{c.world_size} ranks ready"
-        if c.stopped.is_set():
-            return False, "shutting down"
-        down = c.unservable_walks()
-        if down:
-            dead = ", ".join(f"rank {r} ({why})" for r, why in sorted(c.dead_ranks.items()))
-            return False, f"no live replica for walks {down}; dead: {dead}"
-        return True, "ok"
+        return self.conductor.health()
 
     def metrics_text(self) -> str:
         return self.conductor.metrics.render()
@@ -86,27 +76,35 @@ class ConductorBackend:
         if trace.ON:  # as it is handed over (after, the conductor thread may be first on the clock)
             trace.event("http_submitted", params.request_id)
         self.conductor.command(("submit", params, sink, True))
-        pending: collections.deque = collections.deque()  # events taken from the queue, not yet yielded
-        first = trace.ON
         try:
-            while True:
-                event = pending.popleft() if pending else await events.get()
-                if first:  # phase trace: the first event is on the HTTP loop
-                    first = False
-                    trace.event("http_first_event", params.request_id, kind=type(event).__name__)
-                while not events.empty():
-                    pending.append(events.get_nowait())
-                while isinstance(event, TextDelta) and pending and isinstance(pending[0], TextDelta):
-                    after = pending.popleft()  # text waiting behind this one goes out with it
-                    event = TextDelta(text=event.text + after.text, n_tokens=event.n_tokens + after.n_tokens)
-                if isinstance(event, BaseException):
-                    finished = True
-                    raise event
-                if isinstance(event, Finished):
-                    finished = True
+            async for event in relay_queue(events, params.request_id):
+                finished = isinstance(event, Finished)
                 yield event
-                if finished:
-                    return
+        except BackendError:
+            finished = True  # an error event: the conductor has ended the request already
+            raise
         finally:
             if not finished:
                 self.conductor.command(("abort", params.request_id, sink))
+
+
+async def relay_queue(events: asyncio.Queue, request_id: str) -> AsyncIterator[GenerationEvent]:
+    """The events of one request as they land in ``events``, until ``Finished``; an exception event is raised.
+    Text deltas waiting behind one another go out as one (one chunk, one socket write under load)."""
+    pending: collections.deque = collections.deque()  # events taken from the queue, not yet yielded
+    first = trace.ON
+    while True:
+        event = pending.popleft() if pending else await events.get()
+        if first:  # phase trace: the first event is on the HTTP loop
+            first = False
+            trace.event("http_first_event", request_id, kind=type(event).__name__)
+        while not events.empty():
+            pending.append(events.get_nowait())
+        while isinstance(event, TextDelta) and pending and isinstance(pending[0], TextDelta):
+            after = pending.popleft()  # text waiting behind this one goes out with it
+            event = TextDelta(text=event.text + after.text, n_tokens=event.n_tokens + after.n_tokens)
+        if isinstance(event, BaseException):
+            raise event
+        yield event
+        if isinstance(event, Finished):
+            return

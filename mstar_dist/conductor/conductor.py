@@ -29,6 +29,7 @@ from mstar_dist.graph.model import CompositeModel, RequestState, WalkStep
 from mstar_dist.graph.io import walk_io
 from mstar_dist.graph.nodes import iter_nodes, node_names
 from mstar_dist.graph.partitions import PartitionTracker, check_partitions
+from mstar_dist.conductor.intake_hub import IntakeHub
 from mstar_dist.conductor.stop_strings import StopTrimmer
 from mstar_dist.events import BackendError, Finished, GenerationParams, MediaDelta, TextDelta
 from mstar_dist.transport.inline import decode_tensor, encode_tensor
@@ -115,7 +116,10 @@ class Conductor:
         max_queued: int = 256,
         rank_timeout_s: float = 30.0,
         log_stats_s: float | None = None,
+        intakes: tuple[str, ...] = (),
     ):
+        """``intakes``: names of the HTTP intake processes whose control sockets ``channel`` is connected to (none:
+        the in-process ``ConductorBackend`` is the only way in)."""
         self.model = model
         self.placement = placement
         self.channel = channel
@@ -170,6 +174,7 @@ class Conductor:
         self._incarnation = 0
         self._queue: collections.deque[_Queued] = collections.deque()
         self._rng = random.Random(0)
+        self.intakes = IntakeHub(self, intakes)
 
     # ---- thread side ----
     def wait_ready(self, timeout_s: float) -> None:
@@ -201,6 +206,7 @@ class Conductor:
                 last_check = now
                 self._check_timeouts(now)
                 self._check_ranks(now)
+                self.intakes.push_health()
             if self.log_stats_s and now - self._stats_mark[0] >= self.log_stats_s:
                 self.log_stats(now)
             if now - last_beat > 1.0:
@@ -208,7 +214,10 @@ class Conductor:
                 for rank in range(self.world_size):
                     if rank not in self.dead_ranks:
                         self._send(rank, m.Heartbeat(sent_at=now))
+            self.intakes.flush()
         self._fail_all(503, "the server is shutting down")
+        self.intakes.push_health()
+        self.intakes.flush()
 
     def broadcast(self, body: m.Message) -> None:
         for rank in range(self.world_size):
@@ -231,21 +240,44 @@ class Conductor:
                 return
             kind = cmd[0]
             if kind == "submit":
-                params, sink = cmd[1], cmd[2]
-                if trace.ON:
-                    trace.event("cond_received", params.request_id, queued=len(self._queue),
-                                active=len(self._active))
-                try:
-                    self._submit(*cmd[1:])
-                except Exception as exc:  # never let one request take the conductor thread down
-                    log.exception("conductor: submit of %s failed", params.request_id)
-                    req = self._active.get(params.request_id)
-                    if req is not None and req.sink is sink:
-                        self._finish_error(req, 500, f"{type(exc).__name__}: {exc}")
-                    else:
-                        sink(BackendError(500, f"{type(exc).__name__}: {exc}"))
+                self.submit(*cmd[1:])
             elif kind == "abort":
                 self._guarded(self._abort, cmd[1], cmd[2] if len(cmd) > 2 else None)
+
+    def submit(self, params: GenerationParams, sink: Sink, pinned_id: bool) -> None:
+        """Take one request on the conductor thread (from the in-process backend or an intake); whatever goes
+        wrong is an error event on ``sink``, never an exception out of here."""
+        if trace.ON:
+            trace.event("cond_received", params.request_id, queued=len(self._queue), active=len(self._active))
+        try:
+            self._submit(params, sink, pinned_id)
+        except Exception as exc:  # never let one request take the conductor thread down
+            log.exception("conductor: submit of %s failed", params.request_id)
+            req = self._active.get(params.request_id)
+            if req is not None and req.sink is sink:
+                self._finish_error(req, 500, f"{type(exc).__name__}: {exc}")
+            else:
+                sink(BackendError(500, f"{type(exc).__name__}: {exc}"))
+
+    def abort(self, request_id: str, sink: Sink | None) -> None:
+        """Abort on the conductor thread (see ``_abort``); a failure is logged, never raised."""
+        self._guarded(self._abort, request_id, sink)
+
+    def health(self) -> tuple[bool, str]:
+        """(serving?, reason): what ``/health`` answers. Safe from any thread (reads only)."""
+        if self.failed:
+            return False, self.failed
+        if self.thread is not None and not self.thread.is_alive() and not self.stopped.is_set():
+            return False, "the conductor thread died; see rank 0's log"
+        if not self.serving:
+            return False, f"starting: {len(self.ready_ranks)}/{self.world_size} ranks ready"
+        if self.stopped.is_set():
+            return False, "shutting down"
+        down = self.unservable_walks()
+        if down:
+            dead = ", ".join(f"rank {r} ({why})" for r, why in sorted(self.dead_ranks.items()))
+            return False, f"no live replica for walks {down}; dead: {dead}"
+        return True, "ok"
 
     def _guarded(self, fn, *args) -> None:
         """Run one message handler; an exception fails the request it concerns, never the conductor thread."""
@@ -277,6 +309,9 @@ class Conductor:
         if env.token != self.token:
             self.metrics.rejected_messages += 1
             log.warning("conductor: rejected a message from %r without this launch's deployment secret", sender)
+            return
+        if sender in self.intakes and env.sender == sender:
+            self.intakes.handle(sender, env.body)
             return
         if env.sender != sender or not re.fullmatch(r"rank\d+", sender):
             self.metrics.rejected_messages += 1

@@ -46,59 +46,59 @@ _OUT_FD = "MSTAR_FRONTEND_OUT_FD"
 _WHERE = "MSTAR_FRONTEND_WHERE"  # "host_name addr"
 
 
-class FrontendProcess:
-    """Rank 0's handle on its front-end process."""
+class ChildProcess:
+    """A helper process of the front end's family (``python -m <module>``) that talks JSON lines: it writes them on an
+    inherited pipe (``MSTAR_FRONTEND_OUT_FD``), reads them on its stdin, and stops on SIGTERM or when its stdin
+    closes (its parent is gone)."""
 
-    def __init__(self, argv: list[str], *, host_name: str, addr: str, http_sock: socket.socket):
-        """Spawn it now; ``argv`` are this rank's serve flags (the front end parses the same ones)."""
+    what = "child process"
+
+    def __init__(self, module: str, argv: list[str], env: dict[str, str], pass_fds: tuple[int, ...] = ()):
         read_fd, write_fd = os.pipe()
-        env = {**os.environ, _HTTP_FD: str(http_sock.fileno()), _OUT_FD: str(write_fd),
-               _WHERE: f"{host_name} {addr}", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
         try:
-            self.proc = subprocess.Popen([sys.executable, "-m", "mstar_dist.conductor.process", *argv],
-                                         stdin=subprocess.PIPE, env=env, pass_fds=(http_sock.fileno(), write_fd))
+            self.proc = subprocess.Popen([sys.executable, "-m", module, *argv], stdin=subprocess.PIPE,
+                                         env={**os.environ, **env, _OUT_FD: str(write_fd)},
+                                         pass_fds=(*pass_fds, write_fd))
         finally:
             os.close(write_fd)
-        http_sock.close()  # the front end holds the port now; it is freed when the front end exits
         self._out = os.fdopen(read_fd, "rb")
         self.pid = self.proc.pid
         self._checked_at, self._alive = 0.0, True
 
-    def endpoint(self, timeout_s: float) -> str:
-        """The front end's control endpoint (blocks until it has bound its socket)."""
+    def read(self, timeout_s: float, what: str) -> dict[str, Any]:
+        """The next JSON line it writes; RuntimeError naming ``what`` it owed when none comes within ``timeout_s``."""
         line = _read_line(self._out.fileno(), timeout_s, self.proc)
         if line is None:
-            raise RuntimeError(f"the front-end process (pid {self.pid}) did not report its control endpoint "
-                               f"within {timeout_s:g} s (exit status {self.proc.poll()}); see its log lines")
-        return json.loads(line)["endpoint"]
+            raise RuntimeError(f"{self.what} (pid {self.pid}) did not report {what} within {timeout_s:g} s "
+                               f"(exit status {self.proc.poll()}); see its log lines")
+        return json.loads(line)
 
-    def configure(self, token: str, endpoints: dict[str, str], failed: str | None = None) -> None:
-        """Hand over the launch's secret and every rank's endpoint (or that rank 0 failed to load)."""
-        line = json.dumps({"token": token, "endpoints": endpoints, "failed": failed}) + "\n"
+    def write(self, obj: dict[str, Any]) -> None:
+        """One JSON line on its stdin (nothing when it is gone already: ``alive()`` says so)."""
         try:
-            self.proc.stdin.write(line.encode())
+            self.proc.stdin.write(json.dumps(obj).encode() + b"\n")
             self.proc.stdin.flush()
         except (BrokenPipeError, ValueError):
-            pass  # it is gone already: alive() says so
+            pass
 
     def alive(self) -> bool:
-        """Whether it runs (checked at most every 0.2 s: rank 0's loop asks every turn)."""
+        """Whether it runs (checked at most every 0.2 s: callers ask every turn of their loop)."""
         now = time.monotonic()
         if now - self._checked_at >= 0.2:
             self._checked_at, self._alive = now, self.proc.poll() is None
         return self._alive
 
     def describe_exit(self) -> str:
-        return f"the front end (conductor and HTTP, pid {self.pid}) exited with status {self.proc.poll()}"
+        return f"{self.what} (pid {self.pid}) exited with status {self.proc.poll()}"
 
     def stop(self, timeout_s: float = 15.0) -> int | None:
-        """SIGTERM, wait (it fails in-flight requests and tells the ranks to stop), then SIGKILL."""
+        """SIGTERM, wait up to ``timeout_s`` (it finishes what it must on the way out), then SIGKILL."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
-                log.error("the front end (pid %d) did not stop within %g s; killing it", self.pid, timeout_s)
+                log.error("%s (pid %d) did not stop within %g s; killing it", self.what, self.pid, timeout_s)
                 self.proc.kill()
                 self.proc.wait(5)
         for f in (self.proc.stdin, self._out):
@@ -107,6 +107,27 @@ class FrontendProcess:
             except OSError:
                 pass
         return self.proc.returncode
+
+
+class FrontendProcess(ChildProcess):
+    """Rank 0's handle on its front-end process."""
+
+    what = "the front end (conductor and HTTP)"
+
+    def __init__(self, argv: list[str], *, host_name: str, addr: str, http_sock: socket.socket):
+        """Spawn it now; ``argv`` are this rank's serve flags (the front end parses the same ones)."""
+        env = {_HTTP_FD: str(http_sock.fileno()), _WHERE: f"{host_name} {addr}", "CUDA_VISIBLE_DEVICES": "",
+               "OMP_NUM_THREADS": "1"}
+        super().__init__("mstar_dist.conductor.process", argv, env, pass_fds=(http_sock.fileno(),))
+        http_sock.close()  # the front end holds the port now; it is freed when the front end exits
+
+    def endpoint(self, timeout_s: float) -> str:
+        """The front end's control endpoint (blocks until it has bound its socket)."""
+        return self.read(timeout_s, "its control endpoint")["endpoint"]
+
+    def configure(self, token: str, endpoints: dict[str, str], failed: str | None = None) -> None:
+        """Hand over the launch's secret and every rank's endpoint (or that rank 0 failed to load)."""
+        self.write({"token": token, "endpoints": endpoints, "failed": failed})
 
 
 def _read_line(fd: int, timeout_s: float, proc: subprocess.Popen | None = None) -> bytes | None:
@@ -130,8 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     from mstar_dist.control.channel import ControlChannel
     from mstar_dist.logs import configure_logging
     from mstar_dist.serve import parse_args
+    from mstar_dist.conductor.intake import IntakeProcess
     from mstar_dist.worker.boot import (
-        _broadcast_shutdown, _start_conductor, _start_http, load_deployment,
+        _broadcast_shutdown, _start_conductor, _start_http, announce, load_deployment, served,
     )
     from mstar_dist.worker.worker import CONDUCTOR
 
@@ -153,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, lambda *_: stop.set())
 
     channel = conductor = http = None
+    intakes: list[IntakeProcess] = []
     dep = None
     world_size = 0
     rc = 0
@@ -163,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
         channel = ControlChannel(CONDUCTOR, addr)
         out.write(json.dumps({"endpoint": channel.endpoint}).encode() + b"\n")
         out.flush()
+        if dep.config.server.http_processes > 1:  # spawned now: their imports overlap the ranks' loading
+            intakes = [IntakeProcess(k, host_name=host_name, addr=addr, log_level=args.log_level,
+                                     log_format=args.log_format) for k in range(dep.config.server.http_processes)]
         line = _read_line(sys.stdin.fileno(), args.startup_timeout + 30)
         if line is None:
             raise RuntimeError(f"rank 0 did not hand over the ranks' endpoints within {args.startup_timeout:g} s "
@@ -177,13 +203,24 @@ def main(argv: list[str] | None = None) -> int:
             _broadcast_shutdown(dep, channel, world_size, handover["failed"])
             time.sleep(0.2)
             return 1
-        threading.Thread(target=_watch_parent, args=(stop,), name="parent-watch", daemon=True).start()
-        conductor = _start_conductor(dep, channel, args.startup_timeout, log_stats_s=args.log_stats)
-        http = _start_http(dep, conductor, api_key=args.api_key, sock=http_sock)
+        threading.Thread(target=watch_parent, args=(stop, "rank 0"), name="parent-watch", daemon=True).start()
+        for intake in intakes:
+            channel.connect(intake.name, intake.read(60, "its control endpoint")["endpoint"])
+        conductor = _start_conductor(dep, channel, args.startup_timeout, log_stats_s=args.log_stats,
+                                     intakes=tuple(intake.name for intake in intakes))
+        if intakes:
+            _start_intakes(dep, intakes, conductor_endpoint=channel.endpoint, api_key=args.api_key,
+                           port=http_sock.getsockname()[1], announce=announce, served=served(dep))
+            http_sock.close()  # every intake listens on the port now
+        else:
+            http = _start_http(dep, conductor, api_key=args.api_key, sock=http_sock)
         http_sock = None
         while not stop.wait(0.2):
             if not conductor.thread.is_alive():
                 raise RuntimeError("the conductor thread died")
+            for intake in intakes:
+                if not intake.alive():
+                    raise RuntimeError(intake.describe_exit())
     except Exception as exc:
         log.error("the front end failed: %s", exc, exc_info=not isinstance(exc, (TimeoutError, ValueError)))
         rc = 1
@@ -197,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
             conductor.stopped.set()
             if conductor.thread is not None:
                 conductor.thread.join(timeout=10)
+        _stop_all(intakes)  # after the conductor's last word (503 to what was in flight) has reached them
+        if conductor is not None:
             _broadcast_shutdown(dep, conductor.channel, world_size, "rank 0 is stopping", error=rc != 0)
             time.sleep(0.2)  # let the shutdown messages leave before the socket closes
         if http is not None:
@@ -208,8 +247,30 @@ def main(argv: list[str] | None = None) -> int:
     return rc
 
 
-def _watch_parent(stop: threading.Event) -> None:
-    """Rank 0 holds our stdin: end of file means it is gone (even SIGKILLed)."""
+def _start_intakes(dep, intakes: list, *, conductor_endpoint: str, api_key: str | None, port: int, announce,
+                   served: dict[str, Any]) -> None:
+    """Hand every intake what it serves, then wait until each listens on the port (docs/architecture.md §2)."""
+    server = dep.config.server
+    for intake in intakes:
+        intake.write({"token": dep.token, "conductor": conductor_endpoint, "host": server.host, "port": port,
+                      "api_key": api_key, "max_body_bytes": server.max_body_bytes, **served})
+    for intake in intakes:
+        intake.read(60, "that it listens on the port")
+    announce(f"mstar_dist: serving {dep.config.model} on http://{server.host}:{port} "
+             f"({len(intakes)} HTTP intake processes)")
+
+
+def _stop_all(children: list) -> None:
+    """SIGTERM each at once, then wait for each (their drains overlap)."""
+    for child in children:
+        if child.proc.poll() is None:
+            child.proc.send_signal(signal.SIGTERM)
+    for child in children:
+        child.stop()
+
+
+def watch_parent(stop: threading.Event, parent: str) -> None:
+    """Our ``parent`` holds our stdin: end of file means it is gone (even SIGKILLed)."""
     fd = sys.stdin.fileno()
     try:
         while not stop.is_set():
@@ -218,7 +279,7 @@ def _watch_parent(stop: threading.Event) -> None:
     except (OSError, ValueError):
         pass
     if not stop.is_set():
-        log.error("rank 0 is gone (its pipe to the front end closed): stopping")
+        log.error("%s is gone (its pipe to this process closed): stopping", parent)
         stop.set()
 
 

@@ -168,11 +168,16 @@ class ServerConfig:
     """TCP port for HTTP, 1..65535."""
     max_body_bytes: int = 8 << 20
     """Largest HTTP request body accepted (bytes, default 8 MiB); a larger one is refused with a 413."""
+    http_processes: int = 1
+    """Processes that parse HTTP and frame responses, 1..64. 1: the front end's own HTTP thread does it; N > 1:
+    N intake processes share the port (``SO_REUSEPORT``) and talk to the conductor over its control socket
+    (docs/architecture.md §2, "Intake processes"), so a burst of arrivals is parsed in parallel."""
 
     def __post_init__(self) -> None:
         read_str(self.host, "host")
         read_int(self.port, "port", minimum=1, maximum=65535)
         read_int(self.max_body_bytes, "max_body_bytes", minimum=1)
+        read_int(self.http_processes, "http_processes", minimum=1, maximum=64)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -242,12 +247,13 @@ class DeploymentConfig:
         max_concurrent_requests: int | None = None,
         request_timeout_s: float | None = None,
         max_body_bytes: int | None = None,
+        http_processes: int | None = None,
         intra_host: str | None = None,
         inter_host: str | None = None,
     ) -> DeploymentConfig:
         """A copy with CLI flag values in place of the file's; None keeps the file's value."""
-        server = {k: v for k, v in (("host", host), ("port", port), ("max_body_bytes", max_body_bytes))
-                  if v is not None}
+        server = {k: v for k, v in (("host", host), ("port", port), ("max_body_bytes", max_body_bytes),
+                                    ("http_processes", http_processes)) if v is not None}
         transport = {k: v for k, v in (("intra_host", intra_host), ("inter_host", inter_host)) if v is not None}
         limits = {
             k: v

@@ -4,16 +4,28 @@ Messages are msgspec structs encoded as msgpack inside an :class:`Envelope` that
 and the sender's name; a receiver drops (and logs) envelopes whose token is not its own. Never pickle.
 
 Ranks in these messages are *global* ranks (torch.distributed's world numbering of the logical cluster).
-Sender names are ``"rank<N>"`` for a worker and ``"conductor"`` for the conductor on rank 0.
+Sender names are ``"rank<N>"`` for a worker, ``"conductor"`` for the conductor on rank 0 and ``"intake<N>"`` for
+an HTTP intake process of the front end.
 """
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Any, Union
 
 import msgspec
 
-from mstar_dist.transport.inline import InlineTensor
+from mstar_dist.events import GenerationParams
+
+
+class InlineTensor(msgspec.Struct, frozen=True, tag=True):
+    """A tensor carried by value inside a control message."""
+
+    dtype: str
+    """torch dtype name without the `torch.` prefix, e.g. "bfloat16" (see `dtype_to_str`)."""
+    shape: list[int]
+    """Tensor shape; `[]` for a 0-d tensor."""
+    data: bytes
+    """Raw row-major element bytes, `prod(shape) * itemsize` long."""
 
 
 class TensorRef(msgspec.Struct, frozen=True, tag=True):
@@ -415,9 +427,93 @@ class Stats(msgspec.Struct, tag=True):
 
 
 
+# ---- intake processes <-> the conductor (docs/architecture.md §2, "Intake processes") ----
+
+
+class Submit(msgspec.Struct, tag=True):
+    """Intake -> conductor: run this validated request; its events come back in ``Outputs`` to the same intake."""
+
+    params: GenerationParams
+    pinned_id: bool
+    """The client chose the request id (it then seeds sampling, as on the in-process path)."""
+
+
+class Cancel(msgspec.Struct, tag=True):
+    """Intake -> conductor: the client of ``request_id`` went away (or the intake is stopping): abort it."""
+
+    request_id: str
+
+
+class HttpCounts(msgspec.Struct, tag=True):
+    """Intake -> conductor: this intake's HTTP metrics (``server/http_metrics.HttpStats.counts``), sent when they
+    change (at most once a second) and with every ``MetricsAsk``; ``/metrics`` shows their sum over intakes."""
+
+    requests: dict[str, int]
+    """``"route code"`` -> requests answered."""
+    in_flight: int
+    disconnects: int
+
+
+class MetricsAsk(msgspec.Struct, tag=True):
+    """Intake -> conductor: a client asked this intake for ``/metrics``; answered by ``MetricsText``."""
+
+    ask: int
+    counts: HttpCounts
+
+
+class MetricsText(msgspec.Struct, tag=True):
+    """Conductor -> intake: the runtime's metrics and every intake's HTTP metrics, as Prometheus text."""
+
+    ask: int
+    text: str
+
+
+class Health(msgspec.Struct, tag=True):
+    """Conductor -> intake: whether the deployment serves (``/health``); sent at start and on every change."""
+
+    serving: bool
+    reason: str
+
+
+class OutText(msgspec.Struct, tag=True):
+    request_id: str
+    text: str
+    n_tokens: int
+
+
+class OutMedia(msgspec.Struct, tag=True):
+    request_id: str
+    modality: str
+    data: bytes
+    metadata: dict[str, Any]
+    n_tokens: int
+
+
+class OutFinished(msgspec.Struct, tag=True):
+    request_id: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class OutError(msgspec.Struct, tag=True):
+    request_id: str
+    status: int
+    message: str
+    retry_after_s: Union[int, None] = None
+
+
+class Outputs(msgspec.Struct, tag=True):
+    """Conductor -> intake: every event produced for that intake's requests since the last ``Outputs`` (one message
+    per turn of the conductor's loop, not one per token)."""
+
+    items: list[Union[OutText, OutMedia, OutFinished, OutError]]
+
+
 Message = Union[
     RunWalk, Push, StopLoops, RemoveRequest, Shutdown, Heartbeat, RankDown, AbortPair, TensorDesc, TransferAck,
     NodeDone, StreamItems, StreamEnd, TPStep, TPEnd, TPPush, Emit, Emits, WalkDone, Ready, LoadFailed, Leaving, Stats,
+    Submit, Cancel, HttpCounts, MetricsAsk, MetricsText, Health, Outputs,
 ]
 
 

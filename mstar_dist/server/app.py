@@ -13,6 +13,7 @@ elsewhere. The speech and image routes live in ``media_routes``.
 from __future__ import annotations
 
 import base64
+import inspect
 import json
 import logging
 import time
@@ -72,13 +73,15 @@ DEFAULT_MAX_BODY_BYTES = 8 << 20
 
 
 def build_app(backend: GenerationBackend, *, api_key: str | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, stats: HttpStats | None = None) -> FastAPI:
     """The FastAPI app serving ``backend``. Runs on the loop of the server that hosts it (``HttpServer``).
 
     ``api_key``: when set, every route but ``/health`` needs ``Authorization: Bearer <api_key>`` (401 without).
-    ``max_body_bytes``: larger request bodies get a 413."""
+    ``max_body_bytes``: larger request bodies get a 413. ``stats``: where the app counts its HTTP requests (a new
+    ``HttpStats`` by default; an intake process shares its own with its backend, which reports them)."""
     app = FastAPI(title="mstar_dist", version="0.1.0")
-    stats = HttpStats()
+    stats = stats if stats is not None else HttpStats()
+    merged = getattr(backend, "http_stats_merged", False)
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
     app.add_middleware(StatsMiddleware, stats=stats)  # added last: outermost, so it counts 401s and 413s too
     created = int(time.time())
@@ -97,9 +100,13 @@ def build_app(backend: GenerationBackend, *, api_key: str | None = None,
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
         text = backend.metrics_text()
+        if inspect.isawaitable(text):  # an intake asks the conductor
+            text = await text
         if text and not text.endswith("\n"):
             text += "\n"
-        return PlainTextResponse(text + stats.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        if not merged:
+            text += stats.render()
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:

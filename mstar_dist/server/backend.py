@@ -3,9 +3,9 @@
 The app (``mstar_dist.server.app``) only ever talks to a :class:`GenerationBackend`. Everything here is plain
 data: no torch, no sockets, so the app and its tests run without a process group.
 
-Threading: every method is called on the HTTP server's asyncio loop (``HttpServer.loop``). ``health()`` and
-``metrics_text()`` are synchronous and must not block (read cached state); ``generate()`` must never block the
-loop (await the conductor's futures instead).
+Threading: every method is called on the HTTP server's asyncio loop (``HttpServer.loop``). ``health()`` is
+synchronous and must not block (read cached state), and so is ``metrics_text()`` unless it is a coroutine;
+``generate()`` must never block the loop (await the conductor's futures instead).
 """
 
 from __future__ import annotations
@@ -36,7 +36,9 @@ class GenerationBackend(Protocol):
         ...
 
     def metrics_text(self) -> str:
-        """Prometheus text exposition of the runtime's metrics (the app appends its own HTTP metrics)."""
+        """Prometheus text exposition of the runtime's metrics (the app appends its own HTTP metrics). May instead
+        be a coroutine function (an intake process asks the conductor); a backend whose text already holds the
+        HTTP metrics of every process on the port sets ``http_stats_merged = True``."""
         ...
 
     def generate(self, params: GenerationParams) -> AsyncIterator[GenerationEvent]:

@@ -121,9 +121,12 @@ class HttpServer:
         self.stop()
 
 
-def reserve_port(host: str, port: int) -> socket.socket:
+def reserve_port(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
     """A socket bound to ``host:port``, not yet listening (connections are refused until ``start``), so a port
-    in use is reported at startup, before any rank loads its model. OSError naming the address otherwise."""
+    in use is reported at startup, before any rank loads its model. OSError naming the address otherwise.
+
+    ``reuse_port``: set ``SO_REUSEPORT`` so that the intake processes (``server.http_processes`` > 1) can bind
+    their own listening sockets on the same port; every one of them sets it too."""
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
         sock = socket.socket(family, socket.SOCK_STREAM)
@@ -131,6 +134,8 @@ def reserve_port(host: str, port: int) -> socket.socket:
         raise OSError(exc.errno, f"cannot bind HTTP server to {host}:{port}: {exc.strerror or exc}") from exc
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((host, port))
     except OSError as exc:
         sock.close()

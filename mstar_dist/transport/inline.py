@@ -12,22 +12,12 @@ from __future__ import annotations
 
 import math
 
-import msgspec
 import numpy as np
 import torch
 
+from mstar_dist.control.messages import InlineTensor  # the wire type lives with the messages (no torch there)
+
 __all__ = ["InlineTensor", "encode_tensor", "decode_tensor", "dtype_to_str", "str_to_dtype"]
-
-
-class InlineTensor(msgspec.Struct, frozen=True, tag=True):
-    """A tensor carried by value inside a control message."""
-
-    dtype: str
-    """torch dtype name without the `torch.` prefix, e.g. "bfloat16" (see `dtype_to_str`)."""
-    shape: list[int]
-    """Tensor shape; `[]` for a 0-d tensor."""
-    data: bytes
-    """Raw row-major element bytes, `prod(shape) * itemsize` long."""
 
 
 _DTYPES: dict[str, torch.dtype] = {

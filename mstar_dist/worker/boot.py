@@ -290,7 +290,8 @@ def load_deployment(args: argparse.Namespace, world_size: int | None, local_ws: 
     config = load_config(args.config).with_overrides(
         host=args.host, port=args.port, max_concurrent_requests=args.max_concurrent_requests,
         request_timeout_s=args.request_timeout, max_body_bytes=args.max_body_bytes,
-        intra_host=args.intra_host_tensor_protocol, inter_host=args.inter_host_tensor_protocol,
+        http_processes=args.http_processes, intra_host=args.intra_host_tensor_protocol,
+        inter_host=args.inter_host_tensor_protocol,
     )
     if world_size is None:
         world_size = _world_from_config(config) if args.dry_run else 1
@@ -329,8 +330,9 @@ def serve(args: argparse.Namespace) -> int:
     if dep.placement.is_conductor(rank):  # first thing: its imports overlap the distributed setup (§2)
         from mstar_dist.conductor.process import FrontendProcess
 
+        http_sock = reserve_port(config.server.host, config.server.port, reuse_port=config.server.http_processes > 1)
         frontend = FrontendProcess(getattr(args, "argv", sys.argv[1:]), host_name=info.host_name, addr=info.addr,
-                                   http_sock=reserve_port(config.server.host, config.server.port))
+                                   http_sock=http_sock)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
@@ -469,7 +471,8 @@ def _broadcast_shutdown(dep: Deployment, channel: ControlChannel, world_size: in
             pass
 
 
-def _start_conductor(dep: Deployment, channel: ControlChannel, timeout_s: float, log_stats_s: float | None):
+def _start_conductor(dep: Deployment, channel: ControlChannel, timeout_s: float, log_stats_s: float | None,
+                     intakes: tuple[str, ...] = ()):
     """Rank 0: wait for every READY, then start the conductor thread (docs/architecture.md §2 step 6)."""
     from mstar_dist.conductor.conductor import Conductor
 
@@ -480,7 +483,7 @@ def _start_conductor(dep: Deployment, channel: ControlChannel, timeout_s: float,
         world_size=dep.cluster.world_size, max_concurrent=cfg.limits.max_concurrent_requests,
         max_queued=cfg.limits.max_queued_requests,
         request_timeout_s=cfg.limits.request_timeout_s, rank_hosts=dep.cluster.rank_hosts(),
-        rank_timeout_s=cfg.limits.rank_timeout_s, log_stats_s=log_stats_s,
+        rank_timeout_s=cfg.limits.rank_timeout_s, log_stats_s=log_stats_s, intakes=intakes,
     )
     conductor.wait_ready(timeout_s)
     announce(dep.describe())
@@ -496,12 +499,15 @@ def _start_http(dep: Deployment, conductor, *, api_key: str | None, sock):
     from mstar_dist.server.http_server import HttpServer
 
     cfg = dep.config
-    backend = ConductorBackend(
-        conductor, model_name=cfg.model, max_context_tokens=dep.model.max_context_tokens,
-        max_tokens_limit=min(cfg.limits.max_tokens, dep.model.max_context_tokens - 1),
-        output_modality=dep.model.output_modality,
-    )
+    backend = ConductorBackend(conductor, **served(dep))
     http = HttpServer(build_app(backend, api_key=api_key, max_body_bytes=cfg.server.max_body_bytes))
     http.start(cfg.server.host, cfg.server.port, timeout_s=30, sock=sock)
     announce(f"mstar_dist: serving {cfg.model} on http://{cfg.server.host}:{cfg.server.port}")
     return http
+
+
+def served(dep: Deployment) -> dict[str, Any]:
+    """What the HTTP app tells clients about the model and its limits (the backend's attributes)."""
+    return {"model_name": dep.config.model, "max_context_tokens": dep.model.max_context_tokens,
+            "max_tokens_limit": min(dep.config.limits.max_tokens, dep.model.max_context_tokens - 1),
+            "output_modality": dep.model.output_modality}

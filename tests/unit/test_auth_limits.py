@@ -116,6 +116,20 @@ def test_max_body_bytes_is_a_checked_config_key_and_flag():
     assert cfg.with_overrides(max_body_bytes=5).server.max_body_bytes == 5
 
 
+def test_http_processes_is_a_checked_config_key_and_flag():
+    group = [{"node_names": ["A"], "ranks": [0], "graph_walks": ["w"]}]
+    assert ServerConfig().http_processes == 1
+    for bad in (0, 65, "4", True):
+        with pytest.raises(ConfigError, match="server.http_processes"):
+            parse_config({"model": "m", "node_groups": group, "server": {"http_processes": bad}}, "d.yaml")
+    cfg = parse_config({"model": "m", "node_groups": group, "server": {"http_processes": 4}}, "d.yaml")
+    assert cfg.server.http_processes == 4
+    assert cfg.with_overrides(http_processes=2).server.http_processes == 2
+    from mstar_dist.serve import parse_args
+
+    assert parse_args(["c.yaml", "--http-processes", "3"]).http_processes == 3
+
+
 def test_serve_flags_take_the_key_from_the_environment(monkeypatch):
     from mstar_dist.serve import parse_args
 

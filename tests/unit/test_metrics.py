@@ -115,6 +115,24 @@ def test_the_app_metrics_have_help_and_type_and_count_routes():
     assert samples(text)['mstar_http_requests_total{code="200",route="/generate"}'] == 1
 
 
+def test_the_http_metrics_of_several_intakes_are_summed():
+    from mstar_dist.server.http_metrics import HttpStats, render_counts
+
+    a, b = HttpStats(), HttpStats()
+    a.requests.labels(route="/generate", code="200").inc(3)
+    b.requests.labels(route="/generate", code="200").inc(2)
+    b.requests.labels(route="/v1/chat/completions", code="400").inc()
+    b.in_flight.inc()
+    a.disconnected()
+    text = render_counts([a.counts(), b.counts()])
+    check_help_and_type(text)
+    got = samples(text)
+    assert got['mstar_http_requests_total{code="200",route="/generate"}'] == 5
+    assert got['mstar_http_requests_total{code="400",route="/v1/chat/completions"}'] == 1
+    assert got["mstar_http_requests_in_flight"] == 1 and got["mstar_http_client_disconnects_total"] == 1
+    assert "_created" not in text  # the time of the summing is no counter's start
+
+
 def test_process_sample_reads_this_process():
     got = process_sample()
     assert got["rss_bytes"] > 10e6 and got["cpu_seconds"] > 0 and got["open_fds"] > 2

@@ -1,0 +1,301 @@
+"""An HTTP intake process: the FastAPI app on the shared port, talking to the conductor over its control socket
+(docs/architecture.md §2, "Intake processes"; ``server.http_processes`` > 1).
+
+The front end spawns N of them (``python -m mstar_dist.conductor.intake --index k``) so that a burst of arrivals
+is parsed, validated and framed by N interpreters instead of the one HTTP thread that shares the conductor's GIL.
+Each binds its own listening socket on ``server.host:port`` with ``SO_REUSEPORT`` (the kernel spreads connections
+over them), and runs two threads:
+
+* the HTTP thread: uvicorn and the app (``server/app.py``), with :class:`IntakeBackend` as its backend;
+* the link thread: owns this process's control channel (``intake<k>``): hands ``Submit`` / ``Cancel`` /
+  ``MetricsAsk`` to the conductor and delivers what comes back (``Outputs``, ``Health``, ``MetricsText``) to the
+  HTTP loop, one ``call_soon_threadsafe`` per batch of messages.
+
+Startup, as JSON lines with the front end (no pickle): it binds its channel and writes ``{"endpoint"}``; reads the
+handover (the launch's secret, the conductor's endpoint, what the app serves) on stdin; connects, waits for the
+conductor's first ``Health``, starts listening and writes ``{"listening": port}``. It stops on SIGTERM (in-flight
+responses get up to 10 s to finish) or when its stdin closes (the front end is gone).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from mstar_dist import trace
+from mstar_dist.conductor.backend import relay_queue
+from mstar_dist.conductor.process import _OUT_FD, _WHERE, ChildProcess, _read_line, watch_parent
+from mstar_dist.control import messages as m
+from mstar_dist.events import BackendError, Finished, GenerationEvent, GenerationParams, MediaDelta, TextDelta
+
+log = logging.getLogger(__name__)
+
+HEALTH_WAIT_S = 10.0
+"""How long an intake waits for the conductor's first ``Health`` before it gives up starting."""
+METRICS_WAIT_S = 5.0
+"""How long ``/metrics`` waits for the conductor's answer."""
+COUNTS_EVERY_S = 1.0
+"""How often an intake reports its HTTP counts when they changed."""
+
+
+class IntakeProcess(ChildProcess):
+    """The front end's handle on one intake process."""
+
+    def __init__(self, index: int, *, host_name: str, addr: str, log_level: str, log_format: str):
+        self.what = f"HTTP intake {index}"
+        self.name = f"intake{index}"
+        super().__init__("mstar_dist.conductor.intake",
+                         ["--index", str(index), "--log-level", log_level, "--log-format", log_format],
+                         {_WHERE: f"{host_name} {addr}", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"})
+
+
+class ConductorLink:
+    """The link thread: the only user of this intake's control channel."""
+
+    def __init__(self, channel, token: str, name: str) -> None:
+        self.channel, self.token, self.name = channel, token, name
+        self._outgoing: queue.SimpleQueue = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self.health: tuple[bool, str] | None = None
+        """The conductor's last word on whether the deployment serves (None until its first ``Health``)."""
+        self.backend: IntakeBackend | None = None
+        self.thread = threading.Thread(target=self._run, name="conductor-link", daemon=True)
+
+    def send(self, body: m.Message) -> None:
+        """Queue ``body`` for the conductor (any thread)."""
+        self._outgoing.put(body)
+        self.channel.wake()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.channel.wake()
+        self.thread.join(5)
+
+    def _run(self) -> None:
+        last_counts: Any = None
+        counted_at = 0.0
+        while not self._stop.is_set():
+            items: list = []
+            for sender, payload in self.channel.recv(100):
+                try:
+                    env = m.decode(payload)
+                except Exception as exc:
+                    log.warning("%s: dropped an undecodable message from %r: %s", self.name, sender, exc)
+                    continue
+                if env.token != self.token or sender != "conductor" or env.sender != sender:
+                    log.warning("%s: rejected a message from %r (not this launch's conductor)", self.name, sender)
+                    continue
+                body = env.body
+                if isinstance(body, m.Outputs):
+                    items.extend(body.items)
+                elif isinstance(body, m.Health):
+                    self.health = (body.serving, body.reason)
+                elif isinstance(body, m.MetricsText):
+                    items.append(body)
+            if items and self.backend is not None:
+                self.backend.deliver(items)
+            while True:
+                try:
+                    body = self._outgoing.get_nowait()
+                except queue.Empty:
+                    break
+                self._send(body)
+            now = time.monotonic()
+            if self.backend is not None and now - counted_at >= COUNTS_EVERY_S:
+                counted_at = now
+                counts = self.backend.counts()
+                if counts != last_counts:
+                    last_counts = counts
+                    self._send(counts)
+
+    def _send(self, body: m.Message) -> None:
+        try:
+            self.channel.send("conductor", m.encode(self.token, self.name, body))
+        except Exception as exc:  # the conductor does not read: its requests fail here instead of hanging
+            log.error("%s: cannot reach the conductor: %s", self.name, exc)
+            if isinstance(body, m.Submit) and self.backend is not None:
+                self.backend.deliver([m.OutError(request_id=body.params.request_id, status=503,
+                                                 message=f"the conductor is unreachable: {exc}")])
+
+
+class IntakeBackend:
+    """``GenerationBackend`` of an intake process: requests go to the conductor through :class:`ConductorLink`.
+    Every method but ``deliver`` and ``counts`` runs on the HTTP loop."""
+
+    http_stats_merged = True
+    """``metrics_text()`` already holds the HTTP metrics of every intake (the app adds none of its own)."""
+
+    def __init__(self, link: ConductorLink, stats, *, model_name: str, max_context_tokens: int,
+                 max_tokens_limit: int, output_modality: str) -> None:
+        self.link, self.stats = link, stats
+        self.model_name = model_name
+        self.max_context_tokens = max_context_tokens
+        self.max_tokens_limit = max_tokens_limit
+        self.output_modality = output_modality
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._asks: dict[int, asyncio.Future] = {}
+        self._next_ask = 0
+
+    def health(self) -> tuple[bool, str]:
+        return self.link.health or (False, "starting: no word from the conductor yet")
+
+    def counts(self) -> m.HttpCounts:
+        """This intake's HTTP counts (the link thread reads them; prometheus_client locks its values)."""
+        requests, in_flight, disconnects = self.stats.counts()
+        return m.HttpCounts(requests=requests, in_flight=in_flight, disconnects=disconnects)
+
+    async def metrics_text(self) -> str:
+        self._next_ask += 1
+        ask = self._next_ask
+        future = asyncio.get_running_loop().create_future()
+        self._asks[ask] = future
+        try:
+            self.link.send(m.MetricsAsk(ask=ask, counts=self.counts()))
+            return await asyncio.wait_for(future, METRICS_WAIT_S)
+        except asyncio.TimeoutError:
+            raise BackendError(503, f"the conductor did not answer within {METRICS_WAIT_S:g} s") from None
+        finally:
+            self._asks.pop(ask, None)
+
+    def deliver(self, items: list) -> None:
+        """Link thread: hand ``items`` to the HTTP loop in one wake-up."""
+        loop = self.loop
+        if loop is None:
+            return
+        try:
+            loop.call_soon_threadsafe(self._deliver, items)
+        except RuntimeError:  # the loop is closed (shutdown): nobody is listening any more
+            pass
+
+    def _deliver(self, items: list) -> None:
+        for item in items:
+            if isinstance(item, m.MetricsText):
+                future = self._asks.get(item.ask)
+                if future is not None and not future.done():
+                    future.set_result(item.text)
+                continue
+            events = self._queues.get(item.request_id)
+            if events is not None:
+                events.put_nowait(_event(item))
+
+    async def generate(self, params: GenerationParams) -> AsyncIterator[GenerationEvent]:
+        ok, reason = self.health()
+        if not ok:
+            raise BackendError(503, f"not serving: {reason}")
+        if params.request_id in self._queues:
+            raise BackendError(409, f"request_id {params.request_id!r} is already in flight; use a new id")
+        self.loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        self._queues[params.request_id] = events
+        finished = False
+        if trace.ON:
+            trace.event("http_submitted", params.request_id)
+        self.link.send(m.Submit(params=params, pinned_id=True))
+        try:
+            async for event in relay_queue(events, params.request_id):
+                finished = isinstance(event, Finished)
+                yield event
+        except BackendError:
+            finished = True  # an error event: the conductor has ended the request already
+            raise
+        finally:
+            self._queues.pop(params.request_id, None)
+            if not finished:
+                self.link.send(m.Cancel(request_id=params.request_id))
+
+
+def _event(item) -> GenerationEvent | BackendError:
+    if isinstance(item, m.OutText):
+        return TextDelta(text=item.text, n_tokens=item.n_tokens)
+    if isinstance(item, m.OutMedia):
+        return MediaDelta(modality=item.modality, data=item.data, metadata=item.metadata, n_tokens=item.n_tokens)
+    if isinstance(item, m.OutFinished):
+        return Finished(finish_reason=item.finish_reason, prompt_tokens=item.prompt_tokens,
+                        completion_tokens=item.completion_tokens)
+    return BackendError(item.status, item.message, retry_after_s=item.retry_after_s)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from mstar_dist.control.channel import ControlChannel
+    from mstar_dist.logs import configure_logging
+    from mstar_dist.server.app import build_app
+    from mstar_dist.server.http_metrics import HttpStats
+    from mstar_dist.server.http_server import HttpServer, reserve_port
+
+    p = argparse.ArgumentParser(prog="python -m mstar_dist.conductor.intake")
+    p.add_argument("--index", type=int, required=True)
+    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-format", default="text")
+    args = p.parse_args(argv)
+    name = f"intake{args.index}"
+    trace.set_process(name)
+    host_name, addr = os.environ[_WHERE].split(" ", 1)
+    configure_logging(args.log_level, rank=0, host=host_name, fmt=args.log_format, progress="off")
+    out = os.fdopen(int(os.environ[_OUT_FD]), "wb")
+    stop = threading.Event()
+
+    def report(obj: dict[str, Any]) -> None:
+        import json
+
+        out.write(json.dumps(obj).encode() + b"\n")
+        out.flush()
+
+    channel = link = http = None
+    rc = 0
+    try:
+        channel = ControlChannel(name, addr)
+        report({"endpoint": channel.endpoint})
+        import json
+
+        line = _read_line(sys.stdin.fileno(), 600.0)
+        if line is None:
+            raise RuntimeError("the front end did not hand over within 600 s")
+        h: dict[str, Any] = json.loads(line)
+        # from here on a stop drains what is in flight (before, SIGTERM's default ending is the right one)
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        signal.signal(signal.SIGINT, lambda *_: stop.set())
+        channel.connect("conductor", h["conductor"])
+        link = ConductorLink(channel, h["token"], name)
+        stats = HttpStats()
+        backend = IntakeBackend(link, stats, model_name=h["model_name"], max_context_tokens=h["max_context_tokens"],
+                                max_tokens_limit=h["max_tokens_limit"], output_modality=h["output_modality"])
+        link.backend = backend
+        link.thread.start()
+        deadline = time.monotonic() + HEALTH_WAIT_S
+        while link.health is None:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no word from the conductor within {HEALTH_WAIT_S:g} s")
+            time.sleep(0.005)
+        http = HttpServer(build_app(backend, api_key=h["api_key"], max_body_bytes=h["max_body_bytes"], stats=stats))
+        http.start(h["host"], h["port"], timeout_s=30, sock=reserve_port(h["host"], h["port"], reuse_port=True))
+        backend.loop = http.loop
+        report({"listening": http.port})
+        threading.Thread(target=watch_parent, args=(stop, "the front end"), name="parent-watch", daemon=True).start()
+        while not stop.wait(0.2):
+            if not http.running:
+                raise RuntimeError("the HTTP thread ended")
+    except Exception as exc:
+        log.error("%s failed: %s", name, exc, exc_info=not isinstance(exc, (TimeoutError, RuntimeError)))
+        rc = 1
+    finally:
+        if http is not None:
+            http.stop()
+        if link is not None:
+            link.stop()
+        if channel is not None:
+            channel.close()
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
