@@ -2,7 +2,7 @@
 # GPU runs on the device machine (torch + NCCL preinstalled, no network). Usage, from the repo root there:
 #   bash scripts/gpu_run.sh STEP...      STEP: tests | gpu | tpstop | serving | pd | pace | pace2 | ttft | ttftrace | profile | edges | split |
 #                                        composite | speech | image | twohost | soak | fastloop |
-#                                        prefillab | engine | ttftab | treeab
+#                                        prefillab | engine | ttftab | treeab | intakeab
 # Needs, carried from the dev machine (bash scripts/gpu_prepare.sh makes both): .whl/ (wheels the GPU image lacks: fastapi, starlette, pydantic(-core),
 # annotated-types, typing-inspection, opentelemetry-api, uvicorn, pyzmq, msgspec, py-spy) and .ckpt/smol-shape (config + tokenizer of
 # SmolLM2-135M; a random same-shaped checkpoint is generated there); .whl/extra (httptools, uvloop) for the fastloop
@@ -53,6 +53,17 @@ for step in "$@"; do
                --no-eager-bare --streams 1 8 32 64 --config launch/configs/smollm2_single.yaml:1 \
                --config /tmp/smollm2_single_eager_prefill.yaml:1 --out "$out/serving_h200_prefill_graphs$tag.json" 2>&1 \
                | tail -40 ;;
+    intakeab) # the single rank with the front end's own HTTP thread against ${INTAKES:-4} intake processes
+             # (server.http_processes), side by side: tok/s and TTFT at 1, 8, 32 and 64 streams; then the phase trace
+             # of the intake deployment at 1 and 32 streams
+             sed "s/server: {host: 127.0.0.1, port: 8000}/server: {host: 127.0.0.1, port: 8000, http_processes: ${INTAKES:-4}}/" \
+               launch/configs/smollm2_single.yaml > /tmp/smollm2_single_intakes.yaml
+             timeout 330 python3 scripts/bench_serving.py --device cuda --model llama --rounds 1 --max-tokens 256 --no-hf \
+               --no-eager-bare --streams 1 8 32 64 --config launch/configs/smollm2_single.yaml:1 \
+               --config /tmp/smollm2_single_intakes.yaml:1 --out "$out/serving_h200_intakes$tag.json" 2>&1 | tail -40
+             timeout 150 python3 scripts/ttft_trace.py --device cuda --model llama --max-tokens 256 --streams 1 32 \
+               --config /tmp/smollm2_single_intakes.yaml:1 --out "$out/ttft_trace_h200_intakes$tag.json" 2>&1 \
+               | grep -v "^W1\|^  \|Traceback\|^torch\|File " | tail -45 ;;
     ttftab)  # TTFT at 1 and 32 streams of the single rank, 3 rounds, with 8 client streams per client process and
              # with ${SPP:-2} (a client process's threads share its GIL)
              for spp in 8 ${SPP:-2}; do
