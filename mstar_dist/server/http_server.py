@@ -128,8 +128,11 @@ def reserve_port(host: str, port: int, *, reuse_port: bool = False) -> socket.so
     ``reuse_port``: set ``SO_REUSEPORT`` so that the intake processes (``server.http_processes`` > 1) can bind
     their own listening sockets on the same port; every one of them sets it too."""
     try:
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        family, kind, proto = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][:3]
+        # the protocol stated (IPPROTO_TCP, not 0): asyncio turns Nagle off (TCP_NODELAY) only on connections
+        # accepted from a socket that says TCP, and with Nagle on a streamed response's small writes wait for
+        # the client's delayed ACK (40 ms on Linux)
+        sock = socket.socket(family, kind, proto)
     except OSError as exc:
         raise OSError(exc.errno, f"cannot bind HTTP server to {host}:{port}: {exc.strerror or exc}") from exc
     try:

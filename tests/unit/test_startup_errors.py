@@ -6,6 +6,8 @@ only after every rank loaded its model, or requests of a stopped rank hanging un
 
 from __future__ import annotations
 
+import asyncio
+
 import socket
 
 import pytest
@@ -88,6 +90,31 @@ def test_a_port_in_use_is_an_error_naming_it_and_a_reserved_port_serves():
         assert server.port == port and server.running
     finally:
         server.stop(timeout_s=2)
+
+
+@pytest.mark.parametrize("reuse_port", [False, True])
+def test_connections_accepted_on_a_reserved_port_have_nagle_off(reuse_port):
+    # with Nagle on, each streamed chunk waits for the client's delayed ACK: 40 ms added to every first token
+    async def accepted_nodelay() -> int:
+        sock = reserve_port("127.0.0.1", 0, reuse_port=reuse_port)
+        sock.listen(8)
+        sock.setblocking(False)
+        loop = asyncio.get_running_loop()
+        got = loop.create_future()
+
+        class Accept(asyncio.Protocol):
+            def connection_made(self, transport) -> None:
+                got.set_result(transport.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+
+        server = await loop.create_server(Accept, sock=sock)
+        _, writer = await asyncio.open_connection("127.0.0.1", sock.getsockname()[1])
+        try:
+            return await asyncio.wait_for(got, 10)
+        finally:
+            writer.close()
+            server.close()
+
+    assert asyncio.run(accepted_nodelay()) != 0
 
 
 def test_a_leaving_rank_fails_its_requests_at_once_and_is_avoided():
