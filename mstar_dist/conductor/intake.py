@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise RuntimeError(f"no word from the conductor within {HEALTH_WAIT_S:g} s")
             time.sleep(0.005)
         http = HttpServer(build_app(backend, api_key=h["api_key"], max_body_bytes=h["max_body_bytes"], stats=stats))
-        http.start(h["host"], h["port"], timeout_s=30, sock=reserve_port(h["host"], h["port"], reuse_port=True))
+        http.start(h["host"], h["port"], timeout_s=30, sock=reserve_port(h["host"], h["port"], reuse_port=True, join=True))
         backend.loop = http.loop
         report({"listening": http.port})
         threading.Thread(target=watch_parent, args=(stop, "the front end"), name="parent-watch", daemon=True).start()

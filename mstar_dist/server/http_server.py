@@ -121,12 +121,14 @@ class HttpServer:
         self.stop()
 
 
-def reserve_port(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
+def reserve_port(host: str, port: int, *, reuse_port: bool = False, join: bool = False) -> socket.socket:
     """A socket bound to ``host:port``, not yet listening (connections are refused until ``start``), so a port
     in use is reported at startup, before any rank loads its model. OSError naming the address otherwise.
 
     ``reuse_port``: set ``SO_REUSEPORT`` so that the intake processes (``server.http_processes`` > 1) can bind
-    their own listening sockets on the same port; every one of them sets it too."""
+    their own listening sockets on the same port (each with ``join=True``). The port is first bound once without
+    the option: SO_REUSEPORT would otherwise let a second server of the same user share a port in use, and
+    split its connections with the first in silence."""
     try:
         family, kind, proto = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][:3]
         # the protocol stated (IPPROTO_TCP, not 0): asyncio turns Nagle off (TCP_NODELAY) only on connections
@@ -137,6 +139,12 @@ def reserve_port(host: str, port: int, *, reuse_port: bool = False) -> socket.so
         raise OSError(exc.errno, f"cannot bind HTTP server to {host}:{port}: {exc.strerror or exc}") from exc
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port and not join:  # is it free? (the probe's port, when 0 asked for any, is the one kept)
+            sock.bind((host, port))
+            port = sock.getsockname()[1]
+            sock.close()
+            sock = socket.socket(family, kind, proto)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if reuse_port:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((host, port))
