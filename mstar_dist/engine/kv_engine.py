@@ -27,6 +27,10 @@ its slot are never attended: decode overwrites and masks them). A model whose pa
 router would count them) sets ``pads_are_inert = False``: then only prompts of one length share a forward. With
 prefill graphs (CUDA, with decode graphs) a batch is cut so that one captured (rows, length) bucket holds it, and
 replays that bucket's graph (``cuda_graphs.PrefillGraphs``); a prompt no bucket holds runs eagerly, alone.
+
+Prefills go first: when one turn hands over prefills and decode rows, the prefills run and the decode rows are
+answered ``None`` (retried next turn), so the first tokens reach the worker, and the conductor, without waiting for
+a decode step; decode rows never wait two turns in a row. TP followers replay the same turns and decide alike.
 """
 
 from __future__ import annotations
@@ -136,6 +140,7 @@ class KVCacheEngine(Component):
         self.ahead_rows_used = 0
         self.ahead_rows_dropped = 0
         self.joined_rows = 0
+        self._decode_waited = False
 
     @torch.inference_mode()
     def run_batch(self, calls: list[NodeCall]) -> list[NodeResult | BaseException | None]:
@@ -160,6 +165,12 @@ class KVCacheEngine(Component):
             except Exception as exc:  # a broken batch fails exactly its requests
                 for i, _ in group:
                     results[i] = exc
+        if decode and prefill and not self._decode_waited:
+            # first tokens leave before this turn's decode step (the worker sends them as run_batch returns): a
+            # new request's TTFT no longer includes the step; decode rows wait one turn, never two in a row
+            self._decode_waited = True
+            return results
+        self._decode_waited = False
         if decode:
             try:
                 for i, result in zip(decode, self._decode([calls[i] for i in decode])):

@@ -280,3 +280,18 @@ def test_a_model_whose_rows_affect_each_other_never_looks_ahead(model: Llama) ->
     coupled = copy.copy(model)
     coupled.pads_are_inert = False
     assert engine(model, lookahead=True).lookahead and not engine(coupled, lookahead=True).lookahead
+
+
+def test_a_new_prompt_gets_its_first_token_before_the_decode_step_of_the_others(model: Llama) -> None:
+    # a turn holding prefills and decode rows answers the prefills at once and the decode rows next turn (the
+    # first token of a new request does not wait for a decode step), never two turns in a row; tokens unchanged
+    eng = engine(model)
+    first = eng.run_batch([call("a", {"input_ids": prompt(7, 1)})])[0].outputs["token"]
+    step_a = call("a", {"token": first})
+    mixed = eng.run_batch([step_a, call("b", {"input_ids": prompt(5, 2)})])
+    assert mixed[0] is None and mixed[1].outputs["token"].shape == (1,)
+    assert eng.steps == 0
+    again = eng.run_batch([step_a, call("c", {"input_ids": prompt(4, 3)})])  # never twice in a row
+    assert again[0] is not None and again[1] is not None and eng.steps == 1
+    reference = generate(engine(model), [call("a", {"input_ids": prompt(7, 1)})], steps=1)["a"]
+    assert [int(first), int(again[0].outputs["token"])] == reference
