@@ -145,6 +145,8 @@ class IntakeBackend:
         self._queues: dict[str, asyncio.Queue] = {}
         self._asks: dict[int, asyncio.Future] = {}
         self._next_ask = 0
+        self.warming = False
+        """Set only by :func:`warm_up`, before the intake listens: requests get a canned reply, nothing is sent."""
 
     def health(self) -> tuple[bool, str]:
         return self.link.health or (False, "starting: no word from the conductor yet")
@@ -189,6 +191,10 @@ class IntakeBackend:
                 events.put_nowait(_event(item))
 
     async def generate(self, params: GenerationParams) -> AsyncIterator[GenerationEvent]:
+        if self.warming:
+            yield TextDelta(text="ok", n_tokens=1)
+            yield Finished(finish_reason="stop", prompt_tokens=1, completion_tokens=1)
+            return
         ok, reason = self.health()
         if not ok:
             raise BackendError(503, f"not serving: {reason}")
@@ -212,6 +218,32 @@ class IntakeBackend:
             self._queues.pop(params.request_id, None)
             if not finished:
                 self.link.send(m.Cancel(request_id=params.request_id))
+
+
+def warm_up(app, backend: IntakeBackend, api_key: str | None) -> None:
+    """Run the app's generation routes once, streamed and not, against canned replies, before the intake listens.
+    A first request through the app costs ~20 ms more than the next ones (measured on the CI machine: 21.9
+    against 1.4 ms); with several intakes, clients would pay it once per intake after every start."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    chat = {"messages": [{"role": "user", "content": "warm-up"}], "max_tokens": 1}
+    native = {"prompt": "warm-up"}
+
+    async def run() -> None:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://intake",
+                                     headers=headers) as client:
+            for path, body in (("/v1/chat/completions", chat), ("/generate", native)):
+                for stream in (False, True):
+                    response = await client.post(path, json={**body, "stream": stream})
+                    if response.status_code != 200:
+                        log.warning("intake warm-up: %s gave %d: %s", path, response.status_code, response.text[:200])
+
+    backend.warming = True
+    try:
+        asyncio.run(run())
+    finally:
+        backend.warming = False
 
 
 def _event(item) -> GenerationEvent | BackendError:
@@ -276,7 +308,11 @@ def main(argv: list[str] | None = None) -> int:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"no word from the conductor within {HEALTH_WAIT_S:g} s")
             time.sleep(0.005)
-        http = HttpServer(build_app(backend, api_key=h["api_key"], max_body_bytes=h["max_body_bytes"], stats=stats))
+        app = build_app(backend, api_key=h["api_key"], max_body_bytes=h["max_body_bytes"], stats=stats)
+        if backend.output_modality == "text":
+            warm_up(app, backend, h["api_key"])
+            stats.reset()
+        http = HttpServer(app)
         http.start(h["host"], h["port"], timeout_s=30, sock=reserve_port(h["host"], h["port"], reuse_port=True, join=True))
         backend.loop = http.loop
         report({"listening": http.port})

@@ -28,6 +28,10 @@ class HttpStats:
     def render(self) -> str:
         return generate_latest(self.registry).decode()
 
+    def reset(self) -> None:
+        """Forget the requests answered so far (an intake's warm-up ones, which no client sent)."""
+        self.requests.clear()
+
     def counts(self) -> tuple[dict[str, int], int, int]:
         """(``"route code"`` -> requests answered, requests in flight, client disconnects): what an intake process
         reports so that ``/metrics`` can show the sum over every process serving the port (``render_counts``)."""
