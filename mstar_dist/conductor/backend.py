@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
 from mstar_dist import trace
@@ -68,7 +69,6 @@ class ConductorBackend:
             raise BackendError(503, f"not serving: {reason}")
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
-        finished = False
 
         def sink(event) -> None:  # called on the conductor thread
             self._post(loop, events, event)
@@ -76,35 +76,38 @@ class ConductorBackend:
         if trace.ON:  # as it is handed over (after, the conductor thread may be first on the clock)
             trace.event("http_submitted", params.request_id)
         self.conductor.command(("submit", params, sink, True))
-        try:
-            async for event in relay_queue(events, params.request_id):
-                finished = isinstance(event, Finished)
+        cancel = lambda: self.conductor.command(("abort", params.request_id, sink))  # noqa: E731
+        async with contextlib.aclosing(relay_queue(events, params.request_id, cancel)) as relay:
+            async for event in relay:
                 yield event
-        except BackendError:
-            finished = True  # an error event: the conductor has ended the request already
-            raise
-        finally:
-            if not finished:
-                self.conductor.command(("abort", params.request_id, sink))
 
 
-async def relay_queue(events: asyncio.Queue, request_id: str) -> AsyncIterator[GenerationEvent]:
+async def relay_queue(events: asyncio.Queue, request_id: str,
+                      cancel: Callable[[], None]) -> AsyncIterator[GenerationEvent]:
     """The events of one request as they land in ``events``, until ``Finished``; an exception event is raised.
-    Text deltas waiting behind one another go out as one (one chunk, one socket write under load)."""
+    Text deltas waiting behind one another go out as one (one chunk, one socket write under load). Closed before
+    its end (the client left, the server stops), it calls ``cancel()`` to abort the request where it runs."""
     pending: collections.deque = collections.deque()  # events taken from the queue, not yet yielded
     first = trace.ON
-    while True:
-        event = pending.popleft() if pending else await events.get()
-        if first:  # phase trace: the first event is on the HTTP loop
-            first = False
-            trace.event("http_first_event", request_id, kind=type(event).__name__)
-        while not events.empty():
-            pending.append(events.get_nowait())
-        while isinstance(event, TextDelta) and pending and isinstance(pending[0], TextDelta):
-            after = pending.popleft()  # text waiting behind this one goes out with it
-            event = TextDelta(text=event.text + after.text, n_tokens=event.n_tokens + after.n_tokens)
-        if isinstance(event, BaseException):
-            raise event
-        yield event
-        if isinstance(event, Finished):
-            return
+    finished = False
+    try:
+        while True:
+            event = pending.popleft() if pending else await events.get()
+            if first:  # phase trace: the first event is on the HTTP loop
+                first = False
+                trace.event("http_first_event", request_id, kind=type(event).__name__)
+            while not events.empty():
+                pending.append(events.get_nowait())
+            while isinstance(event, TextDelta) and pending and isinstance(pending[0], TextDelta):
+                after = pending.popleft()  # text waiting behind this one goes out with it
+                event = TextDelta(text=event.text + after.text, n_tokens=event.n_tokens + after.n_tokens)
+            if isinstance(event, BaseException):
+                finished = True  # an error event: the request has ended where it ran
+                raise event
+            finished = isinstance(event, Finished)
+            yield event
+            if finished:
+                return
+    finally:
+        if not finished:
+            cancel()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import queue
@@ -203,21 +204,16 @@ class IntakeBackend:
         self.loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         self._queues[params.request_id] = events
-        finished = False
         if trace.ON:
             trace.event("http_submitted", params.request_id)
         self.link.send(m.Submit(params=params, pinned_id=True))
+        cancel = lambda: self.link.send(m.Cancel(request_id=params.request_id))  # noqa: E731
         try:
-            async for event in relay_queue(events, params.request_id):
-                finished = isinstance(event, Finished)
-                yield event
-        except BackendError:
-            finished = True  # an error event: the conductor has ended the request already
-            raise
+            async with contextlib.aclosing(relay_queue(events, params.request_id, cancel)) as relay:
+                async for event in relay:
+                    yield event
         finally:
             self._queues.pop(params.request_id, None)
-            if not finished:
-                self.link.send(m.Cancel(request_id=params.request_id))
 
 
 def warm_up(app, backend: IntakeBackend, api_key: str | None) -> None:
