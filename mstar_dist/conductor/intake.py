@@ -82,6 +82,12 @@ class ConductorLink:
         self.thread.join(5)
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except Exception:
+            log.exception("%s: the link thread to the conductor failed", self.name)
+
+    def _serve(self) -> None:
         last_counts: Any = None
         counted_at = 0.0
         while not self._stop.is_set():
@@ -316,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
         while not stop.wait(0.2):
             if not http.running:
                 raise RuntimeError("the HTTP thread ended")
+            if not link.thread.is_alive():  # nothing would reach the conductor: stop, and the front end says so
+                raise RuntimeError("the link thread to the conductor ended; see the error above")
     except Exception as exc:
         log.error("%s failed: %s", name, exc, exc_info=not isinstance(exc, (TimeoutError, RuntimeError)))
         rc = 1

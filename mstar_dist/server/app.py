@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from mstar_dist import trace
-from mstar_dist.server.backend import Finished, GenerationBackend, GenerationParams, MediaDelta, TextDelta
+from mstar_dist.server.backend import BackendError, Finished, GenerationBackend, GenerationParams, MediaDelta, TextDelta
 from mstar_dist.server.checks import (
     REQUEST_ID_HEADER, ApiError, check_modality, check_model, error_body, header_request_id, max_tokens, parse_body,
 )
@@ -101,7 +101,10 @@ def build_app(backend: GenerationBackend, *, api_key: str | None = None,
     async def metrics() -> PlainTextResponse:
         text = backend.metrics_text()
         if inspect.isawaitable(text):  # an intake asks the conductor
-            text = await text
+            try:
+                text = await text
+            except BackendError as exc:  # it did not answer in time
+                raise ApiError(exc.status, exc.message) from None
         if text and not text.endswith("\n"):
             text += "\n"
         if not merged:

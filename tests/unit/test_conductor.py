@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from mstar_dist.conductor.conductor import Conductor, request_seed
+from mstar_dist.conductor.intake_hub import IntakeHub
 from mstar_dist.config.deployment import parse_config
 from mstar_dist.control import messages as m
 from mstar_dist.server.backend import BackendError, Finished, GenerationParams, TextDelta
@@ -200,3 +201,40 @@ def test_the_conductors_own_rank_is_never_declared_dead():
     c.last_seen = {0: 0.0, 1: 100.0, 2: 100.0}  # rank 0's worker busy in a long step
     c._check_ranks(100.0)
     assert c.dead_ranks == {}
+
+
+def test_an_intakes_requests_come_back_in_one_outputs_message_per_turn_and_can_be_cancelled():
+    c, ch = make()
+    c.intakes = IntakeHub(c, ("intake0",))
+    c.serving = True
+
+    def from_intake(body, name="intake0"):
+        c._handle(name, m.encode(TOKEN, name, body))
+
+    def outputs():
+        sent = [b for peer, b in ch.sent if peer == "intake0" and isinstance(b, m.Outputs)]
+        ch.sent[:] = [(p, b) for p, b in ch.sent if not (p == "intake0" and isinstance(b, m.Outputs))]
+        return sent
+
+    c.intakes.push_health()
+    c.intakes.push_health()  # no change: no second message
+    assert [b for p, b in ch.sent if p == "intake0"] == [m.Health(serving=True, reason="ok")]
+    from_intake(m.Submit(params=params("r1", max_tokens=3), pinned_id=True))
+    (_, first), = walks_sent(ch, "start")
+    emit(c, first.request_id, 1)
+    emit(c, first.request_id, 2)
+    c.intakes.flush()
+    (out,) = outputs()  # two Emits, one message
+    assert "".join(i.text for i in out.items if isinstance(i, m.OutText)) == "1 2 "
+    from_intake(m.Submit(params=params("r1"), pinned_id=True))  # the same id while it runs
+    c.intakes.flush()
+    (dup,) = outputs()
+    assert [(i.status, i.request_id) for i in dup.items] == [(409, "r1")]
+    from_intake(m.Cancel(request_id="r1"))  # the running one is still found: its client left
+    assert c.active_count == 0
+    assert any(isinstance(b, m.RemoveRequest) for _, b in ch.sent)
+    from_intake(m.Submit(params=params("r2"), pinned_id=True), name="intake7")  # not an intake of this launch
+    assert c.metrics.rejected_messages == 1 and c.active_count == 0
+    c.failed = "rank 1 failed to load"
+    c.intakes.push_health()
+    assert [b for p, b in ch.sent if p == "intake0"][-1] == m.Health(serving=False, reason="rank 1 failed to load")
