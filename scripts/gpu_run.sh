@@ -58,10 +58,12 @@ for step in "$@"; do
              # of the intake deployment at 1 and 32 streams
              sed "s/server: {host: 127.0.0.1, port: 8000}/server: {host: 127.0.0.1, port: 8000, http_processes: ${INTAKES:-4}}/" \
                launch/configs/smollm2_single.yaml > /tmp/smollm2_single_intakes.yaml
-             timeout 330 python3 scripts/bench_serving.py --device cuda --model llama --rounds 1 --max-tokens 256 --no-hf \
-               --no-eager-bare --streams 1 8 32 64 --config launch/configs/smollm2_single.yaml:1 \
-               --config /tmp/smollm2_single_intakes.yaml:1 --out "$out/serving_h200_intakes${INTAKES:+_$INTAKES}$tag.json" 2>&1 | tail -40
-             timeout 150 python3 scripts/ttft_trace.py --device cuda --model llama --max-tokens 256 --streams 1 32 \
+             # (ROUNDS, default 1, and STREAMS, default "1 8 32 64", change the bench; TRACE=0 skips the trace)
+             timeout 400 python3 scripts/bench_serving.py --device cuda --model llama --rounds "${ROUNDS:-1}" \
+               --max-tokens 256 --no-hf --no-eager-bare --streams ${STREAMS:-1 8 32 64} \
+               --config launch/configs/smollm2_single.yaml:1 --config /tmp/smollm2_single_intakes.yaml:1 \
+               --out "$out/serving_h200_intakes${INTAKES:+_$INTAKES}${ROUNDS:+_r$ROUNDS}$tag.json" 2>&1 | tail -40
+             [ "${TRACE:-1}" = 0 ] || timeout 150 python3 scripts/ttft_trace.py --device cuda --model llama --max-tokens 256 --streams 1 32 \
                --config /tmp/smollm2_single_intakes.yaml:1 --out "$out/ttft_trace_h200_intakes${INTAKES:+_$INTAKES}$tag.json" 2>&1 \
                | grep -v "^W1\|^  \|Traceback\|^torch\|File " | tail -45 ;;
     ttftab)  # TTFT at 1 and 32 streams of the single rank, 3 rounds, with 8 client streams per client process and
