@@ -34,7 +34,9 @@ from typing import Any
 
 from mstar_dist import trace
 from mstar_dist.conductor.backend import relay_queue
-from mstar_dist.conductor.process import _OUT_FD, _WHERE, ChildProcess, _read_line, watch_parent
+from mstar_dist.conductor.process import (
+    _OUT_FD, _WHERE, SWITCH_INTERVAL_S, ChildProcess, _read_line, watch_parent,
+)
 from mstar_dist.control import messages as m
 from mstar_dist.events import BackendError, Finished, GenerationEvent, GenerationParams, MediaDelta, TextDelta
 
@@ -275,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     trace.set_process(name)
     host_name, addr = os.environ[_WHERE].split(" ", 1)
     configure_logging(args.log_level, rank=0, host=host_name, fmt=args.log_format, progress="off")
+    if (os.cpu_count() or 1) >= 8:  # the link thread and uvicorn's hand each request over, as in the front end
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
     out = os.fdopen(int(os.environ[_OUT_FD]), "wb")
     stop = threading.Event()
 
