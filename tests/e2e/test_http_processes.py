@@ -116,6 +116,20 @@ def settled(base_url: str, series: str) -> float:
     raise AssertionError(f"{series} did not settle: {before} then {value}")
 
 
+def test_openai_routes_answer_through_the_intakes(toy):
+    models = httpx.get(f"{toy.base_url}/v1/models", timeout=10).json()
+    assert [card["id"] for card in models["data"]] == ["tests.toy_model:ToyModel"]
+    body = {"messages": [{"role": "user", "content": "start=7"}], "max_tokens": 4}
+    with httpx.stream("POST", f"{toy.base_url}/v1/chat/completions", json={**body, "stream": True},
+                      timeout=30) as r:
+        assert r.status_code == 200
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+    whole = httpx.post(f"{toy.base_url}/v1/chat/completions", json=body, timeout=30).json()
+    assert text == whole["choices"][0]["message"]["content"] != ""
+    assert whole["usage"]["completion_tokens"] == 4
+
+
 def test_failures_and_metrics_cover_every_intake(toy):
     before = settled(toy.base_url, r'mstar_http_requests_total\{code="200",route="/generate"\}')
     with cf.ThreadPoolExecutor(8) as pool:
