@@ -70,6 +70,8 @@ def main() -> None:
                    help="requests per stream: enough that the load outlasts --seconds (a 256-token wave of 32 streams "
                         "takes about 1 s on an H200)")
     p.add_argument("--model", default=None, help="registry key override (e.g. llama)")
+    p.add_argument("--http-processes", type=int, default=None,
+                   help="serve with this many HTTP intake processes (server.http_processes); each is profiled too")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     spy = shutil.which("py-spy")
@@ -80,15 +82,21 @@ def main() -> None:
                  "limits": {"max_concurrent_requests": max(64, 2 * args.streams), "max_tokens": 4096}}
     if args.model:
         overrides["model"] = args.model
+    if args.http_processes:
+        overrides["server"] = {"http_processes": args.http_processes}
     server = Server(path, nproc=int(nproc), overrides=overrides)
     tmp = Path(tempfile.mkdtemp(prefix="mstar-profile-"))
     result: dict = {"command": " ".join([sys.executable, *sys.argv]), "streams": args.streams}
+    targets: dict[str, int] = {}
     try:
         procs = {p: _cmdline(p) for p in descendants(server.proc.pid)}
-        targets = {
+        targets |= {
             "rank0": min(p for p, c in procs.items() if b"mstar_dist.serve" in c and b"torch.distributed" not in c),
             "frontend": next(p for p, c in procs.items() if b"mstar_dist.conductor.process" in c),
         }
+        intakes = sorted((c.split(b"\0")[c.split(b"\0").index(b"--index") + 1].decode(), p)
+                         for p, c in procs.items() if b"mstar_dist.conductor.intake" in c)
+        targets.update({f"intake{k}": p for k, p in intakes})
         run_streams(server.base_url, ["hi"], 1, 8, None)  # warm-up, untimed
         prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.waves * args.streams)]
         clients = client_processes(args.streams) if args.streams > CLIENT_STREAMS_PER_PROCESS else None
@@ -115,7 +123,7 @@ def main() -> None:
     text = json.dumps(result, indent=1)
     if args.out:
         Path(args.out).write_text(text)
-    for name in ("rank0", "frontend"):
+    for name in targets:
         print(f"== {name}: busy share of each thread {result.get(name, {}).get('busy')}")
         for share, frame in result.get(name, {}).get("inclusive", [])[:25]:
             print(f"{share:6.1%} {frame[:140]}")
