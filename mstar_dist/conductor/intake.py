@@ -14,7 +14,7 @@ over them), and runs two threads:
 Startup, as JSON lines with the front end (no pickle): it binds its channel and writes ``{"endpoint"}``; reads the
 handover (the launch's secret, the conductor's endpoint, what the app serves) on stdin; connects, waits for the
 conductor's first ``Health``, starts listening and writes ``{"listening": port}``. It stops on SIGTERM (in-flight
-responses get up to 10 s to finish) or when its stdin closes (the front end is gone).
+responses get up to 5 s to finish) or when its stdin closes (the front end is gone).
 """
 
 from __future__ import annotations
@@ -333,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         rc = 1
     finally:
         if http is not None:
-            http.stop()
+            http.stop(timeout_s=5.0)  # what is in flight got its last events from the conductor already
         if link is not None:
             link.stop()
         if channel is not None:

@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     from mstar_dist.serve import parse_args
     from mstar_dist.conductor.intake import IntakeProcess
     from mstar_dist.worker.boot import (
-        _broadcast_shutdown, _start_conductor, _start_http, announce, load_deployment, served,
+        _broadcast_shutdown, _start_conductor, _start_http, load_deployment,
     )
     from mstar_dist.worker.worker import CONDUCTOR
 
@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
                                      intakes=tuple(intake.name for intake in intakes))
         if intakes:
             _start_intakes(dep, intakes, conductor_endpoint=channel.endpoint, api_key=args.api_key,
-                           port=http_sock.getsockname()[1], announce=announce, served=served(dep))
+                           port=http_sock.getsockname()[1])
             http_sock.close()  # every intake listens on the port now
         else:
             http = _start_http(dep, conductor, api_key=args.api_key, sock=http_sock)
@@ -247,26 +247,28 @@ def main(argv: list[str] | None = None) -> int:
     return rc
 
 
-def _start_intakes(dep, intakes: list, *, conductor_endpoint: str, api_key: str | None, port: int, announce,
-                   served: dict[str, Any]) -> None:
+def _start_intakes(dep, intakes: list, *, conductor_endpoint: str, api_key: str | None, port: int) -> None:
     """Hand every intake what it serves, then wait until each listens on the port (docs/architecture.md §2)."""
+    from mstar_dist.worker.boot import announce, served
+
     server = dep.config.server
     for intake in intakes:
         intake.write({"token": dep.token, "conductor": conductor_endpoint, "host": server.host, "port": port,
-                      "api_key": api_key, "max_body_bytes": server.max_body_bytes, **served})
+                      "api_key": api_key, "max_body_bytes": server.max_body_bytes, **served(dep)})
     for intake in intakes:
         intake.read(60, "that it listens on the port")
     announce(f"mstar_dist: serving {dep.config.model} on http://{server.host}:{port} "
              f"({len(intakes)} HTTP intake processes)")
 
 
-def _stop_all(children: list) -> None:
-    """SIGTERM each at once, then wait for each (their drains overlap)."""
+def _stop_all(children: list, timeout_s: float = 8.0) -> None:
+    """SIGTERM each at once, then wait for each (their drains overlap; an intake drains for at most 5 s, so the
+    front end stays within the 15 s rank 0 gives it)."""
     for child in children:
         if child.proc.poll() is None:
             child.proc.send_signal(signal.SIGTERM)
     for child in children:
-        child.stop()
+        child.stop(timeout_s)
 
 
 def watch_parent(stop: threading.Event, parent: str) -> None:
