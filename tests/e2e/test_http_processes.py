@@ -14,6 +14,7 @@ import concurrent.futures as cf
 import json
 import os
 import signal
+import threading
 import time
 
 import httpx
@@ -139,7 +140,8 @@ def test_failures_and_metrics_cover_every_intake(toy):
     # each intake reports its counts within a second; /metrics shows their sum, whichever intake answers it
     wait_for(lambda: metric(toy.base_url, r'mstar_http_requests_total\{code="200",route="/generate"\}')
              == before + 4, 5, "the 200s of every intake in /metrics")
-    assert metric(toy.base_url, r'mstar_http_requests_total\{code="500",route="/generate"\}') >= 4
+    wait_for(lambda: metric(toy.base_url, r'mstar_http_requests_total\{code="500",route="/generate"\}') >= 4, 5,
+             "the 500s of every intake in /metrics")
     assert metric(toy.base_url, r'mstar_dist_requests_finished_total\{reason="stop"\}') + \
         metric(toy.base_url, r'mstar_dist_requests_finished_total\{reason="length"\}') >= 4
 
@@ -152,6 +154,32 @@ def test_a_client_that_leaves_aborts_its_request(toy):
              "the abandoned request's abort")
     wait_for(lambda: metric(toy.base_url, r"mstar_dist_requests_running") == 0, 2.0,
              "mstar_dist_requests_running back at 0 after the abort")
+
+
+def test_a_stop_ends_what_the_intakes_stream_and_every_process_exits_cleanly():
+    server = Server(REPO / "tests/toy_deploy.yaml", nproc=2, overrides={"server": {"http_processes": 2}})
+    everyone = [server.proc.pid, *descendants(server.proc.pid)]
+    lines: list[str] = []
+    first = threading.Event()
+
+    def stream() -> None:
+        with httpx.stream("POST", f"{server.base_url}/generate", timeout=60,
+                          json={"prompt": "start=0", "stream": True, "model_kwargs": {"max_tokens": 250}}) as r:
+            for line in r.iter_lines():
+                lines.append(line)
+                first.set()
+
+    client = threading.Thread(target=stream)
+    client.start()
+    try:
+        assert first.wait(30), server.log()
+        assert server.stop_clean(2), server.log()  # both ranks exit with status 0
+    finally:
+        client.join(30)
+    assert not client.is_alive(), "the client's stream did not end"
+    last = json.loads(lines[-1])  # the client is told, not cut off
+    assert last["modality"] == "error" and last["metadata"]["status"] == 503, lines[-3:]
+    wait_for(lambda: not any(alive(pid) for pid in everyone), 30, "every process of the server gone")
 
 
 def test_an_intake_that_dies_stops_the_server_naming_it(toy):
