@@ -238,3 +238,26 @@ def test_an_intakes_requests_come_back_in_one_outputs_message_per_turn_and_can_b
     c.failed = "rank 1 failed to load"
     c.intakes.push_health()
     assert [b for p, b in ch.sent if p == "intake0"][-1] == m.Health(serving=False, reason="rank 1 failed to load")
+
+
+def test_every_kind_of_event_crosses_to_an_intake_unchanged():
+    from mstar_dist.conductor.intake import _event
+    from mstar_dist.events import MediaDelta
+
+    c, ch = make()
+    c.intakes = IntakeHub(c, ("intake0",))
+    sent = [TextDelta(text="héllo ", n_tokens=2),
+            MediaDelta(modality="image", data=bytes(range(256)) * 1000, metadata={"width": 64, "height": 32}),
+            MediaDelta(modality="audio", data=b"\x01\x00" * 10, metadata={"sample_rate": 24000, "num_channels": 1},
+                       n_tokens=7),
+            Finished(finish_reason="length", prompt_tokens=3, completion_tokens=9)]
+    sink = c.intakes._sink("intake0", "r1")
+    for event in sent:
+        sink(event)
+    failed = c.intakes._sink("intake0", "r2")
+    failed(BackendError(429, "the server is at capacity", retry_after_s=3))
+    c.intakes.flush()
+    (out,) = [b for peer, b in ch.sent if peer == "intake0"]  # decoded from the wire by the fake channel
+    got = [_event(item) for item in out.items]
+    assert got[:4] == sent and [i.request_id for i in out.items] == ["r1"] * 4 + ["r2"]
+    assert (got[4].status, got[4].message, got[4].retry_after_s) == (429, "the server is at capacity", 3)
