@@ -1,8 +1,9 @@
 """Streaming speech (Orpheus shape, tiny random weights prepared on first start) through the real launcher:
-launch/configs/speech_split.yaml (LLM on rank 0, codec on rank 1) and, for the comparison, speech_single.yaml.
+launch/configs/speech_split.yaml (LLM on rank 0, codec on rank 1) and, for the comparison, speech_single.yaml
+served through 2 HTTP intake processes (server.http_processes).
 
 A failure here means the speech route or SDK breaks the WAV, audio does not start while the LLM is still writing
-codes, splitting the codec onto another rank changes the audio, bad input is not a clear 4xx, or abandoned speech
+codes, splitting the codec onto another rank (or parsing HTTP in intake processes) changes the audio, bad input is not a clear 4xx, or abandoned speech
 requests leave tensors behind on some rank.
 """
 
@@ -70,7 +71,9 @@ def test_audio_streams_window_by_window(split):
 def test_split_codec_gives_the_same_audio_as_one_rank(split):
     texts = [("One.", 3), ("Two sentences here. And another one.", 4)]
     on_split = [speak(split.base_url, t, s).content for t, s in texts]
-    single = Server(REPO / "launch/configs/speech_single.yaml", nproc=1, overrides=WEIGHTS)
+    # the one-rank server parses HTTP in 2 intake processes: the WAV bytes cross to them as Outputs too
+    single = Server(REPO / "launch/configs/speech_single.yaml", nproc=1,
+                    overrides={**WEIGHTS, "server": {"http_processes": 2}})
     try:
         on_single = [speak(single.base_url, t, s).content for t, s in texts]
     finally:
