@@ -151,6 +151,8 @@ class IntakeBackend:
         self.max_tokens_limit = max_tokens_limit
         self.output_modality = output_modality
         self.loop: asyncio.AbstractEventLoop | None = None
+        """uvicorn's loop, where ``deliver`` hands the link thread's items; taken by the first request that needs it
+        (``generate``, ``metrics_text``), so nothing is delivered to a loop no request runs on."""
         self._queues: dict[str, asyncio.Queue] = {}
         self._asks: dict[int, asyncio.Future] = {}
         self._next_ask = 0
@@ -166,6 +168,7 @@ class IntakeBackend:
         return m.HttpCounts(requests=requests, in_flight=in_flight, disconnects=disconnects)
 
     async def metrics_text(self) -> str:
+        self.loop = asyncio.get_running_loop()
         self._next_ask += 1
         ask = self._next_ask
         future = asyncio.get_running_loop().create_future()
@@ -320,7 +323,6 @@ def main(argv: list[str] | None = None) -> int:
             stats.reset()
         http = HttpServer(app)
         http.start(h["host"], h["port"], timeout_s=30, sock=reserve_port(h["host"], h["port"], reuse_port=True, join=True))
-        backend.loop = http.loop
         report({"listening": http.port})
         threading.Thread(target=watch_parent, args=(stop, "the front end"), name="parent-watch", daemon=True).start()
         while not stop.wait(0.2):
