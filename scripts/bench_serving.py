@@ -146,13 +146,15 @@ def ours(base_url: str, streams: int, max_tokens: int, n_requests: int) -> dict:
     if done["prefill_batches_total"] > 0:  # how well prefills batch, and the decode batch the engine ran
         out["prefill_rows_per_forward"] = done["prefills_total"] / done["prefill_batches_total"]
         out["prefill_replayed_share"] = done["prefill_batches_replayed_total"] / done["prefill_batches_total"]
+        # prefills that ran beside a decode step in flight (kv_engine, prefill_stream)
+        out["prefill_beside_share"] = done["prefill_batches_beside_decode_total"] / done["prefill_batches_total"]
     if done["decode_steps_total"] > 0:
         out["decode_rows_per_step"] = done["decode_rows_total"] / done["decode_steps_total"]
     return out
 
 
-ENGINE_COUNTS = ("prefills_total", "prefill_batches_total", "prefill_batches_replayed_total", "decode_steps_total",
-                 "decode_rows_total")
+ENGINE_COUNTS = ("prefills_total", "prefill_batches_total", "prefill_batches_replayed_total",
+                 "prefill_batches_beside_decode_total", "decode_steps_total", "decode_rows_total")
 ENGINE_STATS_LAG_S = 1.2
 
 
@@ -309,6 +311,7 @@ def main() -> None:
                    if all("server_ttft_mean_s" in x for x in v)}
     batching = {k: {stat: statistics.median(x[stat] for x in v) for stat in ("prefill_rows_per_forward",
                                                                             "prefill_replayed_share",
+                                                                            "prefill_beside_share",
                                                                             "decode_rows_per_step")
                     if all(stat in x for x in v)} for k, v in rows.items() if "ttft_median_s" in v[0]}
     yard = "bare_graphs" if cuda else "bare"

@@ -2,7 +2,8 @@
 # GPU runs on the device machine (torch + NCCL preinstalled, no network). Usage, from the repo root there:
 #   bash scripts/gpu_run.sh STEP...      STEP: tests | gpu | tpstop | serving | pd | pace | pace2 | ttft | ttftrace | profile | edges | split |
 #                                        composite | speech | image | twohost | soak | fastloop |
-#                                        prefillab | engine | ttftab | treeab | intakeab
+#                                        prefillab | engine | ttftab | treeab | intakeab |
+#                                        overlap | streamab
 # Needs, carried from the dev machine (bash scripts/gpu_prepare.sh makes both): .whl/ (wheels the GPU image lacks: fastapi, starlette, pydantic(-core),
 # annotated-types, typing-inspection, opentelemetry-api, uvicorn, pyzmq, msgspec, py-spy) and .ckpt/smol-shape (config + tokenizer of
 # SmolLM2-135M; a random same-shaped checkpoint is generated there); .whl/extra (httptools, uvloop) for the fastloop
@@ -85,6 +86,20 @@ for step in "$@"; do
                    | grep -A4 '"median_tok_s"\|"ttft_median_s"')
                done
              done ;;
+    overlap) # a prefill's first tokens with a decode step in flight: behind it on one stream, or beside it on the
+             # engine's higher-priority side stream (model_kwargs.prefill_stream)
+             timeout 200 python3 scripts/bench_prefill_overlap.py --weights /tmp/smol-rand \
+               --out "$out/prefill_overlap_h200$tag.json" 2>&1 | tail -12 ;;
+    streamab) # the single rank with ${INTAKES:-4} intakes, prefills beside the decode step in flight (the default)
+             # against prefills behind it (prefill_stream: false), side by side, ${ROUNDS:-3} rounds at ${STREAMS:-1 32}
+             sed "s/server: {host: 127.0.0.1, port: 8000}/server: {host: 127.0.0.1, port: 8000, http_processes: ${INTAKES:-4}}/" \
+               launch/configs/smollm2_single.yaml > /tmp/smollm2_single_intakes.yaml
+             { cat /tmp/smollm2_single_intakes.yaml; echo "model_kwargs: {prefill_stream: false}"; } \
+               > /tmp/smollm2_single_intakes_onestream.yaml
+             timeout 420 python3 scripts/bench_serving.py --device cuda --model llama --rounds "${ROUNDS:-3}" \
+               --max-tokens 256 --no-hf --no-eager-bare --streams ${STREAMS:-1 32} \
+               --config /tmp/smollm2_single_intakes.yaml:1 --config /tmp/smollm2_single_intakes_onestream.yaml:1 \
+               --out "$out/serving_h200_prefill_stream$tag.json" 2>&1 | grep -A8 '"median_tok_s"\|"ttft_median_s"\|engine_batching' ;;
     engine)  # the engine's CUDA tests: decode and prefill graphs, lookahead
              timeout 200 python3 -m pytest -q -p no:cacheprovider tests/unit/test_kv_engine.py \
                tests/unit/test_graph_decode.py 2>&1 | tail -4 ;;

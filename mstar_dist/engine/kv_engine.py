@@ -36,6 +36,7 @@ a decode step; decode rows never wait two turns in a row. TP followers replay th
 from __future__ import annotations
 
 import time
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -91,7 +92,8 @@ class _Ahead:
 class KVCacheEngine(Component):
     def __init__(self, name: str, model: torch.nn.Module, cache: StaticKVCache, device: torch.device,
                  cuda_graphs: bool = False, logit_bias: torch.Tensor | None = None,
-                 prefill_token_budget: int = 4096, lookahead: bool | None = None, prefill_graphs: bool = False):
+                 prefill_token_budget: int = 4096, lookahead: bool | None = None, prefill_graphs: bool = False,
+                 prefill_stream: bool = True):
         """With ``cuda_graphs`` (CUDA only) decode steps replay captured graphs; the cache must hold one slot
         more than the batch: it is kept as the padding rows' scratch slot. ``logit_bias`` (V,) is added to every
         row's logits before sampling (``-inf`` forbids a token: e.g. a speech LLM restricted to audio codes).
@@ -100,7 +102,9 @@ class KVCacheEngine(Component):
         ``lookahead`` runs decode steps one ahead (default: on CUDA; on a CPU it only costs the dropped rows, so
         it is off there unless asked for; never for a model without ``pads_are_inert``, whose rows affect each
         other's forward). Members of a TP group must not use it (their collectives would no longer pair up if one
-        member dropped a row another used)."""
+        member dropped a row another used). ``prefill_stream`` (with lookahead): a prefill that finds a decode step
+        in flight runs on a second, higher-priority CUDA stream beside it instead of queueing behind it (see
+        ``_prefill_stream``)."""
         self.name = name
         self.logit_bias = None if logit_bias is None else logit_bias.to(device, torch.float32)
         self.model = model
@@ -130,12 +134,15 @@ class KVCacheEngine(Component):
         # other (pads_are_inert; not a batch-wide stateful MoE router) may look ahead
         self.lookahead = (device.type == "cuda" if lookahead is None else bool(lookahead)) and self.ragged_prefill
         self._ahead: _Ahead | None = None
+        self._side = torch.cuda.Stream(device, priority=-1) \
+            if self.lookahead and prefill_stream and device.type == "cuda" else None
         self._seqs: dict[str, _Seq] = {}
         self.steps = 0
         self.decode_rows = 0
         self.prefills = 0
         self.prefill_batches = 0
         self.prefill_batches_replayed = 0
+        self.prefill_batches_beside = 0
         self.decode_seconds = 0.0
         self.ahead_rows_used = 0
         self.ahead_rows_dropped = 0
@@ -189,6 +196,7 @@ class KVCacheEngine(Component):
         return {"kv_slots_used": len(self._seqs), "kv_slots_free": self.cache.num_free,
                 "prefills_total": self.prefills, "prefill_batches_total": self.prefill_batches,
                 "prefill_batches_replayed_total": self.prefill_batches_replayed,
+                "prefill_batches_beside_decode_total": self.prefill_batches_beside,
                 "decode_steps_total": self.steps,
                 "decode_rows_total": self.decode_rows, "decode_ms_total": int(self.decode_seconds * 1000),
                 "lookahead_rows_used_total": self.ahead_rows_used,
@@ -220,10 +228,11 @@ class KVCacheEngine(Component):
 
     # ---- internals ----
     def _prompt(self, call: NodeCall) -> torch.Tensor:
-        """The call's prompt ids (T,) on the device, checked."""
+        """The call's prompt ids (T,), checked; on the host if they came from it (``_prefill`` moves them on the stream
+        the prefill runs on)."""
         if call.request_id in self._seqs:
             raise RuntimeError(f"request {call.request_id!r} already has a KV slot on {self.name!r}")
-        ids = to_device(call.inputs["input_ids"].reshape(-1).long(), self.device)  # no stream sync
+        ids = call.inputs["input_ids"].reshape(-1).long()
         if ids.numel() == 0:
             raise ValueError("empty prompt")
         if ids.numel() >= self.cache.max_seq_len:
@@ -262,20 +271,27 @@ class KVCacheEngine(Component):
             trace.event("eng_prefill_start", rows=len(calls), tokens=sum(lengths), padded=longest * len(calls),
                         ids=ids_, engine=self.name)
         slots = [self.cache.alloc() for _ in calls]
+        side = self._prefill_stream(slots)
         try:
-            bucket = None if self.prefill_graphs is None else self.prefill_graphs.bucket_for(len(calls), longest)
-            if bucket is not None:
-                logits = self.prefill_graphs.logits(prompts, slots, bucket)
-                self.prefill_batches_replayed += 1
-            else:
-                logits = self._prefill_eager(prompts, slots, lengths)
-            ctxs: list[WalkContext] = [c.ctx for c in calls]
-            tokens = sample(self._biased(logits[:, -1]), [x.sampling for x in ctxs],
-                            [x.generator("cpu") for x in ctxs]).cpu()
+            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                prompts = [to_device(p, self.device) for p in prompts]  # no stream sync
+                bucket = None if self.prefill_graphs is None else self.prefill_graphs.bucket_for(len(calls), longest)
+                if bucket is not None:
+                    logits = self.prefill_graphs.logits(prompts, slots, bucket)
+                    self.prefill_batches_replayed += 1
+                else:
+                    logits = self._prefill_eager(prompts, slots, lengths)
+                ctxs: list[WalkContext] = [c.ctx for c in calls]
+                tokens = sample(self._biased(logits[:, -1]), [x.sampling for x in ctxs],
+                                [x.generator("cpu") for x in ctxs]).cpu()  # waits for this stream only
         except BaseException:
+            if side is not None:
+                with contextlib.suppress(Exception):  # nothing of the failed batch may write into slots given out again
+                    side.synchronize()
             for slot in slots:
                 self.cache.free(slot)
             raise
+        self.prefill_batches_beside += side is not None
         self.prefills += len(calls)
         self.prefill_batches += 1
         results = []
@@ -288,8 +304,29 @@ class KVCacheEngine(Component):
                 self.release(call.request_id)
             results.append(NodeResult(outputs=outputs, stop=int(token) in ctx.stop_token_ids))
         if trace.ON:  # the tokens are on the host: the forward has ended
-            trace.event("eng_prefill_end", rows=len(calls), ids=ids_, engine=self.name, replayed=bucket is not None)
+            trace.event("eng_prefill_end", rows=len(calls), ids=ids_, engine=self.name, replayed=bucket is not None,
+                        beside=side is not None)
         return results
+
+    def _prefill_stream(self, slots: list[int]) -> torch.cuda.Stream | None:
+        """The side stream when this prefill may run beside the decode step in flight, else None (the current stream).
+
+        A lookahead step launched last turn is usually still on the GPU when prefills arrive; on the same stream the
+        prefill, and so the first tokens, would wait for it (a decode step of 32 rows takes ~1.7 ms on an H200). Both are
+        latency-bound graphs that leave most of the GPU idle, so the prefill runs beside it on a higher-priority stream.
+        Safe because nothing on the side stream touches what the step does: the prefill writes only its own slots (a
+        slot the step in flight writes, the slot of a finished request whose dropped row it still runs, sends the
+        prefill to the current stream, behind it), the prompts cross on the side stream, the host waits for the
+        prefill's tokens before anything reads its slots (a later decode step, an export), and the only memory both
+        write is the graphs' scratch slot, which only padding rows read. Earlier steps are done: the host waited for
+        their tokens."""
+        ahead = self._ahead
+        if self._side is None or ahead is None or (ahead.ready is not None and ahead.ready.query()):
+            return None
+        busy = {seq.slot for seq in ahead.seqs}
+        if busy.intersection(slots):
+            return None
+        return self._side
 
     def _prefill_eager(self, prompts: list[torch.Tensor], slots: list[int], lengths: list[int]) -> torch.Tensor:
         longest = max(lengths)

@@ -222,6 +222,66 @@ def test_lookahead_with_cuda_graphs_gives_the_tokens_of_steps_run_one_at_a_time(
     assert eng.ahead_rows_used > 20 and eng.ahead_rows_dropped >= 3 and eng.joined_rows == 4
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_prefill_runs_beside_the_decode_step_in_flight_unless_it_takes_a_slot_that_step_writes(model: Llama) -> None:
+    """A prefill that arrives while a lookahead step is on the GPU replays on the engine's side stream and its first
+    token reaches the host before that step ends; its tokens, and the decoding requests', are those of an engine that
+    runs everything on one stream. A prefill given the slot of a request whose dropped row the step still writes
+    waits behind it."""
+    gpu = Llama(CFG).to("cuda").eval().requires_grad_(False)
+    gpu.load_state_dict(model.state_dict())
+    gpu.init_rope_tables()
+
+    def make(prefill_stream: bool) -> KVCacheEngine:
+        cache = StaticKVCache(CFG.n_layers, CFG.n_kv_heads, CFG.head_dim, max_slots=9, max_seq_len=64, device="cuda")
+        eng = KVCacheEngine("LLM", gpu, cache, torch.device("cuda"), cuda_graphs=True, lookahead=True,
+                            prefill_graphs=True, prefill_stream=prefill_stream)
+        eng.warmup()
+        return eng
+
+    def run(eng: KVCacheEngine, hold_gpu: bool) -> tuple[dict[str, list[int]], list[bool]]:
+        out: dict[str, list[int]] = {}
+        retry: dict[str, NodeCall] = {}
+        still_busy = []
+
+        def turn(batch: list[NodeCall]) -> None:
+            for c, r in zip(batch, eng.run_batch(batch)):
+                if r is None:
+                    retry[c.request_id] = c
+                else:
+                    out.setdefault(c.request_id, []).append(int(r.outputs["token"]))
+
+        def decoding(skip: set[str] = frozenset()) -> list[NodeCall]:
+            return [retry.pop(rid) if rid in retry else call(rid, {"token": torch.tensor([toks[-1]])})
+                    for rid, toks in out.items() if rid not in skip]
+
+        turn([call("r0", {"input_ids": prompt(7, 0)}), call("r1", {"input_ids": prompt(12, 1)})])
+        for _ in range(3):
+            turn(decoding())  # a lookahead step is now in flight
+        for rid, skip in (("r2", set()), ("r3", {"r0"})):
+            if skip:
+                eng.release("r0")  # r0 leaves: its slot is free, but the step in flight still writes its dropped row
+                del out["r0"]
+            if hold_gpu:  # keep that step on the GPU for a while: the engine sees it in flight
+                torch.cuda._sleep(200_000_000)
+                eng._ahead.ready = torch.cuda.Event()
+                eng._ahead.ready.record()
+            busy = eng._ahead.ready
+            turn([call(rid, {"input_ids": prompt(9, 2)})])
+            still_busy.append(not busy.query())
+            for _ in range(4):
+                turn(decoding())
+        return out, still_busy
+
+    plain, _ = run(make(False), hold_gpu=False)
+    eng = make(True)
+    beside, busy = run(eng, hold_gpu=True)
+    assert beside == plain
+    # r2's first token came back while the decode step was still on the GPU; r3 took r0's slot and waited for it
+    assert busy == [True, False]
+    assert eng.prefill_batches_beside == 1 and eng.stats()["prefill_batches_beside_decode_total"] == 1
+
+
 def test_with_prefill_graphs_every_batch_fits_a_bucket_and_an_overlong_prompt_runs_alone(model: Llama) -> None:
     """The grouping the engine does for prefill graphs (bucket_for needs no capture, so this runs on CPU)."""
     from mstar_dist.engine.cuda_graphs import PrefillGraphs
