@@ -99,7 +99,7 @@ for step in "$@"; do
              timeout 420 python3 scripts/bench_serving.py --device cuda --model llama --rounds "${ROUNDS:-3}" \
                --max-tokens 256 --no-hf --no-eager-bare --streams ${STREAMS:-1 32} \
                --config /tmp/smollm2_single_intakes.yaml:1 --config /tmp/smollm2_single_intakes_onestream.yaml:1 \
-               --out "$out/serving_h200_prefill_stream$tag.json" 2>&1 | grep -A8 '"median_tok_s"\|"ttft_median_s"\|engine_batching' ;;
+               --out "$out/serving_h200_prefill_stream$tag.json" 2>&1 | tail -45 ;;
     engine)  # the engine's CUDA tests: decode and prefill graphs, lookahead
              timeout 200 python3 -m pytest -q -p no:cacheprovider tests/unit/test_kv_engine.py \
                tests/unit/test_graph_decode.py 2>&1 | tail -4 ;;
