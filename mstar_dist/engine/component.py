@@ -44,6 +44,10 @@ class WalkContext:
 
 class Component(ABC):
     name: str
+    host_inputs: frozenset[str] = frozenset()
+    """Inputs this component moves to its device itself. One that arrives inline (inside the control message) is
+    handed over on the host instead of being copied to the device on the current stream, where it would queue behind
+    the work already there (the KV engine copies prompt ids on the stream its prefill runs on)."""
 
     @abstractmethod
     def run_batch(self, calls: list[NodeCall]) -> list[NodeResult | BaseException | None]:

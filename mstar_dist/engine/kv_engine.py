@@ -90,6 +90,8 @@ class _Ahead:
 
 
 class KVCacheEngine(Component):
+    host_inputs = frozenset({"input_ids"})  # moved to the device on the stream the prefill runs on
+
     def __init__(self, name: str, model: torch.nn.Module, cache: StaticKVCache, device: torch.device,
                  cuda_graphs: bool = False, logit_bias: torch.Tensor | None = None,
                  prefill_token_budget: int = 4096, lookahead: bool | None = None, prefill_graphs: bool = False,
@@ -271,7 +273,7 @@ class KVCacheEngine(Component):
             trace.event("eng_prefill_start", rows=len(calls), tokens=sum(lengths), padded=longest * len(calls),
                         ids=ids_, engine=self.name)
         slots = [self.cache.alloc() for _ in calls]
-        side = self._prefill_stream(slots)
+        side = self._prefill_stream(slots, prompts)
         try:
             with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
                 prompts = [to_device(p, self.device) for p in prompts]  # no stream sync
@@ -308,7 +310,7 @@ class KVCacheEngine(Component):
                         beside=side is not None)
         return results
 
-    def _prefill_stream(self, slots: list[int]) -> torch.cuda.Stream | None:
+    def _prefill_stream(self, slots: list[int], prompts: list[torch.Tensor]) -> torch.cuda.Stream | None:
         """The side stream when this prefill may run beside the decode step in flight, else None (the current stream).
 
         A lookahead step launched last turn is usually still on the GPU when prefills arrive; on the same stream the
@@ -319,9 +321,12 @@ class KVCacheEngine(Component):
         prefill to the current stream, behind it), the prompts cross on the side stream, the host waits for the
         prefill's tokens before anything reads its slots (a later decode step, an export), and the only memory both
         write is the graphs' scratch slot, which only padding rows read. Earlier steps are done: the host waited for
-        their tokens."""
+        their tokens. The prompts must be host tensors (the worker hands inline ``input_ids`` over on the host,
+        ``host_inputs``): one already on the device may have been made by work still queued on the current stream."""
         ahead = self._ahead
         if self._side is None or ahead is None or (ahead.ready is not None and ahead.ready.query()):
+            return None
+        if any(p.device.type != "cpu" for p in prompts):  # made on the current stream, maybe still queued there
             return None
         busy = {seq.slot for seq in ahead.seqs}
         if busy.intersection(slots):

@@ -120,6 +120,7 @@ class Worker:
         self._removed: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._early_stops: dict[str, list[str]] = collections.defaultdict(list)
         self._stream_edges = {e.signal: e for e in streaming_edges}
+        self._host_inputs_of: dict[str, frozenset[str]] = {}  # walk -> inline inputs kept on the host
         self._stream_routes: dict[str, dict[str, int]] = {}  # request -> signal -> consumer rank
         self._stream_out: dict[str, list[tuple[str, torch.Tensor]]] = collections.defaultdict(list)
         self._streams: dict[tuple[str, str], StreamBuffer] = {}  # (request, signal) -> consumer-side buffer
@@ -551,7 +552,9 @@ class Worker:
     # ---- walks ----
     def _start_walk(self, msg: m.RunWalk, received: dict[str, torch.Tensor]) -> None:
         try:
-            inputs = {name: self._resolve(value, received.get(name)) for name, value in msg.inputs.items()}
+            on_host = self._host_inputs(msg.walk)
+            inputs = {name: self._resolve(value, received.get(name), name in on_host)
+                      for name, value in msg.inputs.items()}
             refs = {name: v.uuid for name, v in msg.inputs.items() if isinstance(v, m.TensorRef)}
             if refs and self.tp_roles:
                 self._input_refs[(msg.request_id, msg.walk)] = refs
@@ -602,12 +605,26 @@ class Worker:
         if run.done:
             self._finish(run)
 
-    def _resolve(self, value: m.Value, received: torch.Tensor | None) -> torch.Tensor:
+    def _resolve(self, value: m.Value, received: torch.Tensor | None, on_host: bool = False) -> torch.Tensor:
         if isinstance(value, m.TensorRef):
             return received if received is not None else self.store.get(value.uuid)
         if isinstance(value, m.Remote):
             return REMOTE
-        return decode_tensor(value, self.device)
+        return decode_tensor(value, "cpu" if on_host else self.device)
+
+    def _host_inputs(self, walk: str) -> frozenset[str]:
+        """The walk's inputs that stay on the host when they arrive inline: those that every node of the walk taking
+        them runs here, in a component that moves them to its device itself (``Component.host_inputs``)."""
+        found = self._host_inputs_of.get(walk)
+        if found is None:
+            takers: dict[str, list] = collections.defaultdict(list)
+            for node in iter_nodes(self.graphs[walk]):
+                for name in (*node.inputs, *node.optional_inputs):
+                    takers[name].append(self.components.get(node.name))
+            found = self._host_inputs_of[walk] = frozenset(
+                name for name, comps in takers.items()
+                if all(c is not None and name in c.host_inputs for c in comps))
+        return found
 
     def _collect(self) -> dict[str, list[NodeCall]]:
         """Every runnable call (new ones and ones a component asked to retry), grouped by component."""

@@ -383,3 +383,30 @@ def test_tp_members_stop_in_step_the_follower_runs_what_its_leader_sent_before_i
     transport.dead.add(0)  # a dead leader: no wait at all
     alone._tp_ended.clear()
     alone._end_tp(drain_s=3600)
+
+
+def test_an_inline_input_the_component_moves_itself_arrives_on_the_host_and_others_on_the_device():
+    """The KV engine copies prompt ids to the GPU on the stream its prefill runs on (kv_engine ``_prefill_stream``):
+    a prompt the worker had already queued on the current stream would make a prefill beside the decode step in
+    flight read it before it landed. Here the rank's device is "meta", so a device copy is visible as such."""
+
+    class Seen(Counter):
+        def __init__(self, host_inputs):
+            super().__init__()
+            self.host_inputs = frozenset(host_inputs)
+            self.devices: list[str] = []
+
+        def run_batch(self, calls):
+            self.devices.extend(c.inputs["x"].device.type for c in calls)
+            return [NodeResult({"x": torch.tensor([1]), "kept": torch.zeros(4)}) for _ in calls]
+
+    for host_inputs, expected in (({"x"}, "cpu"), ((), "meta")):
+        comp = Seen(host_inputs)
+        channel = FakeChannel()
+        router = Router(global_rank=1, rank_hosts={0: "h", 1: "h"}, transports={"p2p": FakeTransport()},
+                        intra_host="p2p", inter_host="p2p", inline_max_bytes=1024, device=torch.device("cpu"))
+        worker = Worker(global_rank=1, graphs=GRAPHS, components={"C": comp}, channel=channel, transport=router,
+                        store=TensorStore(), token=TOKEN, device=torch.device("meta"), inline_max_bytes=1024)
+        deliver(worker, channel, run_walk("a", 5, walk="keep"))
+        turn(worker, 2)
+        assert comp.devices == [expected]
