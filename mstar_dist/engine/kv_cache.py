@@ -96,12 +96,18 @@ class StaticKVCache:
     def num_free(self) -> int:
         return len(self._free)
 
-    def alloc(self) -> int:
-        """Reserve the lowest free slot (low slots keep batches contiguous, which avoids K/V copies)."""
+    def alloc(self, avoid: frozenset[int] | set[int] = frozenset()) -> int:
+        """Reserve the lowest free slot (low slots keep batches contiguous, which avoids K/V copies); the lowest one
+        not in ``avoid`` if there is one (slots that work still queued on the device writes)."""
         if not self._free:
             raise KVCacheFullError(f"KV cache full: all {self.max_slots} slots are in use "
                                    f"(max_seq_len {self.max_seq_len}); free a slot or build a larger cache")
-        slot = heapq.heappop(self._free)
+        if avoid and self._free[0] in avoid:
+            slot = min((s for s in self._free if s not in avoid), default=self._free[0])
+            self._free.remove(slot)
+            heapq.heapify(self._free)
+        else:
+            slot = heapq.heappop(self._free)
         self._allocated.add(slot)
         return slot
 

@@ -30,7 +30,10 @@ replays that bucket's graph (``cuda_graphs.PrefillGraphs``); a prompt no bucket 
 
 Prefills go first: when one turn hands over prefills and decode rows, the prefills run and the decode rows are
 answered ``None`` (retried next turn), so the first tokens reach the worker, and the conductor, without waiting for
-a decode step; decode rows never wait two turns in a row. TP followers replay the same turns and decide alike.
+a decode step; decode rows never wait two turns in a row. TP followers replay the same turns and decide alike. In a
+turn that runs both, the prefills are launched first and the decode step's host work runs while they are on the GPU.
+With lookahead on CUDA, prefills that find a decode step in flight run beside it on a second, higher-priority stream
+(``prefill_stream``; ``_prefill_stream`` says why that is safe), in slots that step does not write.
 """
 
 from __future__ import annotations
@@ -87,6 +90,23 @@ class _Ahead:
     given: dict[int, torch.Tensor] = field(default_factory=dict)
     """Row -> the very token tensor a joining row started from (a request's first decode step, launched here
     instead of in a forward of its own): its call, retried, is claimed by that tensor's identity."""
+
+
+@dataclass
+class _Launched:
+    """A batched prefill queued on the device whose tokens are not on the host yet (``_launch_prefills``)."""
+
+    calls: list[NodeCall]
+    ctxs: list[WalkContext]
+    slots: list[int]
+    lengths: list[int]
+    host: torch.Tensor
+    """(rows,) the sampled first tokens, complete once ``ready`` has fired."""
+    ready: object
+    stream: object
+    """The side stream it runs on, or None (the current stream)."""
+    replayed: bool
+    ids: list[str]
 
 
 class KVCacheEngine(Component):
@@ -167,25 +187,28 @@ class KVCacheEngine(Component):
                     decode.append(i)
             except Exception as exc:  # one request's failure must not take the batch down
                 results[i] = exc
-        for group in self._prefill_groups(prefill):
-            try:
-                for (i, _), result in zip(group, self._prefill([calls[i] for i, _ in group], [ids for _, ids in group])):
-                    results[i] = result
-            except Exception as exc:  # a broken batch fails exactly its requests
-                for i, _ in group:
-                    results[i] = exc
-        if decode and prefill and not self._decode_waited:
-            # first tokens leave before this turn's decode step (the worker sends them as run_batch returns): a
-            # new request's TTFT no longer includes the step; decode rows wait one turn, never two in a row
-            self._decode_waited = True
-            return results
-        self._decode_waited = False
-        if decode:
+        groups = self._prefill_groups(prefill)
+        launched = self._launch_prefills([[calls[i] for i, _ in g] for g in groups], [[p for _, p in g] for g in groups])
+        # first tokens leave before this turn's decode step (the worker sends them as run_batch returns): a new
+        # request's TTFT does not include the step; decode rows wait one turn, never two in a row, and when they do not
+        # wait their step's host work runs while the prefills are on the GPU
+        waits = bool(decode and prefill and not self._decode_waited)
+        self._decode_waited = waits
+        if decode and not waits:
             try:
                 for i, result in zip(decode, self._decode([calls[i] for i in decode])):
                     results[i] = result
             except Exception as exc:  # a broken batch fails exactly its requests
                 for i in decode:
+                    results[i] = exc
+        for group, done in zip(groups, launched):
+            try:
+                if isinstance(done, BaseException):
+                    raise done
+                for (i, _), result in zip(group, self._finish_prefill(done)):
+                    results[i] = result
+            except Exception as exc:  # a broken batch fails exactly its requests
+                for i, _ in group:
                     results[i] = exc
         return results
 
@@ -264,72 +287,101 @@ class KVCacheEngine(Component):
             return self.prefill_graphs.bucket_for(rows, longest) is not None
         return rows * longest <= self.prefill_token_budget
 
-    def _prefill(self, calls: list[NodeCall], prompts: list[torch.Tensor]) -> list[NodeResult]:
-        """One forward for every prompt (right-padded), then one sample per row."""
-        lengths = [p.numel() for p in prompts]
-        longest = max(lengths)
-        if trace.ON:
-            ids_ = [c.request_id for c in calls]
-            trace.event("eng_prefill_start", rows=len(calls), tokens=sum(lengths), padded=longest * len(calls),
-                        ids=ids_, engine=self.name)
-        slots = [self.cache.alloc() for _ in calls]
-        side = self._prefill_stream(slots, prompts)
+    def _launch_prefills(self, groups: list[list[NodeCall]], prompts: list[list[torch.Tensor]]
+                         ) -> list[_Launched | BaseException]:
+        """Queue one forward per group of prompts (right-padded), and its samples' copy to the host; one entry per
+        group, an exception for a group that failed (its slots given back). All on one stream: the side stream when
+        they may run beside the decode step in flight (``_prefill_stream``), else the current one."""
+        busy = self._busy_slots()
+        slots = [[self.cache.alloc(avoid=busy) for _ in group] for group in groups]
+        side = self._prefill_stream(busy, [s for g in slots for s in g], [p for g in prompts for p in g])
+        out: list[_Launched | BaseException] = []
+        for group, group_prompts, group_slots in zip(groups, prompts, slots):
+            lengths = [p.numel() for p in group_prompts]
+            longest = max(lengths)
+            ids = [c.request_id for c in group]
+            if trace.ON:
+                trace.event("eng_prefill_start", rows=len(group), tokens=sum(lengths), padded=longest * len(group),
+                            ids=ids, engine=self.name)
+            try:
+                with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                    on_device = [to_device(p, self.device) for p in group_prompts]  # no stream sync
+                    bucket = None if self.prefill_graphs is None else self.prefill_graphs.bucket_for(len(group), longest)
+                    if bucket is not None:
+                        logits = self.prefill_graphs.logits(on_device, group_slots, bucket)
+                    else:
+                        logits = self._prefill_eager(on_device, group_slots, lengths)
+                    ctxs: list[WalkContext] = [c.ctx for c in group]
+                    tokens = sample(self._biased(logits[:, -1]), [x.sampling for x in ctxs],
+                                    [x.generator("cpu") for x in ctxs])
+                    host, ready = self._copy_to_host(tokens)
+            except Exception as exc:  # a broken batch fails exactly its requests
+                self._give_back(group_slots, side)
+                out.append(exc)
+                continue
+            self.prefill_batches_replayed += bucket is not None
+            self.prefill_batches_beside += side is not None
+            out.append(_Launched(group, ctxs, group_slots, lengths, host, ready, side, bucket is not None, ids))
+        return out
+
+    def _finish_prefill(self, launched: _Launched) -> list[NodeResult]:
+        """The results of a launched prefill once its tokens are on the host: each request keeps its slot (or exports
+        its KV and lets the slot go, for a decode rank elsewhere)."""
         try:
-            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-                prompts = [to_device(p, self.device) for p in prompts]  # no stream sync
-                bucket = None if self.prefill_graphs is None else self.prefill_graphs.bucket_for(len(calls), longest)
-                if bucket is not None:
-                    logits = self.prefill_graphs.logits(prompts, slots, bucket)
-                    self.prefill_batches_replayed += 1
-                else:
-                    logits = self._prefill_eager(prompts, slots, lengths)
-                ctxs: list[WalkContext] = [c.ctx for c in calls]
-                tokens = sample(self._biased(logits[:, -1]), [x.sampling for x in ctxs],
-                                [x.generator("cpu") for x in ctxs]).cpu()  # waits for this stream only
-        except BaseException:
-            if side is not None:
-                with contextlib.suppress(Exception):  # nothing of the failed batch may write into slots given out again
-                    side.synchronize()
-            for slot in slots:
-                self.cache.free(slot)
+            _wait(launched.ready)
+            tokens = launched.host.tolist()
+        except Exception:
+            self._give_back(launched.slots, launched.stream)
             raise
-        self.prefill_batches_beside += side is not None
-        self.prefills += len(calls)
+        self.prefills += len(launched.calls)
         self.prefill_batches += 1
         results = []
-        for row, (call, ctx, slot, n) in enumerate(zip(calls, ctxs, slots, lengths)):
+        for call, ctx, slot, n, token in zip(launched.calls, launched.ctxs, launched.slots, launched.lengths, tokens):
             self._seqs[call.request_id] = _Seq(slot=slot, length=n)
-            token = tokens[row : row + 1]
-            outputs = {"token": token}
-            if "kv" in ctx.export:
+            outputs = {"token": torch.tensor([token])}
+            if "kv" in ctx.export:  # on the current stream, where a p2p send of it is ordered (its KV writes are done)
                 outputs["kv"] = self.cache.export(slot, n)
                 self.release(call.request_id)
-            results.append(NodeResult(outputs=outputs, stop=int(token) in ctx.stop_token_ids))
+            results.append(NodeResult(outputs=outputs, stop=token in ctx.stop_token_ids))
         if trace.ON:  # the tokens are on the host: the forward has ended
-            trace.event("eng_prefill_end", rows=len(calls), ids=ids_, engine=self.name, replayed=bucket is not None,
-                        beside=side is not None)
+            trace.event("eng_prefill_end", rows=len(launched.calls), ids=launched.ids, engine=self.name,
+                        replayed=launched.replayed, beside=launched.stream is not None)
         return results
 
-    def _prefill_stream(self, slots: list[int], prompts: list[torch.Tensor]) -> torch.cuda.Stream | None:
-        """The side stream when this prefill may run beside the decode step in flight, else None (the current stream).
+    def _give_back(self, slots: list[int], stream: torch.cuda.Stream | None) -> None:
+        if stream is not None:
+            with contextlib.suppress(Exception):  # nothing of a failed batch may write into slots given out again
+                stream.synchronize()
+        for slot in slots:
+            self.cache.free(slot)
+
+    def _busy_slots(self) -> set[int]:
+        """The slots the decode step still in flight writes (empty when none is, or it has ended)."""
+        ahead = self._ahead
+        if ahead is None or ahead.ready is None or ahead.ready.query():
+            return set()
+        return {seq.slot for seq in ahead.seqs}
+
+    def _prefill_stream(self, busy: set[int], slots: list[int], prompts: list[torch.Tensor]
+                        ) -> torch.cuda.Stream | None:
+        """The side stream when this turn's prefills may run beside the decode step in flight (``busy``: the slots it
+        writes), else None (the current stream).
 
         A lookahead step launched last turn is usually still on the GPU when prefills arrive; on the same stream the
-        prefill, and so the first tokens, would wait for it (a decode step of 32 rows takes ~1.7 ms on an H200). Both are
-        latency-bound graphs that leave most of the GPU idle, so the prefill runs beside it on a higher-priority stream.
-        Safe because nothing on the side stream touches what the step does: the prefill writes only its own slots (a
-        slot the step in flight writes, the slot of a finished request whose dropped row it still runs, sends the
-        prefill to the current stream, behind it), the prompts cross on the side stream, the host waits for the
-        prefill's tokens before anything reads its slots (a later decode step, an export), and the only memory both
-        write is the graphs' scratch slot, which only padding rows read. Earlier steps are done: the host waited for
-        their tokens. The prompts must be host tensors (the worker hands inline ``input_ids`` over on the host,
-        ``host_inputs``): one already on the device may have been made by work still queued on the current stream."""
-        ahead = self._ahead
-        if self._side is None or ahead is None or (ahead.ready is not None and ahead.ready.query()):
+        prefill, and so the first tokens, would wait for it (a decode step of 32 rows takes ~2-3 ms on an H200). Both
+        are latency-bound graphs that leave most of the GPU idle, so the prefill runs beside it on a higher-priority
+        stream. Safe because nothing on the side stream touches what the step does: the prefill writes only its own
+        slots (chosen outside ``busy``; if it must take a slot the step writes, such as a finished request's whose
+        dropped row the step still runs, it goes behind the step), the prompts cross on the side stream, the host
+        waits for the prefill's tokens (an event after its KV writes) before anything reads its slots (a later decode
+        step, an export), and the only memory both write is the graphs' scratch slot, which only padding rows read. Earlier
+        steps are done: the host waited for their tokens. The prompts must be host tensors (the worker hands inline
+        ``input_ids`` over on the host, ``host_inputs``): one already on the device may have been made by work still
+        queued on the current stream. All of a turn's prefills take one stream: the prefill graphs share one memory
+        pool, so two replays on two streams could write each other's outputs."""
+        if self._side is None or not busy or busy.intersection(slots):
             return None
         if any(p.device.type != "cpu" for p in prompts):  # made on the current stream, maybe still queued there
-            return None
-        busy = {seq.slot for seq in ahead.seqs}
-        if busy.intersection(slots):
             return None
         return self._side
 

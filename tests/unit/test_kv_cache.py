@@ -156,6 +156,17 @@ def test_full_cache_raises_and_free_recycles() -> None:
         cache.free(5)
 
 
+def test_alloc_keeps_clear_of_slots_to_avoid_while_others_are_free() -> None:
+    """A prefill beside a decode step in flight must not take a slot that step still writes (kv_engine)."""
+    cache = StaticKVCache(n_layers=1, n_kv_heads=1, head_dim=4, max_slots=5, max_seq_len=8)
+    assert [cache.alloc() for _ in range(2)] == [0, 1]
+    cache.free(0)
+    assert cache.alloc(avoid={0, 2}) == 3  # the lowest free slot outside avoid
+    assert cache.alloc() == 0  # the free list stays a heap: the lowest free slot next
+    assert cache.alloc(avoid={2, 4}) == 2  # none outside avoid: the lowest anyway
+    assert cache.alloc() == 4 and cache.num_free == 0
+
+
 def test_bind_rejects_bad_rows() -> None:
     cache = new_cache(max_seq_len=16)
     slot = cache.alloc()

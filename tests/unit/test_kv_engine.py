@@ -233,7 +233,8 @@ def test_a_prefill_runs_beside_the_decode_step_in_flight_unless_it_takes_a_slot_
     gpu.init_rope_tables()
 
     def make(prefill_stream: bool) -> KVCacheEngine:
-        cache = StaticKVCache(CFG.n_layers, CFG.n_kv_heads, CFG.head_dim, max_slots=9, max_seq_len=64, device="cuda")
+        # 4 slots: the graphs' scratch, r0, r1 and r2; r3 can only have the one r0 lets go
+        cache = StaticKVCache(CFG.n_layers, CFG.n_kv_heads, CFG.head_dim, max_slots=4, max_seq_len=64, device="cuda")
         eng = KVCacheEngine("LLM", gpu, cache, torch.device("cuda"), cuda_graphs=True, lookahead=True,
                             prefill_graphs=True, prefill_stream=prefill_stream)
         eng.warmup()
