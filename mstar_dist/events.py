@@ -48,6 +48,9 @@ class GenerationParams:
     model_kwargs: dict[str, Any] = field(default_factory=dict)
     """Per-request knobs of the model family (``voice``, ``steps``, ``guidance_scale``, ``width``...), JSON
     values. The family validates them in ``preprocess``: an unknown or out-of-range knob is a 400 naming it."""
+    prompt_ids: list[int] | None = None
+    """The prompt's token ids when an HTTP intake process already encoded it (``CompositeModel.prompt_encoder``);
+    None: the conductor's ``preprocess`` tokenizes. Never taken from the client."""
 
 
 @dataclass(frozen=True)

@@ -137,9 +137,15 @@ class LlamaChat(CompositeModel):
     def stop_token_ids(self) -> list[int]:
         return sorted(self.tokenizer.eos_token_ids)
 
+    def prompt_encoder(self) -> tuple[str, dict[str, Any]] | None:
+        if type(self).preprocess is not LlamaChat.preprocess:  # a family that shapes its prompts its own way
+            return None
+        return "models.llama.tokenizer:ChatTokenizer", {"weights_dir": str(self.weights_dir)}
+
     def preprocess(self, state: RequestState, prompt: str | None, messages: list[dict] | None) -> None:
-        text = self.tokenizer.apply_chat_template(messages) if messages is not None else prompt
-        ids = self.tokenizer.encode(text)
+        ids = state.data.pop("prompt_ids", None)  # encoded by an HTTP intake (prompt_encoder)
+        if ids is None:
+            ids = self.tokenizer.encode_prompt(prompt, messages)
         if not ids:
             raise ValueError("the prompt is empty after tokenization: send some text")
         if len(ids) + state.max_tokens > self._context and not state.max_tokens_given and len(ids) < self._context:

@@ -83,6 +83,11 @@ class ChatTokenizer:
         return render_chat_template(self._template, messages, add_generation_prompt=add_generation_prompt,
                                     special_tokens=self.special_tokens)
 
+    def encode_prompt(self, prompt: str | None, messages: list[dict[str, str]] | None) -> list[int]:
+        """The ids of a request's prompt: ``messages`` through the chat template, else the raw ``prompt``. What
+        ``LlamaChat.preprocess`` uses, and what an HTTP intake process runs in its place (``prompt_encoder``)."""
+        return self.encode(self.apply_chat_template(messages) if messages is not None else prompt)
+
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`. Special tokens written in the text (e.g. <|im_start|>) map to their ids;
         add_special_tokens adds what the post-processor adds (a BOS for some models)."""

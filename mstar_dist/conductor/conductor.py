@@ -375,6 +375,8 @@ class Conductor:
             request_id=params.request_id, seed=request_seed(params, pinned_id), max_tokens=params.max_tokens,
             max_tokens_given=params.max_tokens_given, knobs=dict(params.model_kwargs),
         )
+        if params.prompt_ids is not None:
+            state.data["prompt_ids"] = params.prompt_ids
         try:
             self.model.preprocess(state, params.prompt, params.messages)
             if trace.ON:

@@ -254,7 +254,8 @@ def _start_intakes(dep, intakes: list, *, conductor_endpoint: str, api_key: str 
     server = dep.config.server
     for intake in intakes:
         intake.write({"token": dep.token, "conductor": conductor_endpoint, "host": server.host, "port": port,
-                      "api_key": api_key, "max_body_bytes": server.max_body_bytes, **served(dep)})
+                      "api_key": api_key, "max_body_bytes": server.max_body_bytes,
+                      "prompt_encoder": dep.model.prompt_encoder(), **served(dep)})
     for intake in intakes:
         intake.read(60, "that it listens on the port")
     announce(f"mstar_dist: serving {dep.config.model} on http://{server.host}:{port} "

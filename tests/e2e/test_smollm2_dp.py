@@ -2,7 +2,9 @@
 
 A failure here means the runtime leaks (tensors or KV slots left behind by completed or abandoned requests), an
 abandoned stream is not aborted everywhere, requests are not spread over the decode replicas, or a pinned
-request's text depends on which replica (or placement) served it.
+request's text depends on which replica (or placement) served it. The DP deployment parses HTTP in 2 intake
+processes, which also apply the chat template and tokenize (``prompt_encoder``); the single rank's conductor does
+that itself, so equal texts also say both give the same prompt ids.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ SINGLE = REPO / "launch/configs/smollm2_single.yaml"
 
 @pytest.fixture(scope="module")
 def dp():
-    server = Server(DP, nproc=3)
+    server = Server(DP, nproc=3, overrides={"server": {"http_processes": 2}})
     yield server
     assert server.stop_clean(3), server.log()
 
@@ -61,22 +63,29 @@ def test_few_hundred_requests_with_a_fifth_abandoned_leave_nothing_behind(dp):
     assert httpx.get(f"{dp.base_url}/health", timeout=10).status_code == 200
 
 
-def pinned(base_url: str) -> list[str]:
+def pinned(base_url: str, times: int = 4) -> list[str]:
+    """A pinned native request and a pinned chat completion, ``times`` each: [native, chat, native, chat, ...]."""
     out = []
-    for i in range(4):  # the same pinned request repeatedly: replicas are picked uniformly among ties
+    for i in range(times):  # the same pinned request repeatedly: replicas are picked uniformly among ties
         r = httpx.post(f"{base_url}/generate", timeout=120, json={
             "prompt": "The best thing about the ocean is", "request_id": "dp-pin",
             "model_kwargs": {"max_tokens": 24, "temperature": 1.0, "top_p": 0.9}})
         assert r.status_code == 200, r.text
         out.append(r.json()["text"])
+        r = httpx.post(f"{base_url}/v1/chat/completions", timeout=120, headers={"X-Request-Id": "dp-pin-chat"},
+                       json={"messages": [{"role": "system", "content": "Answer briefly."},
+                                          {"role": "user", "content": "Which colour is the sea?"}],
+                             "max_tokens": 16, "temperature": 1.0, "top_p": 0.9})
+        assert r.status_code == 200, r.text
+        out.append(r.json()["choices"][0]["message"]["content"])
     return out
 
 
 def test_pinned_request_is_identical_on_every_replica_and_colocated(dp):
     texts = pinned(dp.base_url)
-    assert len(set(texts)) == 1, texts
+    assert len(set(texts[0::2])) == 1 and len(set(texts[1::2])) == 1, texts
     single = Server(SINGLE, nproc=1)
     try:
-        assert pinned(single.base_url)[0] == texts[0]
+        assert pinned(single.base_url, times=1) == texts[:2]
     finally:
         single.stop()

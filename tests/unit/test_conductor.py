@@ -261,3 +261,57 @@ def test_every_kind_of_event_crosses_to_an_intake_unchanged():
     got = [_event(item) for item in out.items]
     assert got[:4] == sent and [i.request_id for i in out.items] == ["r1"] * 4 + ["r2"]
     assert (got[4].status, got[4].message, got[4].retry_after_s) == (429, "the server is at capacity", 3)
+
+
+def test_prompt_ids_an_intake_encoded_reach_the_family_and_a_failed_encoding_leaves_it_to_the_conductor():
+    """An intake tokenizes in place of the conductor (``prompt_encoder``): its Submit carries the ids, which the
+    family's preprocess finds in ``state.data``; when the intake's encoder fails, the Submit carries none and the
+    conductor's preprocess does the work (and answers any error) as with one HTTP process."""
+    import asyncio
+    import dataclasses
+
+    from mstar_dist.conductor.intake import IntakeBackend
+
+    c, _ = make()
+    seen = []
+    preprocess = c.model.preprocess
+
+    def recording(state, prompt, messages):
+        seen.append(state.data.get("prompt_ids"))
+        preprocess(state, prompt, messages)
+
+    c.model.preprocess = recording
+    assert submit(c, dataclasses.replace(params("a"), prompt_ids=[5, 6])) == []
+    assert submit(c, params("b")) == []
+    assert seen == [[5, 6], None]
+
+    class Encoder:
+        def encode_prompt(self, prompt, messages):
+            if prompt == "bad":
+                raise ValueError("no template")
+            return [len(prompt)]
+
+    class Link:
+        health = (True, "ok")
+        sent: list = []
+
+        def send(self, body):
+            self.sent.append(body)
+
+    link = Link()
+    backend = IntakeBackend(link, None, model_name="toy", max_context_tokens=64, max_tokens_limit=8,
+                            output_modality="text", encoder=Encoder())
+
+    async def start(p):
+        stream = backend.generate(p)
+        task = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0.01)  # the Submit is out; nothing comes back here
+        task.cancel()
+
+    async def both():
+        await start(params("c", prompt="start=0"))
+        await start(params("d", prompt="bad"))
+
+    asyncio.run(both())
+    submits = [b for b in link.sent if isinstance(b, m.Submit)]
+    assert [(s.params.request_id, s.params.prompt_ids) for s in submits] == [("c", [7]), ("d", None)]

@@ -206,3 +206,45 @@ def test_raise_exception_is_a_template_error_and_a_client_error(weights, tmp_pat
     with pytest.raises(TemplateRefused, match="Only user and assistant roles") as got:
         ours.apply_chat_template(messages)
     assert isinstance(got.value, ValueError) and str(got.value) == str(want.value)
+
+
+def test_an_intake_encodes_prompts_as_the_conductor_would_without_importing_torch(weights) -> None:
+    """HTTP intake processes tokenize in place of the conductor (``CompositeModel.prompt_encoder``): the ids must be
+    those ``LlamaChat.preprocess`` computes, for chat messages and raw prompts, and building the encoder must not
+    import torch (an intake loads none). A family that shapes its prompts itself (Orpheus) offers no encoder."""
+    import subprocess
+    import sys
+
+    import torch
+
+    from models.llama.chat import SmolLM2Chat
+    from models.speech.orpheus import OrpheusSpeech  # shapes its prompts: no encoder (checked below)
+    from mstar_dist.conductor.intake import load_prompt_encoder
+    from mstar_dist.graph.model import RequestState
+
+    family = SmolLM2Chat(str(weights))
+    family.load_frontend()
+    spec = family.prompt_encoder()
+    encoder = load_prompt_encoder(spec)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there, ß 中 🎉"}]
+    for prompt, msgs in ((None, messages), ("Once upon a time", None)):
+        state = RequestState(request_id="r", seed=0, max_tokens=8)
+        family.preprocess(state, prompt, msgs)
+        ids = encoder.encode_prompt(prompt, msgs)
+        assert state.data["input_ids"].tolist() == ids and len(ids) > 3
+        given = RequestState(request_id="r", seed=0, max_tokens=8, data={"prompt_ids": ids})
+        family.preprocess(given, "ignored when ids are given", None)
+        assert torch.equal(given.data["input_ids"], state.data["input_ids"])
+    module = spec[0].partition(":")[0]
+    code = (f"import sys, {module}; from mstar_dist.conductor.intake import load_prompt_encoder; "
+            f"load_prompt_encoder({spec!r}); assert 'torch' not in sys.modules, 'torch imported'")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stderr
+
+    class Shaped(SmolLM2Chat):  # as Orpheus does: its own prompt layout
+        def preprocess(self, state, prompt, messages):
+            super().preprocess(state, f"[voice] {prompt}", None)
+
+    assert Shaped(str(weights)).prompt_encoder() is None and load_prompt_encoder(None) is None
+    assert OrpheusSpeech.preprocess is not SmolLM2Chat.preprocess
