@@ -76,13 +76,20 @@ for step in "$@"; do
                  | grep -A3 '"ttft_median_s"\|ttft_32_over'
              done ;;
     treeab)  # this tree against the one in .ab_base (carried; e.g. `git archive HEAD~1 mstar_dist models scripts tests
-             # launch`), alternating, one round each: tok/s and TTFT of the single rank at 1, 32 and 64 streams
-             for i in 1 2; do
+             # launch`), alternating, one round each, ${PAIRS:-2} pairs: tok/s and TTFT of the single rank at
+             # ${STREAMS:-1 32 64} streams; with TREE_INTAKES=N both serve through N HTTP intake processes
+             cfg=$PWD/launch/configs/smollm2_single.yaml
+             if [ -n "${TREE_INTAKES:-}" ]; then
+               cfg=/tmp/smollm2_single_intakes.yaml
+               sed "s/server: {host: 127.0.0.1, port: 8000}/server: {host: 127.0.0.1, port: 8000, http_processes: $TREE_INTAKES}/" \
+                 launch/configs/smollm2_single.yaml > "$cfg"
+             fi
+             for i in $(seq "${PAIRS:-2}"); do
                for tree in .ab_base .; do
                  name=$([ "$tree" = . ] && echo new || echo base)
                  (cd "$tree" && PYTHONPATH="/tmp/site:$PWD" timeout 150 python3 scripts/bench_serving.py --device cuda \
-                   --model llama --rounds 1 --max-tokens 256 --no-hf --no-eager-bare --streams 1 32 64 \
-                   --config launch/configs/smollm2_single.yaml:1 --out "$out/serving_h200_treeab_${name}_$i.json" 2>&1 \
+                   --model llama --rounds 1 --max-tokens 256 --no-hf --no-eager-bare --streams ${STREAMS:-1 32 64} \
+                   --config "$cfg:1" --out "$out/serving_h200_treeab${TREE_INTAKES:+_intakes}_${name}_$i.json" 2>&1 \
                    | grep -A4 '"median_tok_s"\|"ttft_median_s"')
                done
              done ;;
