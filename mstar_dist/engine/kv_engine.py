@@ -196,7 +196,9 @@ class KVCacheEngine(Component):
         self._decode_waited = waits
         if decode and not waits:
             try:
-                for i, result in zip(decode, self._decode([calls[i] for i in decode])):
+                # beside prefills, rows new to the lookahead join its next launch rather than run now: the turn, and
+                # so the first tokens, would otherwise wait for their forward, queued behind the prefills
+                for i, result in zip(decode, self._decode([calls[i] for i in decode], defer_fresh=bool(launched))):
                     results[i] = result
             except Exception as exc:  # a broken batch fails exactly its requests
                 for i in decode:
@@ -422,18 +424,18 @@ class KVCacheEngine(Component):
         call.inputs.pop("kv")  # imported: let the received buffer go
         return True
 
-    def _decode(self, calls: list[NodeCall]) -> list[NodeResult | BaseException]:
+    def _decode(self, calls: list[NodeCall], defer_fresh: bool = False) -> list[NodeResult | BaseException]:
         t0 = time.perf_counter()
         if trace.ON:
             trace.event("eng_decode_start", rows=len(calls), engine=self.name)
         try:
-            return self._decode_step(calls)
+            return self._decode_step(calls, defer_fresh)
         finally:
             self.decode_seconds += time.perf_counter() - t0
             if trace.ON:
                 trace.event("eng_decode_end", rows=len(calls), engine=self.name)
 
-    def _decode_step(self, calls: list[NodeCall]) -> list[NodeResult | BaseException | None]:
+    def _decode_step(self, calls: list[NodeCall], defer_fresh: bool = False) -> list[NodeResult | BaseException | None]:
         """One decode step of ``calls``: rows the lookahead already ran take its tokens, the others run now; then
         (lookahead) the next step of all of them is launched before this step's tokens are copied to the host.
 
@@ -441,13 +443,16 @@ class KVCacheEngine(Component):
         a row the lookahead did not run), those rows do not get a forward of their own: they are launched with the
         next step of the others and answered None (the worker retries them next turn, when the lookahead has
         their token). One forward per step instead of two while requests keep arriving (a P/D decode rank takes
-        them one handoff at a time), for one step of delay on each new request's first decode token."""
+        them one handoff at a time), for one step of delay on each new request's first decode token. With
+        ``defer_fresh`` (prefills ran this turn) new rows join a launch even when no lookahead step is in use: run now,
+        their forward would queue behind the prefills and the turn, with the prefills' first tokens, would wait for
+        it."""
         ahead, self._ahead = self._ahead, None
         seqs = [self._seqs[c.request_id] for c in calls]
         claimed = self._claim(ahead, calls, seqs) if ahead is not None else {}
         fresh = [i for i in range(len(calls)) if i not in claimed]
         join: list[int] = []
-        if claimed and fresh and self.lookahead:
+        if fresh and self.lookahead and (claimed or defer_fresh):
             join, fresh = fresh, []
         run = [i for i in range(len(calls)) if i in claimed or i in fresh]  # this step's rows, in call order
         ctxs: list[WalkContext] = [c.ctx for c in calls]
@@ -471,8 +476,8 @@ class KVCacheEngine(Component):
             seqs[i].length += 1
         launch = run + join
         if self.lookahead:
-            tokens = step_tokens if not join else \
-                torch.cat([step_tokens, self._given_on_device([calls[i] for i in join])])
+            given = self._given_on_device([calls[i] for i in join]) if join else None
+            tokens = step_tokens if given is None else given if step_tokens is None else torch.cat([step_tokens, given])
             self._launch_ahead([calls[i] for i in launch], [seqs[i] for i in launch], [ctxs[i] for i in launch],
                                tokens, given={len(run) + k: calls[i].inputs["token"] for k, i in enumerate(join)})
         # the step's device-to-host copies (the lookahead, if any, is already queued behind them)
@@ -490,7 +495,7 @@ class KVCacheEngine(Component):
             started = [ids[i] for i in run] + [None] * len(join)
             self._ahead.inputs = [started[k] for k in self._ahead.rows]
         sampled = torch.tensor(ids, dtype=torch.long)
-        self.steps += 1
+        self.steps += bool(run)  # a launch of joining rows only is counted when they claim it
         self.decode_rows += len(run)
         self.joined_rows += len(join)
         results: list[NodeResult | BaseException | None] = [None] * len(calls)  # joining rows: retried

@@ -356,3 +356,21 @@ def test_a_new_prompt_gets_its_first_token_before_the_decode_step_of_the_others(
     assert again[0] is not None and again[1] is not None and eng.steps == 1
     reference = generate(engine(model), [call("a", {"input_ids": prompt(7, 1)})], steps=1)["a"]
     assert [int(first), int(again[0].outputs["token"])] == reference
+
+
+def test_beside_prefills_new_decode_rows_join_a_launch_instead_of_holding_the_first_tokens_back(model: Llama) -> None:
+    """With lookahead, a turn that runs prefills and decode rows no lookahead step has run (a request's first decode)
+    launches those rows and answers them None: run at once, their forward would queue behind the prefills on the
+    GPU and the turn, with the prefills' first tokens, would wait for it. Next turn they take the launched step's
+    tokens, which are those of an engine without lookahead."""
+    eng = engine(model, lookahead=True)
+    first = eng.run_batch([call("a", {"input_ids": prompt(7, 1)})])[0].outputs["token"]
+    step_a = call("a", {"token": first})
+    assert eng.run_batch([step_a, call("b", {"input_ids": prompt(5, 2)})])[0] is None  # decode waits a turn
+    again = eng.run_batch([step_a, call("c", {"input_ids": prompt(4, 3)})])  # not twice: it goes, as a launch
+    assert again[0] is None and again[1] is not None
+    assert eng.steps == 0 and eng.joined_rows == 1 and eng._ahead is not None
+    done = eng.run_batch([step_a])[0]  # the same call, retried, claims the launched row
+    assert done is not None and eng.steps == 1 and eng.ahead_rows_used == 1
+    reference = generate(engine(model), [call("a", {"input_ids": prompt(7, 1)})], steps=1)["a"]
+    assert [int(first), int(done.outputs["token"])] == reference
