@@ -38,8 +38,8 @@ With lookahead on CUDA, prefills that find a decode step in flight run beside it
 
 from __future__ import annotations
 
-import time
 import contextlib
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -255,8 +255,8 @@ class KVCacheEngine(Component):
 
     # ---- internals ----
     def _prompt(self, call: NodeCall) -> torch.Tensor:
-        """The call's prompt ids (T,), checked; on the host if they came from it (``_prefill`` moves them on the stream
-        the prefill runs on)."""
+        """The call's prompt ids (T,), checked; on the host if they came from it (``_launch_prefills`` moves them on the
+        stream the prefill runs on)."""
         if call.request_id in self._seqs:
             raise RuntimeError(f"request {call.request_id!r} already has a KV slot on {self.name!r}")
         ids = call.inputs["input_ids"].reshape(-1).long()
