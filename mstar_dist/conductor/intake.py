@@ -233,7 +233,6 @@ class IntakeBackend:
         finally:
             self._queues.pop(params.request_id, None)
 
-
     def _encode(self, params: GenerationParams) -> list[int] | None:
         """The prompt's ids, encoded here rather than on the conductor thread (it takes ~0.1-0.4 ms a request: a
         burst of requests would queue behind it there). None when the encoder fails: the conductor tokenizes again and
