@@ -20,6 +20,10 @@ export PYTHONPATH="/tmp/site:$PWD" MSTAR_TEST_WEIGHTS=/tmp/smol-rand PATH="/tmp/
   --out /tmp/smol-rand --dtype bfloat16 >/dev/null 2>&1 || exit 1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import torch; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version(), 'gpus', torch.cuda.device_count())"
+intakes_config() {  # /tmp/smollm2_single_intakes.yaml: the single rank with $1 HTTP intake processes
+  sed "s/server: {host: 127.0.0.1, port: 8000}/server: {host: 127.0.0.1, port: 8000, http_processes: $1}/" \
+    launch/configs/smollm2_single.yaml > /tmp/smollm2_single_intakes.yaml
+}
 tag=""  # appended to the result names of ttft, ttftrace and profile once the fastloop step has run
 for step in "$@"; do
   echo "== $step"
@@ -57,8 +61,7 @@ for step in "$@"; do
     intakeab) # the single rank with the front end's own HTTP thread against ${INTAKES:-4} intake processes
              # (server.http_processes), side by side: tok/s and TTFT at 1, 8, 32 and 64 streams; then the phase trace
              # of the intake deployment at 1 and 32 streams
-             sed "s/server: {host: 127.0.0.1, port: 8000}/server: {host: 127.0.0.1, port: 8000, http_processes: ${INTAKES:-4}}/" \
-               launch/configs/smollm2_single.yaml > /tmp/smollm2_single_intakes.yaml
+             intakes_config "${INTAKES:-4}"
              # (ROUNDS, default 1, and STREAMS, default "1 8 32 64", change the bench; TRACE=0 skips the trace)
              timeout 400 python3 scripts/bench_serving.py --device cuda --model llama --rounds "${ROUNDS:-1}" \
                --max-tokens 256 --no-hf --no-eager-bare --streams ${STREAMS:-1 8 32 64} \
@@ -81,8 +84,7 @@ for step in "$@"; do
              cfg=$PWD/launch/configs/smollm2_single.yaml
              if [ -n "${TREE_INTAKES:-}" ]; then
                cfg=/tmp/smollm2_single_intakes.yaml
-               sed "s/server: {host: 127.0.0.1, port: 8000}/server: {host: 127.0.0.1, port: 8000, http_processes: $TREE_INTAKES}/" \
-                 launch/configs/smollm2_single.yaml > "$cfg"
+               intakes_config "$TREE_INTAKES"
              fi
              for i in $(seq "${PAIRS:-2}"); do
                for tree in .ab_base .; do
@@ -99,8 +101,7 @@ for step in "$@"; do
                --out "$out/prefill_overlap_h200$tag.json" 2>&1 | tail -12 ;;
     streamab) # the single rank with ${INTAKES:-4} intakes, prefills beside the decode step in flight (the default)
              # against prefills behind it (prefill_stream: false), side by side, ${ROUNDS:-3} rounds at ${STREAMS:-1 32}
-             sed "s/server: {host: 127.0.0.1, port: 8000}/server: {host: 127.0.0.1, port: 8000, http_processes: ${INTAKES:-4}}/" \
-               launch/configs/smollm2_single.yaml > /tmp/smollm2_single_intakes.yaml
+             intakes_config "${INTAKES:-4}"
              { cat /tmp/smollm2_single_intakes.yaml; echo "model_kwargs: {prefill_stream: false}"; } \
                > /tmp/smollm2_single_intakes_onestream.yaml
              timeout 420 python3 scripts/bench_serving.py --device cuda --model llama --rounds "${ROUNDS:-3}" \
