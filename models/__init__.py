@@ -9,11 +9,16 @@ from __future__ import annotations
 import importlib
 
 
+def load_object(path: str):
+    """The object a ``package.module:Name`` path names (ImportError or AttributeError when there is none)."""
+    module_name, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module_name), attr)
+
+
 def get_model_class(name: str):
     if ":" in name:
-        module_name, _, attr = name.partition(":")
         try:
-            return getattr(importlib.import_module(module_name), attr)
+            return load_object(name)
         except (ImportError, AttributeError) as exc:
             raise ValueError(f"model: cannot load {name!r} ({type(exc).__name__}: {exc})") from None
     from models.image.family import BagelImage

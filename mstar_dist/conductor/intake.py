@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import importlib
 import logging
 import os
 import queue
@@ -248,10 +247,11 @@ def load_prompt_encoder(spec: list | tuple | None) -> Any:
     for none, or when it cannot be built here (the conductor then tokenizes, as with one HTTP process)."""
     if spec is None:
         return None
+    from models import load_object  # the zoo's registry module imports no torch
+
     path, kwargs = spec
-    module_name, _, attr = path.partition(":")
     try:
-        encoder = getattr(importlib.import_module(module_name), attr)(**kwargs)
+        encoder = load_object(path)(**kwargs)
         with contextlib.suppress(Exception):  # a first call pays for lazily built tables, not a client's request
             encoder.encode_prompt(None, [{"role": "user", "content": "warm-up"}])
         return encoder
