@@ -18,16 +18,19 @@ long-answer prompts so EOS rarely ends them early, and tok/s counts the tokens a
 from __future__ import annotations
 
 import argparse
+import asyncio
 import collections
 import concurrent.futures as cf
 import json
 import multiprocessing
 import os
 import platform
+import socket
 import statistics
 import sys
 import threading
 import time
+import urllib.parse
 from pathlib import Path
 
 import httpx
@@ -55,32 +58,50 @@ PROMPTS = [
 _local = threading.local()
 
 
-def stream_one(base_url: str, prompt: str, max_tokens: int) -> tuple[float, float, int]:
-    """One streaming /generate request: (ttft seconds, total seconds, completion tokens)."""
-    body = {"messages": [{"role": "user", "content": prompt}], "stream": True,
+def request_body(prompt: str, max_tokens: int) -> dict:
+    return {"messages": [{"role": "user", "content": prompt}], "stream": True,
             "model_kwargs": {"max_tokens": max_tokens, "temperature": 0}}
+
+
+class _Tally:
+    """What a client keeps of one streamed /generate response: the time of its first line with tokens and the
+    completion tokens its last line reports."""
+
+    def __init__(self, t0: float) -> None:
+        self.t0, self.ttft, self.tokens = t0, None, 0
+
+    def line(self, line: bytes | str) -> None:
+        if not line.strip():
+            return
+        item = json.loads(line)
+        meta = item.get("metadata", {})
+        if item["modality"] == "error":
+            raise RuntimeError(meta)
+        if self.ttft is None and meta.get("n_tokens"):
+            self.ttft = time.perf_counter() - self.t0
+        if "usage" in meta:
+            self.tokens = meta["usage"]["completion_tokens"]
+
+    def result(self) -> tuple[float, float, int]:
+        return self.ttft or 0.0, time.perf_counter() - self.t0, self.tokens
+
+
+def stream_one(base_url: str, prompt: str, max_tokens: int) -> tuple[float, float, int]:
+    """One streaming /generate request on this thread's httpx client: (ttft seconds, total seconds, completion
+    tokens)."""
     client = _local.client  # made before the clock starts: a new httpx client costs ~25 ms (its TLS context)
-    t0 = time.perf_counter()
-    ttft, tokens = None, 0
-    with client.stream("POST", f"{base_url}/generate", json=body) as r:
+    tally = _Tally(time.perf_counter())
+    with client.stream("POST", f"{base_url}/generate", json=request_body(prompt, max_tokens)) as r:
         r.raise_for_status()
         for line in r.iter_lines():
-            if not line.strip():
-                continue
-            item = json.loads(line)
-            meta = item.get("metadata", {})
-            if item["modality"] == "error":
-                raise RuntimeError(meta)
-            if ttft is None and meta.get("n_tokens"):
-                ttft = time.perf_counter() - t0
-            if "usage" in meta:
-                tokens = meta["usage"]["completion_tokens"]
-    return ttft or 0.0, time.perf_counter() - t0, tokens
+            tally.line(line)
+    return tally.result()
 
 
-def _client(base_url: str, prompts: list[str], streams: int, max_tokens: int) -> tuple[list, float, float]:
-    """``streams`` concurrent clients in one process working through ``prompts``: (per-request results, wall-clock
-    start, end). Each thread's HTTP client exists before the clock starts."""
+def _thread_client(base_url: str, prompts: list[str], streams: int, max_tokens: int) -> tuple[list, float, float]:
+    """``streams`` client threads in one process working through ``prompts`` (they share its GIL, and a thread
+    woken by its first chunk can wait out another's switch interval): (per-request results, wall-clock start,
+    end). Each thread's HTTP client exists before the clock starts."""
     ready = threading.Barrier(streams + 1)
 
     def setup() -> None:
@@ -94,6 +115,79 @@ def _client(base_url: str, prompts: list[str], streams: int, max_tokens: int) ->
         start = time.time()
         results = list(pool.map(lambda p: stream_one(base_url, p, max_tokens), prompts))
         return results, start, time.time()
+
+
+class _Connection:
+    """One keep-alive HTTP/1.1 connection of the asyncio client, which reads the server's chunked NDJSON stream
+    itself: on one event loop, a stream's first chunk is read as soon as it arrives rather than when its thread
+    next gets the GIL."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, host: str) -> None:
+        self.reader, self.writer, self.host = reader, writer, host
+
+    @classmethod
+    async def open(cls, base_url: str) -> "_Connection":
+        url = urllib.parse.urlsplit(base_url)
+        reader, writer = await asyncio.open_connection(url.hostname, url.port)
+        writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return cls(reader, writer, url.netloc)
+
+    async def generate(self, prompt: str, max_tokens: int) -> tuple[float, float, int]:
+        body = json.dumps(request_body(prompt, max_tokens)).encode()
+        head = (f"POST /generate HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n").encode()
+        tally = _Tally(time.perf_counter())
+        self.writer.write(head + body)
+        status = await self.reader.readline()
+        headers = {}
+        while (line := await self.reader.readline()) not in (b"\r\n", b""):
+            key, _, value = line.decode("latin-1").partition(":")
+            headers[key.strip().lower()] = value.strip().lower()
+        if headers.get("transfer-encoding") != "chunked":
+            text = await self.reader.readexactly(int(headers.get("content-length", 0)))
+            raise RuntimeError(f"/generate answered {status.decode().strip()!r}, not a stream: {text[:300]!r}")
+        pending = b""
+        while size := int((await self.reader.readline()).split(b";")[0], 16):
+            pending += (await self.reader.readexactly(size + 2))[:-2]
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                tally.line(line)
+        await self.reader.readline()  # the CRLF after the last (empty) chunk
+        tally.line(pending)
+        if not status.startswith(b"HTTP/1.1 200"):
+            raise RuntimeError(f"/generate answered {status.decode().strip()!r}")
+        return tally.result()
+
+
+def _async_client(base_url: str, prompts: list[str], streams: int, max_tokens: int) -> tuple[list, float, float]:
+    """``streams`` concurrent clients on one asyncio loop in this process, each on its own keep-alive connection
+    (opened before the clock starts), working through ``prompts``: (per-request results in prompt order,
+    wall-clock start, end)."""
+
+    async def run() -> tuple[list, float, float]:
+        connections = await asyncio.gather(*[_Connection.open(base_url) for _ in range(streams)])
+        queue = collections.deque(enumerate(prompts))
+        results: list = [None] * len(prompts)
+
+        async def worker(conn: _Connection) -> None:
+            while queue:
+                i, prompt = queue.popleft()
+                results[i] = await conn.generate(prompt, max_tokens)
+
+        start = time.time()
+        try:
+            await asyncio.gather(*[worker(c) for c in connections])
+        finally:
+            for c in connections:
+                c.writer.close()
+        return results, start, time.time()
+
+    return asyncio.run(run())
+
+
+CLIENTS = {"async": _async_client, "threads": _thread_client}
+"""The benchmark's clients: asyncio (the default) or one httpx client thread per stream (what earlier sessions'
+numbers were measured with; at 32 streams its threads' GIL hand-offs added ~6 ms to the measured TTFT)."""
 
 
 CLIENT_STREAMS_PER_PROCESS = 8
@@ -112,27 +206,28 @@ def client_processes(streams: int) -> cf.ProcessPoolExecutor:
 
 
 def run_streams(base_url: str, prompts: list[str], streams: int, max_tokens: int,
-                pool: cf.ProcessPoolExecutor | None) -> tuple[list, float, float]:
-    """``streams`` concurrent streaming clients working through ``prompts``, in this process or, above
-    ``CLIENT_STREAMS_PER_PROCESS`` streams, spread over ``pool``: (per-request (ttft, total, tokens), wall-clock
-    start, end)."""
+                pool: cf.ProcessPoolExecutor | None, client: str = "async") -> tuple[list, float, float]:
+    """``streams`` concurrent streaming clients (``CLIENTS[client]``) working through ``prompts``, in this process
+    or, above ``CLIENT_STREAMS_PER_PROCESS`` streams, spread over ``pool``: (per-request (ttft, total, tokens),
+    wall-clock start, end)."""
+    run = CLIENTS[client]
     procs = -(-streams // CLIENT_STREAMS_PER_PROCESS)
     if procs == 1 or pool is None:
-        return _client(base_url, prompts, streams, max_tokens)
+        return run(base_url, prompts, streams, max_tokens)
     share = [prompts[i::procs] for i in range(procs)]
-    parts = [f.result() for f in [pool.submit(_client, base_url, part, -(-streams // procs), max_tokens)
+    parts = [f.result() for f in [pool.submit(run, base_url, part, -(-streams // procs), max_tokens)
                                   for part in share]]
     return [r for part in parts for r in part[0]], min(part[1] for part in parts), max(part[2] for part in parts)
 
 
-def ours(base_url: str, streams: int, max_tokens: int, n_requests: int) -> dict:
+def ours(base_url: str, streams: int, max_tokens: int, n_requests: int, client: str = "async") -> dict:
     global _clients
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(n_requests)]
     before = _server_ttft(base_url)
     engine_before = _engine_counts(base_url)
     if streams > CLIENT_STREAMS_PER_PROCESS and _clients is None:
         _clients = client_processes(64)
-    results, start, end = run_streams(base_url, prompts, streams, max_tokens, _clients)
+    results, start, end = run_streams(base_url, prompts, streams, max_tokens, _clients, client)
     server_ttft = _server_ttft(base_url) if before is not None else None
     wall = end - start
     tokens = sum(r[2] for r in results)
@@ -248,6 +343,9 @@ def main() -> None:
     p.add_argument("--streams-per-process", type=int, default=CLIENT_STREAMS_PER_PROCESS,
                    help="client streams per client process (their threads share its GIL: fewer measure the server "
                         "more closely, more leave the server more of the host's cores)")
+    p.add_argument("--client", choices=sorted(CLIENTS), default="async",
+                   help="async: every stream of a client process on one asyncio loop; threads: one httpx client "
+                        "thread per stream (earlier sessions' client)")
     p.add_argument("--no-eager-bare", action="store_true",
                    help="on CUDA, skip the eager bare loop (the yardstick there is the CUDA-graph one)")
     args = p.parse_args()
@@ -287,9 +385,9 @@ def main() -> None:
             try:
                 # warm the path with every prompt once: a prompt length's first prefill on a GPU pays for new
                 # kernel shapes, which would otherwise land in the 1-stream TTFT (its requests come first)
-                ours(server.base_url, 1, 8, len(PROMPTS))
+                ours(server.base_url, 1, 8, len(PROMPTS), args.client)
                 for n in args.streams:
-                    rows[f"{name}_{n}"].append(ours(server.base_url, n, args.max_tokens, max(4, 2 * n)))
+                    rows[f"{name}_{n}"].append(ours(server.base_url, n, args.max_tokens, max(4, 2 * n), args.client))
             finally:
                 server.stop()
         with torch.inference_mode():
@@ -360,6 +458,7 @@ def main() -> None:
         "weights": WEIGHTS,
         "max_tokens": args.max_tokens,
         "max_batch": max_batch,
+        "client": args.client,
         "cold_start_to_health_s": cold,
         "median_tok_s": med,
         "ttft_median_s": ttft,

@@ -3,7 +3,7 @@
 #   bash scripts/gpu_run.sh STEP...      STEP: tests | gpu | tpstop | serving | pd | pace | pace2 | ttft | ttftrace | profile | edges | split |
 #                                        composite | speech | image | twohost | soak | fastloop |
 #                                        prefillab | engine | ttftab | treeab | intakeab |
-#                                        overlap | streamab
+#                                        overlap | streamab | clientab
 # Needs, carried from the dev machine (bash scripts/gpu_prepare.sh makes both): .whl/ (wheels the GPU image lacks: fastapi, starlette, pydantic(-core),
 # annotated-types, typing-inspection, opentelemetry-api, uvicorn, pyzmq, msgspec, py-spy) and .ckpt/smol-shape (config + tokenizer of
 # SmolLM2-135M; a random same-shaped checkpoint is generated there); .whl/extra (httptools, uvloop) for the fastloop
@@ -108,6 +108,22 @@ for step in "$@"; do
                --max-tokens 256 --no-hf --no-eager-bare --streams ${STREAMS:-1 32} \
                --config /tmp/smollm2_single_intakes.yaml:1 --config /tmp/smollm2_single_intakes_onestream.yaml:1 \
                --out "$out/serving_h200_prefill_stream$tag.json" 2>&1 | tail -45 ;;
+    clientab) # the single rank with ${INTAKES:-4} intakes measured by bench_serving's asyncio client against its
+             # thread-per-stream client (the one of earlier sessions), alternating, ${PAIRS:-2} pairs at ${STREAMS:-1 32};
+             # then the phase trace with the asyncio client (TRACE=0 skips it)
+             intakes_config "${INTAKES:-4}"
+             for i in $(seq "${PAIRS:-2}"); do
+               for client in threads async; do
+                 timeout 150 python3 scripts/bench_serving.py --device cuda --model llama --rounds 1 --max-tokens 256 \
+                   --no-hf --no-eager-bare --streams ${STREAMS:-1 32} --client "$client" \
+                   --config /tmp/smollm2_single_intakes.yaml:1 --out "$out/serving_h200_client_${client}_$i$tag.json" 2>&1 \
+                   | grep -A3 '"median_tok_s"\|"ttft_median_s"\|"server_ttft_mean_s"'
+               done
+             done
+             [ "${TRACE:-1}" = 0 ] || timeout 150 python3 scripts/ttft_trace.py --device cuda --model llama --max-tokens 256 \
+               --streams 1 32 --config /tmp/smollm2_single_intakes.yaml:1 --out "$out/ttft_trace_h200_async_client$tag.json" \
+               --events-out "$out/ttft_trace_h200_async_client$tag.events.jsonl" 2>&1 \
+               | grep -v "^W1\|^  \|Traceback\|^torch\|File " | tail -45 ;;
     engine)  # the engine's CUDA tests: decode and prefill graphs, lookahead
              timeout 200 python3 -m pytest -q -p no:cacheprovider tests/unit/test_kv_engine.py \
                tests/unit/test_graph_decode.py 2>&1 | tail -4 ;;

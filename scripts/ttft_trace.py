@@ -3,12 +3,13 @@ one or more concurrencies, phase to phase along the TTFT path.
 
     python scripts/ttft_trace.py [--config launch/configs/smollm2_single.yaml:1] [--model llama]
                                  [--streams 1 32] [--requests-per-stream 2] [--max-tokens 256]
-                                 [--device cpu|cuda] [--out FILE.json] [--events-out FILE.jsonl]
+                                 [--device cpu|cuda] [--client async|threads] [--out FILE.json]
+                                 [--events-out FILE.jsonl]
 
 Starts the deployment with ``MSTAR_DIST_TRACE_DIR`` set (``tests/e2e/server.py``'s ``Server``, as
 ``bench_serving.py`` does), warms it with every prompt once (untraced by window: a prompt length's first prefill on
 a GPU pays for new kernel shapes), then for each ``--streams`` value runs that many concurrent streaming clients
-(``bench_serving.stream_one``; above 8 streams in several client processes, as ``bench_serving`` does), each doing
+(``bench_serving``'s asyncio client, or ``--client threads``; above 8 streams in several client processes), each doing
 ``--requests-per-stream`` requests one after another. It stops the server with SIGTERM (every process writes its
 trace file then), merges the files and reports, per ``--streams`` value, over the requests that arrived in that
 run's time window (every process of the host reads one CLOCK_MONOTONIC, so their events line up):
@@ -62,7 +63,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from scripts.bench_serving import (  # noqa: E402
-    CLIENT_STREAMS_PER_PROCESS, PROMPTS, _local, client_processes, run_streams, stream_one,
+    CLIENT_STREAMS_PER_PROCESS, CLIENTS, PROMPTS, client_processes, run_streams,
 )
 from tests.e2e.server import WEIGHTS, Server  # noqa: E402
 
@@ -80,25 +81,18 @@ TOTALS = [("http_arrived", "http_first_chunk"), ("cond_admitted", "cond_first_em
 
 
 def run_clients(base_url: str, streams: int, per_stream: int, max_tokens: int,
-                pool: cf.ProcessPoolExecutor | None) -> tuple[list[tuple[float, float, int]], float, float]:
+                pool: cf.ProcessPoolExecutor | None, client: str) -> tuple[list[tuple[float, float, int]], float, float]:
     """``streams`` concurrent streaming clients, ``per_stream`` requests each one after another: (per-request
     (ttft s, total s, tokens), monotonic start, monotonic end)."""
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(streams * per_stream)]
     t0 = time.monotonic()  # the servers' clock: the window selects their trace events
-    results = run_streams(base_url, prompts, streams, max_tokens, pool)[0]
+    results = run_streams(base_url, prompts, streams, max_tokens, pool, client)[0]
     return results, t0, time.monotonic()
 
 
 def warm(base_url: str) -> None:
     """Every prompt once, one at a time, 8 tokens (kernel shapes of every prompt length; not analysed)."""
-    import httpx
-
-    _local.client = httpx.Client(timeout=600)
-    try:
-        for prompt in PROMPTS:
-            stream_one(base_url, prompt, 8)
-    finally:
-        _local.client.close()
+    run_streams(base_url, PROMPTS, 1, 8, None)
 
 
 # ------------------------------------------------------------------------------------------------ analysis
@@ -306,6 +300,7 @@ def main() -> None:
     p.add_argument("--out", default=None)
     p.add_argument("--events-out", default=None, help="also write every merged trace event here (JSON lines)")
     p.add_argument("--no-warmup", action="store_true")
+    p.add_argument("--client", choices=sorted(CLIENTS), default="async", help="bench_serving's clients")
     args = p.parse_args()
     path, nproc = args.config.rsplit(":", 1)
     top = max(args.streams)
@@ -330,7 +325,7 @@ def main() -> None:
             pool = client_processes(top)
         for n in args.streams:
             time.sleep(0.5)  # the previous run's last requests are released everywhere
-            windows[n] = run_clients(server.base_url, n, args.requests_per_stream, args.max_tokens, pool)
+            windows[n] = run_clients(server.base_url, n, args.requests_per_stream, args.max_tokens, pool, args.client)
             print(f"{n} streams: {len(windows[n][0])} requests in {windows[n][2] - windows[n][1]:.1f} s", flush=True)
     finally:
         if pool is not None:
@@ -352,7 +347,7 @@ def main() -> None:
     result = {
         "command": " ".join([sys.executable, *sys.argv]),
         "config": args.config, "model": args.model, "weights": WEIGHTS, "max_tokens": args.max_tokens,
-        "requests_per_stream": args.requests_per_stream, "streams": args.streams,
+        "requests_per_stream": args.requests_per_stream, "streams": args.streams, "client": args.client,
         "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "device": args.device,
                     "loadavg_1m": os.getloadavg()[0]},
         "server": {"ready_seconds": round(server.ready_seconds, 2), "exit_status": rc,
