@@ -3,7 +3,7 @@
 #   bash scripts/gpu_run.sh STEP...      STEP: tests | gpu | tpstop | serving | pd | pace | pace2 | ttft | ttftrace | profile | edges | split |
 #                                        composite | speech | image | twohost | soak | fastloop |
 #                                        prefillab | engine | ttftab | treeab | intakeab |
-#                                        overlap | streamab | clientab
+#                                        overlap | streamab | clientab | intaketrace
 # Needs, carried from the dev machine (bash scripts/gpu_prepare.sh makes both): .whl/ (wheels the GPU image lacks: fastapi, starlette, pydantic(-core),
 # annotated-types, typing-inspection, opentelemetry-api, uvicorn, pyzmq, msgspec, py-spy) and .ckpt/smol-shape (config + tokenizer of
 # SmolLM2-135M; a random same-shaped checkpoint is generated there); .whl/extra (httptools, uvloop) for the fastloop
@@ -124,6 +124,19 @@ for step in "$@"; do
                --streams 1 32 --config /tmp/smollm2_single_intakes.yaml:1 --out "$out/ttft_trace_h200_async_client$tag.json" \
                --events-out "$out/ttft_trace_h200_async_client$tag.events.jsonl" 2>&1 \
                | grep -v "^W1\|^  \|Traceback\|^torch\|File " | tail -45 ;;
+    intaketrace) # the phase trace of the single rank with ${INTAKES:-4} intakes at 1 and 32 streams, then (with
+             # ALSO8=1) tok/s and TTFT with 8 intakes, one round
+             intakes_config "${INTAKES:-4}"
+             timeout 150 python3 scripts/ttft_trace.py --device cuda --model llama --max-tokens 256 --streams 1 32 \
+               --config /tmp/smollm2_single_intakes.yaml:1 --out "$out/ttft_trace_h200_intakes${INTAKES:-4}$tag.json" \
+               --events-out "$out/ttft_trace_h200_intakes${INTAKES:-4}$tag.events.jsonl" 2>&1 \
+               | grep -v "^W1\|^  \|Traceback\|^torch\|File " | tail -45
+             if [ "${ALSO8:-0}" = 1 ]; then
+               intakes_config 8
+               timeout 150 python3 scripts/bench_serving.py --device cuda --model llama --rounds 1 --max-tokens 256 \
+                 --no-hf --no-eager-bare --streams 1 32 --config /tmp/smollm2_single_intakes.yaml:1 \
+                 --out "$out/serving_h200_intakes8_async$tag.json" 2>&1 | grep -A3 '"median_tok_s"\|"ttft_median_s"'
+             fi ;;
     engine)  # the engine's CUDA tests: decode and prefill graphs, lookahead
              timeout 200 python3 -m pytest -q -p no:cacheprovider tests/unit/test_kv_engine.py \
                tests/unit/test_graph_decode.py 2>&1 | tail -4 ;;

@@ -74,7 +74,9 @@ PATH = ["http_arrived", "http_prepared", "http_submitted", "cond_received", "con
         "cond_first_emit", "cond_first_delta", "http_first_event", "http_first_chunk"]
 TOTALS = [("http_arrived", "http_first_chunk"), ("cond_admitted", "cond_first_emit"),
           ("cond_dispatch", "eng_prefill_start"), ("http_arrived", "cond_dispatch"),
-          ("eng_prefill_end", "http_first_chunk")]
+          ("eng_prefill_end", "http_first_chunk"),
+          # with intake processes: the submit's wait for the intake's link thread, then the way to the conductor
+          ("http_submitted", "intake_sent"), ("intake_sent", "cond_received")]
 
 
 # ------------------------------------------------------------------------------------------------ clients

@@ -7,9 +7,9 @@ Each binds its own listening socket on ``server.host:port`` with ``SO_REUSEPORT`
 over them), and runs two threads:
 
 * the HTTP thread: uvicorn and the app (``server/app.py``), with :class:`IntakeBackend` as its backend;
-* the link thread: owns this process's control channel (``intake<k>``): hands ``Submit`` / ``Cancel`` /
-  ``MetricsAsk`` to the conductor and delivers what comes back (``Outputs``, ``Health``, ``MetricsText``) to the
-  HTTP loop, one ``call_soon_threadsafe`` per batch of messages.
+* the link thread: receives on this process's control channel (``intake<k>``) and delivers what comes back
+  (``Outputs``, ``Health``, ``MetricsText``) to the HTTP loop, one ``call_soon_threadsafe`` per batch of messages.
+  ``Submit`` / ``Cancel`` / ``MetricsAsk`` leave from the HTTP thread itself (``ConductorLink.send``).
 
 Startup, as JSON lines with the front end (no pickle): it binds its channel and writes ``{"endpoint"}``; reads the
 handover (the launch's secret, the conductor's endpoint, what the app serves) on stdin; connects, waits for the
@@ -25,7 +25,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import queue
 import signal
 import sys
 import threading
@@ -63,11 +62,11 @@ class IntakeProcess(ChildProcess):
 
 
 class ConductorLink:
-    """The link thread: the only user of this intake's control channel."""
+    """The link thread, the only receiver on this intake's control channel, and the channel's senders' lock."""
 
     def __init__(self, channel, token: str, name: str) -> None:
         self.channel, self.token, self.name = channel, token, name
-        self._outgoing: queue.SimpleQueue = queue.SimpleQueue()
+        self._send_lock = threading.Lock()
         self._stop = threading.Event()
         self.health: tuple[bool, str] | None = None
         """The conductor's last word on whether the deployment serves (None until its first ``Health``)."""
@@ -75,9 +74,12 @@ class ConductorLink:
         self.thread = threading.Thread(target=self._run, name="conductor-link", daemon=True)
 
     def send(self, body: m.Message) -> None:
-        """Queue ``body`` for the conductor (any thread)."""
-        self._outgoing.put(body)
-        self.channel.wake()
+        """Send ``body`` to the conductor now, from the calling thread (the HTTP loop's or this one). A lock orders
+        the two senders on the channel's sending side, which its receives do not touch (``ControlChannel.send``
+        never blocks). Handing the message to this thread instead would cost a request a GIL hand-off while the
+        HTTP thread parses the rest of a burst."""
+        with self._send_lock:
+            self._send(body)
 
     def stop(self) -> None:
         self._stop.set()
@@ -113,23 +115,19 @@ class ConductorLink:
                     items.append(body)
             if items and self.backend is not None:
                 self.backend.deliver(items)
-            while True:
-                try:
-                    body = self._outgoing.get_nowait()
-                except queue.Empty:
-                    break
-                self._send(body)
             now = time.monotonic()
             if self.backend is not None and now - counted_at >= COUNTS_EVERY_S:
                 counted_at = now
                 counts = self.backend.counts()
                 if counts != last_counts:
                     last_counts = counts
-                    self._send(counts)
+                    self.send(counts)
 
     def _send(self, body: m.Message) -> None:
         try:
             self.channel.send("conductor", m.encode(self.token, self.name, body))
+            if trace.ON and isinstance(body, m.Submit):  # phase trace: handed to the socket
+                trace.event("intake_sent", body.params.request_id)
         except Exception as exc:  # the conductor does not read: its requests fail here instead of hanging
             log.error("%s: cannot reach the conductor: %s", self.name, exc)
             if isinstance(body, m.Submit) and self.backend is not None:
