@@ -79,7 +79,7 @@ class StaticKVCache:
         self._allocated: set[int] = set()
         self._binding: _Binding | None = None
         self._graph_binding: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
-        self._prefill_binding: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._packed_binding: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._positions = torch.arange(max_seq_len, device=device)  # (L,) for graph-mode masks
 
     @property
@@ -133,18 +133,24 @@ class StaticKVCache:
         if not 0 < ctx <= self.max_seq_len:
             raise ValueError(f"bind_graph: ctx must be in [1, {self.max_seq_len}], got {ctx}")
         mask = (self._positions[None, :ctx] <= positions[:, None])[:, None, None, :]  # (B, 1, 1, ctx)
-        self._binding = self._prefill_binding = None
+        self._binding = self._packed_binding = None
         self._graph_binding = (slot_idx, positions, mask, ctx)
 
-    def bind_prefill_graph(self, slot_idx: torch.Tensor, n_new: int) -> None:
-        """Bind a prefill pass from position 0 whose slots are a device tensor (B,), read inside the pass (so it can
-        be captured in a CUDA graph, as ``bind_graph``): row b writes its ``n_new`` tokens at positions
-        [0, n_new) of slot ``slot_idx[b]`` and attends causally over them. Rows may repeat a slot only when
-        what they write is never read (padding rows into a scratch slot)."""
-        if not 0 < n_new <= self.max_seq_len:
-            raise ValueError(f"bind_prefill_graph: n_new must be in [1, {self.max_seq_len}], got {n_new}")
+    def bind_packed(self, slot_idx: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor) -> None:
+        """Bind a packed prefill pass: one row of T tokens holding several prompts back to back, each from position 0
+        (docs/architecture.md §8). Device tensors (T,), read inside the pass (so it can be captured in a CUDA graph,
+        as ``bind_graph``): token t belongs to sequence ``seq_ids[t]``, is written at position ``positions[t]`` of slot
+        ``slot_idx[t]``, and attends causally to the earlier tokens of its own sequence only. A sequence's tokens are
+        consecutive and in position order. Padding tokens share a sequence id of their own (they attend to each other,
+        never to a prompt) and write into a slot whose contents nobody reads (the scratch slot)."""
+        if slot_idx.shape != positions.shape or slot_idx.shape != seq_ids.shape or slot_idx.dim() != 1:
+            raise ValueError(f"bind_packed: slot_idx, positions and seq_ids must be (T,) alike, got "
+                             f"{tuple(slot_idx.shape)}, {tuple(positions.shape)}, {tuple(seq_ids.shape)}")
+        n = slot_idx.shape[0]
+        order = torch.arange(n, device=slot_idx.device)
+        mask = (seq_ids[:, None] == seq_ids[None, :]) & (order[None, :] <= order[:, None])  # (T, T): same prompt, causal
         self._binding = self._graph_binding = None
-        self._prefill_binding = (slot_idx, self._positions[:n_new])
+        self._packed_binding = (slot_idx, positions, mask[None, None])
 
     def bind(self, slots: list[int], start_pos: list[int], n_new: int) -> None:
         """Describe the next forward pass: row b is slot slots[b], writing n_new tokens from start_pos[b]."""
@@ -163,7 +169,7 @@ class StaticKVCache:
         dev = self.device
         n_rows = len(slots)
         ctx = max(start_pos) + n_new
-        self._prefill_binding = None
+        self._packed_binding = None
         contiguous = slots == list(range(slots[0], slots[0] + n_rows))
         uniform = all(s == start_pos[0] for s in start_pos)
         new = torch.arange(n_new, device=dev)
@@ -196,8 +202,8 @@ class StaticKVCache:
         """
         if self._graph_binding is not None:
             return self._attend_graph(layer, q, k, v)
-        if self._prefill_binding is not None:
-            return self._attend_prefill_graph(layer, q, k, v)
+        if self._packed_binding is not None:
+            return self._attend_packed(layer, q, k, v)
         b = self._binding
         if b is None:
             raise RuntimeError("StaticKVCache.attend called before bind()")
@@ -224,13 +230,20 @@ class StaticKVCache:
         values = v_cache[:, :, :ctx].index_select(0, slot_idx)
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
 
-    def _attend_prefill_graph(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        slot_idx, positions = self._prefill_binding
-        # two advanced indices around a slice: the indexed view is (B, T, nkv, hd)
-        self.kv[layer, 0][slot_idx[:, None], :, positions[None, :]] = k.transpose(1, 2)
-        self.kv[layer, 1][slot_idx[:, None], :, positions[None, :]] = v.transpose(1, 2)
-        # from position 0, a row's context is exactly its new tokens: attend over them, not the cache
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    def _attend_packed(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        slot_idx, positions, mask = self._packed_binding
+        assert q.shape[0] == 1 and q.shape[2] == slot_idx.shape[0], (q.shape, slot_idx.shape)
+        # advanced indices around a slice: the indexed view is (T, nkv, hd); k/v[0] are (nkv, T, hd)
+        self.kv[layer, 0][slot_idx, :, positions] = k[0].transpose(0, 1)
+        self.kv[layer, 1][slot_idx, :, positions] = v[0].transpose(0, 1)
+        # every prompt starts at position 0: its context is its own new tokens, so attend over the packed row
+        # itself under the block-diagonal causal mask. K/V heads are expanded for GQA here (each query head h reads
+        # KV head h // group, as enable_gqa does) because the kernels that take a mask need equal head counts.
+        group = q.shape[1] // k.shape[1]
+        if group > 1:
+            k = k[:, :, None].expand(-1, -1, group, -1, -1).flatten(1, 2)
+            v = v[:, :, None].expand(-1, -1, group, -1, -1).flatten(1, 2)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
     @staticmethod
     def _write(b: _Binding, cache: torch.Tensor, new: torch.Tensor) -> None:
