@@ -3,7 +3,7 @@
 #   bash scripts/gpu_run.sh STEP...      STEP: tests | gpu | tpstop | serving | pd | pace | pace2 | ttft | ttftrace | profile | edges | split |
 #                                        composite | speech | image | twohost | soak | fastloop |
 #                                        prefillab | engine | ttftab | treeab | intakeab |
-#                                        overlap | streamab | clientab | intaketrace
+#                                        overlap | streamab | clientab | intaketrace | prefillbench
 # Needs, carried from the dev machine (bash scripts/gpu_prepare.sh makes both): .whl/ (wheels the GPU image lacks: fastapi, starlette, pydantic(-core),
 # annotated-types, typing-inspection, opentelemetry-api, uvicorn, pyzmq, msgspec, py-spy) and .ckpt/smol-shape (config + tokenizer of
 # SmolLM2-135M; a random same-shaped checkpoint is generated there); .whl/extra (httptools, uvloop) for the fastloop
@@ -94,6 +94,12 @@ for step in "$@"; do
                    --config "$cfg:1" --out "$out/serving_h200_treeab${TREE_INTAKES:+_intakes}_${name}_$i.json" 2>&1 \
                    | grep -A4 '"median_tok_s"\|"ttft_median_s"')
                done
+             done ;;
+    prefillbench) # a batched prefill replayed from the prefill graphs, alone: this tree against the one in .ab_base
+             for tree in .ab_base .; do
+               name=$([ "$tree" = . ] && echo new || echo base)
+               (cd "$tree" && PYTHONPATH=/tmp/site timeout 150 python3 "$OLDPWD/scripts/bench_prefill_graphs.py" \
+                 --weights /tmp/smol-rand --out "$out/prefill_graphs_h200_$name$tag.json" 2>&1 | tail -12)
              done ;;
     overlap) # a prefill's first tokens with a decode step in flight: behind it on one stream, or beside it on the
              # engine's higher-priority side stream (model_kwargs.prefill_stream)

@@ -147,7 +147,8 @@ def token_buckets(max_tokens: int) -> list[int]:
 class _CapturedPrefill:
     graph: torch.cuda.CUDAGraph
     inputs: torch.Tensor
-    """(4 T + R,) long: ids, positions, slots and sequence ids of the T packed tokens, then each row's last token."""
+    """(4 T + 2 R + 1,) long: ids, positions, slots and sequence ids of the T packed tokens, each row's last token, the
+    sequences' boundaries."""
     logits: torch.Tensor
 
 
@@ -203,31 +204,39 @@ class PrefillGraphs:
         """The packed forward of ``inputs`` (from ``_host_inputs``, on the cache's device) -> logits (R, 1, V) of each
         row's last token; what a bucket's graph replays (eager on a CPU, for tests)."""
         ids, positions, slots, seqs = inputs[: 4 * tokens].view(4, tokens)
-        self.cache.bind_packed(slots, positions, seqs)
-        last = inputs[4 * tokens:]
+        rows = self.max_rows
+        last = inputs[4 * tokens: 4 * tokens + rows]
+        cu_seqlens = inputs[4 * tokens + rows:]
+        self.cache.bind_packed(slots, positions, seqs, cu_seqlens, max_len=tokens)
         logits = self.model(ids[None], positions[None], self.cache, last_only=True, last_index=last[None])  # (1, R, V)
         return logits.view(-1, 1, logits.shape[-1])
 
     def _host_inputs(self, prompts: list, slots: list[int], tokens: int) -> torch.Tensor:
-        """The packed inputs of one forward on the host (pinned on CUDA): prompts back to back, then padding tokens
-        (id 0, position 0, the scratch slot, sequence id -1) up to ``tokens``; rows past the prompts read token 0."""
+        """The packed inputs of one forward on the host (pinned on CUDA): ids, positions, slots and sequence ids of
+        ``tokens`` tokens (the prompts back to back, then padding: id 0, position 0, the scratch slot, sequence -1),
+        each row's last token (rows past the prompts read token 0), and the sequences' boundaries (R + 1: the last
+        prompt's sequence takes in the padding, the rest are empty)."""
+        rows = self.max_rows
         lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
-        used = int(lengths.sum())
-        out = torch.empty(4 * tokens + self.max_rows, dtype=torch.long,
-                          pin_memory=self.cache.device.type == "cuda")
+        used, n = int(lengths.sum()), len(prompts)
+        out = torch.empty(4 * tokens + 2 * rows + 1, dtype=torch.long, pin_memory=self.cache.device.type == "cuda")
         ids, positions, slot_of, seq_of = out[: 4 * tokens].view(4, tokens)
         if prompts and isinstance(prompts[0], torch.Tensor):
             torch.cat([p.reshape(-1) for p in prompts], out=ids[:used])
         elif prompts:
             ids[:used] = torch.tensor([t for p in prompts for t in p], dtype=torch.long)
-        starts = torch.cumsum(lengths, 0) - lengths
+        ends = torch.cumsum(lengths, 0)
+        starts = ends - lengths
         positions[:used] = torch.arange(used) - starts.repeat_interleave(lengths)
         slot_of[:used] = torch.tensor(slots, dtype=torch.long).repeat_interleave(lengths)
-        seq_of[:used] = torch.arange(len(prompts)).repeat_interleave(lengths)
+        seq_of[:used] = torch.arange(n).repeat_interleave(lengths)
         ids[used:], positions[used:], slot_of[used:], seq_of[used:] = 0, 0, self.scratch, -1
-        last = out[4 * tokens:]
-        last[: len(prompts)] = starts + lengths - 1
-        last[len(prompts):] = 0
+        last, cu_seqlens = out[4 * tokens: 4 * tokens + rows], out[4 * tokens + rows:]
+        last[:n] = ends - 1
+        last[n:] = 0
+        cu_seqlens[0] = 0
+        cu_seqlens[1:n] = ends[:-1]
+        cu_seqlens[max(n, 1):] = tokens
         return out
 
     def logits(self, prompts: list[torch.Tensor], slots: list[int], bucket: int) -> torch.Tensor:

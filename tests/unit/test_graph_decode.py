@@ -144,6 +144,7 @@ def test_a_packed_prefill_writes_and_attends_like_eager_on_cpu():
     graphs = PrefillGraphs(model, packed_cache, scratch_slot=scratch, max_rows=4, max_tokens=128)
     assert graphs.bucket_for(lengths) == 64  # 31 tokens: 33 of padding after them
     inputs = graphs._host_inputs([torch.tensor(p) for p in prompts(lengths)], slots, 64)
+    assert inputs[4 * 64 + 4:].tolist() == [0, 5, 22, 64, 64]  # boundaries: the last prompt takes in the padding
     with torch.inference_mode():
         logits = graphs.forward(inputs, 64)
     assert logits.shape == (4, 1, CFG.vocab_size)  # a row per possible prompt: the 4th reads token 0
@@ -175,3 +176,25 @@ def test_packed_prefill_buckets_hold_a_batch_within_the_token_budget_and_the_bat
     assert graphs.bucket_for([99, 99, 99]) is None  # 297 tokens: past the budget, the batch is cut
     assert graphs.bucket_for([10, 10, 10, 10, 10, 10]) == 64
     assert graphs.bucket_for([1] * 7) is None  # more prompts than rows
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_packed_attention_on_cuda_equals_each_prompt_attending_alone():
+    """The variable-length kernel behind packed prefill graphs (bf16 on CUDA): each sequence of the packed row
+    attends causally to its own tokens only, with GQA, exactly as SDPA over that sequence alone; the padding the last
+    sequence takes in after its tokens changes none of them."""
+    from mstar_dist.engine.kv_cache import _flash_varlen_causal
+
+    torch.manual_seed(0)
+    nh, nkv, hd, ends = 9, 3, 64, [5, 22, 31]
+    q = torch.randn(64, nh, hd, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(64, nkv, hd, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(64, nkv, hd, device="cuda", dtype=torch.bfloat16)
+    cu = torch.tensor([0, 5, 22, 64], dtype=torch.int32, device="cuda")  # the third's 9 tokens, then 33 of padding
+    out = _flash_varlen_causal(q, k, v, cu, 64)
+    for start, end in zip([0, *ends[:-1]], ends):
+        alone = torch.nn.functional.scaled_dot_product_attention(
+            q[start:end].transpose(0, 1)[None], k[start:end].transpose(0, 1)[None], v[start:end].transpose(0, 1)[None],
+            is_causal=True, enable_gqa=True)[0].transpose(0, 1)
+        torch.testing.assert_close(out[start:end], alone, atol=2e-2, rtol=2e-2)
