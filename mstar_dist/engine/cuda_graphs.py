@@ -150,6 +150,12 @@ class _CapturedPrefill:
     """(4 T + 2 R + 1,) long: ids, positions, slots and sequence ids of the T packed tokens, each row's last token, the
     sequences' boundaries."""
     logits: torch.Tensor
+    staging: list[torch.Tensor]
+    """Two pinned host buffers of ``inputs``' size, used in turn: a batch's inputs are written there and cross in
+    one copy. Allocated at capture: a first pinned allocation of a size on the serving path costs milliseconds."""
+    copied: list[object]
+    """Per staging buffer, a CUDA event after the last copy out of it (None: never used)."""
+    turn: int = 0
 
 
 class PrefillGraphs:
@@ -193,7 +199,8 @@ class PrefillGraphs:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
                     logits = self.forward(inputs, tokens)
-            self._captured[tokens] = _CapturedPrefill(graph, inputs, logits)
+            staging = [torch.empty_like(inputs, device="cpu").pin_memory() for _ in range(2)]
+            self._captured[tokens] = _CapturedPrefill(graph, inputs, logits, staging, [None, None])
 
     def close(self) -> None:
         if self._captured:
@@ -211,15 +218,17 @@ class PrefillGraphs:
         logits = self.model(ids[None], positions[None], self.cache, last_only=True, last_index=last[None])  # (1, R, V)
         return logits.view(-1, 1, logits.shape[-1])
 
-    def _host_inputs(self, prompts: list, slots: list[int], tokens: int) -> torch.Tensor:
-        """The packed inputs of one forward on the host (pinned on CUDA): ids, positions, slots and sequence ids of
+    def _host_inputs(self, prompts: list, slots: list[int], tokens: int, out: torch.Tensor | None = None
+                     ) -> torch.Tensor:
+        """The packed inputs of one forward on the host: ids, positions, slots and sequence ids of
         ``tokens`` tokens (the prompts back to back, then padding: id 0, position 0, the scratch slot, sequence -1),
         each row's last token (rows past the prompts read token 0), and the sequences' boundaries (R + 1: the last
-        prompt's sequence takes in the padding, the rest are empty)."""
+        prompt's sequence takes in the padding, the rest are empty); written into ``out`` when given."""
         rows = self.max_rows
         lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
         used, n = int(lengths.sum()), len(prompts)
-        out = torch.empty(4 * tokens + 2 * rows + 1, dtype=torch.long, pin_memory=self.cache.device.type == "cuda")
+        if out is None:
+            out = torch.empty(4 * tokens + 2 * rows + 1, dtype=torch.long)
         ids, positions, slot_of, seq_of = out[: 4 * tokens].view(4, tokens)
         if prompts and isinstance(prompts[0], torch.Tensor):
             torch.cat([p.reshape(-1) for p in prompts], out=ids[:used])
@@ -246,9 +255,14 @@ class PrefillGraphs:
         the device in one copy with the rest of the inputs, through pinned memory (no wait for work queued ahead, such
         as a decode step launched ahead); prompts already on the device are packed there, on the current stream."""
         cap = self._captured[bucket]
+        k = cap.turn = 1 - cap.turn
+        if cap.copied[k] is not None:  # the copy out of this buffer two launches ago has run (it almost always has)
+            cap.copied[k].synchronize()
         on_host = all(p.device.type == "cpu" for p in prompts)
-        host = self._host_inputs(prompts if on_host else [range(p.numel()) for p in prompts], slots, bucket)
-        cap.inputs.copy_(host, non_blocking=True)
+        self._host_inputs(prompts if on_host else [range(p.numel()) for p in prompts], slots, bucket, cap.staging[k])
+        cap.inputs.copy_(cap.staging[k], non_blocking=True)
+        cap.copied[k] = torch.cuda.Event()
+        cap.copied[k].record()
         if not on_host:
             torch.cat([p.reshape(-1).to(cap.inputs.device) for p in prompts],
                       out=cap.inputs[: sum(p.numel() for p in prompts)])
