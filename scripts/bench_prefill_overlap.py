@@ -4,7 +4,7 @@ against replayed on a second, higher-priority stream. CUDA only; not a timed tes
 
     python scripts/bench_prefill_overlap.py --weights /tmp/smol-rand --out bench/results/prefill_overlap_h200.json
 
-Per case (R prefill rows of ``--prompt`` tokens, packed into one token bucket; decode batch D): the wall time from launching the prefill (replay,
+Per case (prefill rows R of one length bucket, decode batch D): the wall time from launching the prefill (replay,
 sampling, copy to the host) to its tokens on the host, medians over ``--samples`` alternated samples: ``alone`` (idle
 GPU), ``behind`` (a D-row decode step replayed on the same stream just before), ``side`` (the same decode step, the
 prefill on a high-priority side stream); and how much the decode step itself slowed down beside it.
@@ -57,9 +57,9 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
 
     def run_prefill(rows: int) -> torch.Tensor:
-        # host prompts, as the engine hands them over: they cross in the packed graph's one input copy
-        prompts = [torch.randint(0, cfg.vocab_size, (args.prompt,), generator=gen) for _ in range(rows)]
-        bucket = prefill.bucket_for([args.prompt] * rows)
+        prompts = [torch.randint(0, cfg.vocab_size, (args.prompt,), generator=gen).pin_memory()
+                   .to(device, non_blocking=True) for _ in range(rows)]
+        bucket = prefill.bucket_for(rows, args.prompt)
         logits = prefill.logits(prompts, pre_slots[:rows], bucket)
         return logits[:, -1].argmax(-1).cpu()
 

@@ -28,7 +28,7 @@ class LlamaChat(CompositeModel):
     ``max_seq_len`` (KV positions per request, default 2048), ``max_batch`` (KV slots = decode batch, default 16),
     ``cuda_graphs`` (decode steps replay captured CUDA graphs; default true on CUDA), ``prefill_token_budget``
     (most padded prompt tokens one batched prefill forward takes, default 4096), ``prefill_graphs`` (batched
-    prefills within that budget replay CUDA graphs too, packed, one per token bucket; default true with
+    prefills within that budget replay CUDA graphs too, one per (rows, length) bucket; default true with
     ``cuda_graphs``, off in TP groups), ``lookahead`` (launch each decode
     step before the host has read the previous one's tokens, docs/architecture.md §8; default true on CUDA outside
     TP groups, where it is always off, as it is for models whose rows affect each other, such as the MoE family),
@@ -106,7 +106,7 @@ class LlamaChat(CompositeModel):
         # a TP group's members must take the same rows from a lookahead; keeping it off there keeps them paired
         lookahead = device.startswith("cuda") and bool(self.model_kwargs.get("lookahead", True)) \
             and (tp is None or tp.size == 1)
-        # prefill graphs would capture the TP all-reduces of every token bucket: not in TP groups (yet)
+        # prefill graphs would capture the TP all-reduces of every (rows, length) bucket: not in TP groups (yet)
         prefill_graphs = graphs and bool(self.model_kwargs.get("prefill_graphs", True)) and (tp is None or tp.size == 1)
         return KVCacheEngine(LLM, model, cache, torch.device(device), cuda_graphs=graphs,
                              prefill_token_budget=self.prefill_token_budget, lookahead=lookahead,

@@ -163,11 +163,9 @@ class DecoderLM(nn.Module):
 
     def _logits(self, h: torch.Tensor, last_only: bool, last_index: torch.Tensor | None) -> torch.Tensor:
         """Final hidden states (B, T, d) -> fp32 logits (B, T, V); (B, 1, V) of the last token with ``last_only``,
-        or of token ``last_index[b]`` of row b (right-padded rows of a batched prefill); with ``last_index`` (B, K),
-        (B, K, V) of tokens ``last_index[b, k]`` (the prompts' last tokens of a packed prefill row)."""
+        or of token ``last_index[b]`` of row b (right-padded rows of a batched prefill)."""
         if last_index is not None:
-            index = last_index.view(h.shape[0], -1, 1)  # (B, K, 1)
-            h = h.gather(1, index.expand(-1, -1, h.shape[-1]))  # (B, K, d)
+            h = h.gather(1, last_index.view(-1, 1, 1).expand(-1, 1, h.shape[-1]))  # (B, 1, d)
         elif last_only:
             h = h[:, -1:]  # (B, 1, d)
         return self.lm_head(self.norm(h)).float()
@@ -201,8 +199,7 @@ class Llama(DecoderLM):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: AttentionCache,
                 last_only: bool = False, last_index: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, positions (B, T) -> fp32 logits (B, T, V), or (B, 1, V) for the last token only, or with
-        ``last_index`` (B,) for token ``last_index[b]`` of row b (right-padded rows of a batched prefill), or (B, K)
-        for tokens ``last_index[b, k]`` (a packed prefill, ``DecoderLM._logits``).
+        ``last_index`` (B,) for token ``last_index[b]`` of row b (right-padded rows of a batched prefill).
 
         The caller has bound the cache for this pass (e.g. StaticKVCache.bind); positions index RoPE.
         """

@@ -12,15 +12,13 @@ requests' lengths need (a 2048-position cache read by 300-token requests otherwi
 Sampling stays outside the graph (per-request generators). Built on ``StaticKVCache.bind_graph``, whose
 attention reads slots and positions on the device (no host syncs).
 
-Prefill (``PrefillGraphs``): packed, one graph per token bucket (64, 128, ... up to the engine's prefill token budget,
-``token_buckets``). The prompts of one forward lie back to back in one row of T tokens, each from position 0; each
-token attends to the earlier tokens of its own prompt only (a block-diagonal causal mask,
-``StaticKVCache.bind_packed``) and writes its K/V at (its prompt's slot, its position). The tokens past the prompts are
-padding (token 0, position 0, the scratch slot, a sequence of their own). Static inputs: one long tensor holding ids,
-positions, slots and sequence ids (T each), then each row's last token (R = the engine's batch) -> the logits of each
-row's last token (R, 1, V). A batch costs the tokens it has, rounded up to a bucket, not rows x its longest prompt
-rounded up twice: a 17-prompt wave of ~44-token prompts packs ~750 tokens into 768, where (rows, length) buckets
-padded it to 32 x 64 = 2048. One copy to the device carries all the inputs. A batch no bucket holds runs eagerly.
+Prefill (``PrefillGraphs``): one graph per (rows bucket, length bucket): rows 1, 2, 4, ... up to the engine's batch,
+lengths 16, 32, 64, ... up to the cache's ``max_seq_len``, every pair whose padded size rows x length is within the
+engine's prefill token budget. Static inputs: ids (R, L), slots (R,), each row's last index (R,) -> the logits of each
+row's last token (R, 1, V). Prompts are right-padded to the bucket's length (pad positions are written into the
+row's slot past its prompt, where decode overwrites them before reading), padding rows prefill token 0 into the
+scratch slot. Built on ``StaticKVCache.bind_prefill_graph`` (attention over the new tokens, causal, from position 0).
+A batch no bucket holds runs eagerly.
 """
 
 from __future__ import annotations
@@ -32,7 +30,7 @@ import torch
 
 from mstar_dist.engine.kv_cache import StaticKVCache
 
-PREFILL_MIN_TOKENS = 64
+PREFILL_MIN_LENGTH = 16
 
 CTX_BASE = 512
 CTX_FACTOR = 4
@@ -130,56 +128,41 @@ def _pow2_buckets(limit: int) -> list[int]:
     return buckets if buckets[-1] == limit else [*buckets, limit]
 
 
-def token_buckets(max_tokens: int) -> list[int]:
-    """Packed prefill sizes: 64, 128, ... 512 in steps of 64, then steps of a quarter of the previous power of two
-    (640, 768, 896, 1024, 1280, ...), up to ``max_tokens`` (itself the last one when it falls between, or the only
-    one below 64): a batch's
-    padding stays under 25% of what it packs (under 64 tokens for small batches)."""
-    sizes, n = [], PREFILL_MIN_TOKENS
-    while n < max_tokens:
-        sizes.append(n)
-        step = PREFILL_MIN_TOKENS if n < 512 else (1 << (n.bit_length() - 1)) // 4
-        n += step
-    return [*sizes, max_tokens] if max_tokens > 0 else []
-
-
 @dataclass
 class _CapturedPrefill:
     graph: torch.cuda.CUDAGraph
-    inputs: torch.Tensor
-    """(4 T + 2 R + 1,) long: ids, positions, slots and sequence ids of the T packed tokens, each row's last token, the
-    sequences' boundaries."""
+    ids: torch.Tensor
+    slots: torch.Tensor
+    last: torch.Tensor
     logits: torch.Tensor
-    staging: list[torch.Tensor]
-    """Two pinned host buffers of ``inputs``' size, used in turn: a batch's inputs are written there and cross in
-    one copy. Allocated at capture: a first pinned allocation of a size on the serving path costs milliseconds."""
-    copied: list[object]
-    """Per staging buffer, a CUDA event after the last copy out of it (None: never used)."""
-    turn: int = 0
 
 
 class PrefillGraphs:
-    """Packed prefill forwards replayed from CUDA graphs, one per token bucket (see the module docstring)."""
+    """Prefill forwards replayed from CUDA graphs, one per (rows, length) bucket (see the module docstring)."""
 
     def __init__(self, model: torch.nn.Module, cache: StaticKVCache, scratch_slot: int, max_rows: int,
                  max_tokens: int, attention: list | None = None):
-        """``max_rows``: the most prompts one forward packs; ``max_tokens``: the largest bucket (the engine's prefill
-        token budget); ``attention``: the SDPA backends the captured attention may use
-        (``torch.nn.attention.sdpa_kernel``), as for an eager prefill."""
+        """``max_tokens``: the largest padded size (rows x length) captured; ``attention``: the SDPA backends the
+        captured attention may use (``torch.nn.attention.sdpa_kernel``), as for an eager prefill."""
         self.model = model
         self.cache = cache
         self.scratch = scratch_slot
         self.attention = attention
-        self.max_rows = max_rows
-        self.buckets = token_buckets(min(max_tokens, cache.max_seq_len * max_rows))
-        self._captured: dict[int, _CapturedPrefill] = {}
+        lengths, n = [], PREFILL_MIN_LENGTH
+        while n < cache.max_seq_len and n <= max_tokens:
+            lengths.append(n)
+            n *= 2
+        if n >= cache.max_seq_len and cache.max_seq_len <= max_tokens:
+            lengths.append(cache.max_seq_len)  # a prompt is shorter than the cache: the last bucket holds it
+        self.buckets = [(rows, length) for rows in _pow2_buckets(max_rows) for length in lengths
+                        if rows * length <= max_tokens]
+        self._captured: dict[tuple[int, int], _CapturedPrefill] = {}
 
-    def bucket_for(self, lengths: list[int]) -> int | None:
-        """The smallest token bucket that packs prompts of these lengths, or None (too many prompts or tokens)."""
-        total = sum(lengths)
-        if len(lengths) > self.max_rows or not self.buckets or total > self.buckets[-1]:
-            return None
-        return next(b for b in self.buckets if b >= total)
+    def bucket_for(self, n: int, longest: int) -> tuple[int, int] | None:
+        """The smallest (rows, length) bucket that holds ``n`` prompts of at most ``longest`` tokens (fewest padded
+        tokens, then fewest rows), or None."""
+        fits = [b for b in self.buckets if b[0] >= n and b[1] >= longest]
+        return min(fits, key=lambda b: (b[0] * b[1], b[0])) if fits else None
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -188,83 +171,48 @@ class PrefillGraphs:
 
         device = self.cache.device
         pool = torch.cuda.graph_pool_handle()
-        for tokens in sorted(self.buckets, reverse=True):
-            inputs = self._host_inputs([], [], tokens).to(device)  # padding only: the shapes are what is captured
+        for rows, length in sorted(self.buckets, key=lambda b: b[0] * b[1], reverse=True):
+            ids = torch.zeros((rows, length), dtype=torch.long, device=device)
+            slots = torch.full((rows,), self.scratch, dtype=torch.long, device=device)
+            last = torch.zeros(rows, dtype=torch.long, device=device)
             with sdpa_kernel(self.attention) if self.attention else contextlib.nullcontext():
                 side = torch.cuda.Stream(device)
                 side.wait_stream(torch.cuda.current_stream(device))
                 with torch.cuda.stream(side):  # warm the kernels outside the capture
-                    self.forward(inputs, tokens)
+                    self._forward(ids, slots, last)
                 torch.cuda.current_stream(device).wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    logits = self.forward(inputs, tokens)
-            staging = [torch.empty_like(inputs, device="cpu").pin_memory() for _ in range(2)]
-            self._captured[tokens] = _CapturedPrefill(graph, inputs, logits, staging, [None, None])
+                    logits = self._forward(ids, slots, last)
+            self._captured[(rows, length)] = _CapturedPrefill(graph, ids, slots, last, logits)
 
     def close(self) -> None:
         if self._captured:
             torch.cuda.synchronize(self.cache.device)
         self._captured.clear()
 
-    def forward(self, inputs: torch.Tensor, tokens: int) -> torch.Tensor:
-        """The packed forward of ``inputs`` (from ``_host_inputs``, on the cache's device) -> logits (R, 1, V) of each
-        row's last token; what a bucket's graph replays (eager on a CPU, for tests)."""
-        ids, positions, slots, seqs = inputs[: 4 * tokens].view(4, tokens)
-        rows = self.max_rows
-        last = inputs[4 * tokens: 4 * tokens + rows]
-        cu_seqlens = inputs[4 * tokens + rows:]
-        self.cache.bind_packed(slots, positions, seqs, cu_seqlens, max_len=tokens)
-        logits = self.model(ids[None], positions[None], self.cache, last_only=True, last_index=last[None])  # (1, R, V)
-        return logits.view(-1, 1, logits.shape[-1])
+    def _forward(self, ids: torch.Tensor, slots: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        rows, length = ids.shape
+        self.cache.bind_prefill_graph(slots, length)
+        positions = torch.arange(length, device=ids.device).expand(rows, length)
+        return self.model(ids, positions, self.cache, last_only=True, last_index=last)
 
-    def _host_inputs(self, prompts: list, slots: list[int], tokens: int, out: torch.Tensor | None = None
-                     ) -> torch.Tensor:
-        """The packed inputs of one forward on the host: ids, positions, slots and sequence ids of
-        ``tokens`` tokens (the prompts back to back, then padding: id 0, position 0, the scratch slot, sequence -1),
-        each row's last token (rows past the prompts read token 0), and the sequences' boundaries (R + 1: the last
-        prompt's sequence takes in the padding, the rest are empty); written into ``out`` when given."""
-        rows = self.max_rows
-        lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
-        used, n = int(lengths.sum()), len(prompts)
-        if out is None:
-            out = torch.empty(4 * tokens + 2 * rows + 1, dtype=torch.long)
-        ids, positions, slot_of, seq_of = out[: 4 * tokens].view(4, tokens)
-        if prompts and isinstance(prompts[0], torch.Tensor):
-            torch.cat([p.reshape(-1) for p in prompts], out=ids[:used])
-        elif prompts:
-            ids[:used] = torch.tensor([t for p in prompts for t in p], dtype=torch.long)
-        ends = torch.cumsum(lengths, 0)
-        starts = ends - lengths
-        positions[:used] = torch.arange(used) - starts.repeat_interleave(lengths)
-        slot_of[:used] = torch.tensor(slots, dtype=torch.long).repeat_interleave(lengths)
-        seq_of[:used] = torch.arange(n).repeat_interleave(lengths)
-        ids[used:], positions[used:], slot_of[used:], seq_of[used:] = 0, 0, self.scratch, -1
-        last, cu_seqlens = out[4 * tokens: 4 * tokens + rows], out[4 * tokens + rows:]
-        last[:n] = ends - 1
-        last[n:] = 0
-        cu_seqlens[0] = 0
-        cu_seqlens[1:n] = ends[:-1]
-        cu_seqlens[max(n, 1):] = tokens
-        return out
-
-    def logits(self, prompts: list[torch.Tensor], slots: list[int], bucket: int) -> torch.Tensor:
-        """The last-token logits (n, 1, V) of ``prompts`` (each (T,)) prefilled into ``slots``, replayed from
-        ``bucket`` (from ``bucket_for``); valid until the next call (the buckets share one memory pool, so another
-        bucket's replay may write where this output lies: use it on this stream before then). Host prompts cross to
-        the device in one copy with the rest of the inputs, through pinned memory (no wait for work queued ahead, such
-        as a decode step launched ahead); prompts already on the device are packed there, on the current stream."""
+    def logits(self, prompts: list[torch.Tensor], slots: list[int], bucket: tuple[int, int]) -> torch.Tensor:
+        """The last-token logits (n, 1, V) of ``prompts`` (each (T,) on the device) prefilled into ``slots``, replayed
+        from ``bucket`` (from ``bucket_for``); valid until the next call (the buckets share one memory pool, so
+        another bucket's replay may write where this output lies: use it on this stream before then)."""
         cap = self._captured[bucket]
-        k = cap.turn = 1 - cap.turn
-        if cap.copied[k] is not None:  # the copy out of this buffer two launches ago has run (it almost always has)
-            cap.copied[k].synchronize()
-        on_host = all(p.device.type == "cpu" for p in prompts)
-        self._host_inputs(prompts if on_host else [range(p.numel()) for p in prompts], slots, bucket, cap.staging[k])
-        cap.inputs.copy_(cap.staging[k], non_blocking=True)
-        cap.copied[k] = torch.cuda.Event()
-        cap.copied[k].record()
-        if not on_host:
-            torch.cat([p.reshape(-1).to(cap.inputs.device) for p in prompts],
-                      out=cap.inputs[: sum(p.numel() for p in prompts)])
+        n = len(prompts)
+        cap.ids.zero_()
+        for row, prompt in enumerate(prompts):
+            cap.ids[row, : prompt.numel()].copy_(prompt)
+        # through pinned memory: a copy from pageable memory would wait for the queue (a decode step launched ahead)
+        cap.slots[:n].copy_(torch.tensor(slots, dtype=torch.long).pin_memory(), non_blocking=True)
+        cap.last[:n].copy_(torch.tensor([p.numel() - 1 for p in prompts], dtype=torch.long).pin_memory(),
+                           non_blocking=True)
+        if n < bucket[0]:
+            cap.slots[n:].fill_(self.scratch)
+            cap.last[n:].zero_()
         cap.graph.replay()
-        return cap.logits[: len(prompts)]
+        return cap.logits[:n]
+

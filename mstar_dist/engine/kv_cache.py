@@ -79,7 +79,7 @@ class StaticKVCache:
         self._allocated: set[int] = set()
         self._binding: _Binding | None = None
         self._graph_binding: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
-        self._packed_binding: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._prefill_binding: tuple[torch.Tensor, torch.Tensor] | None = None
         self._positions = torch.arange(max_seq_len, device=device)  # (L,) for graph-mode masks
 
     @property
@@ -133,28 +133,18 @@ class StaticKVCache:
         if not 0 < ctx <= self.max_seq_len:
             raise ValueError(f"bind_graph: ctx must be in [1, {self.max_seq_len}], got {ctx}")
         mask = (self._positions[None, :ctx] <= positions[:, None])[:, None, None, :]  # (B, 1, 1, ctx)
-        self._binding = self._packed_binding = None
+        self._binding = self._prefill_binding = None
         self._graph_binding = (slot_idx, positions, mask, ctx)
 
-    def bind_packed(self, slot_idx: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor,
-                    cu_seqlens: torch.Tensor, max_len: int) -> None:
-        """Bind a packed prefill pass: one row of T tokens holding several prompts back to back, each from position 0
-        (docs/architecture.md §8). Device tensors, read inside the pass (so it can be captured in a CUDA graph, as
-        ``bind_graph``): token t (of T) belongs to sequence ``seq_ids[t]``, is written at position ``positions[t]`` of
-        slot ``slot_idx[t]``, and attends causally to the earlier tokens of its own sequence only; ``cu_seqlens``
-        (N+1,) are the sequences' boundaries in the row (0, end of the first, ..., T; zero-length sequences may
-        follow) and ``max_len`` bounds every sequence's length. A sequence's tokens are consecutive and in position
-        order. Padding tokens after the prompts may be counted into the last sequence (they come after its tokens, so
-        no prompt token attends to them) and write into a slot whose contents nobody reads (the scratch slot)."""
-        if slot_idx.shape != positions.shape or slot_idx.shape != seq_ids.shape or slot_idx.dim() != 1:
-            raise ValueError(f"bind_packed: slot_idx, positions and seq_ids must be (T,) alike, got "
-                             f"{tuple(slot_idx.shape)}, {tuple(positions.shape)}, {tuple(seq_ids.shape)}")
-        mask = None
-        if not _flash_varlen_fits(self.kv):  # the mask stands in for the boundaries (CPU, fp32: tests)
-            order = torch.arange(slot_idx.shape[0], device=slot_idx.device)
-            mask = ((seq_ids[:, None] == seq_ids[None, :]) & (order[None, :] <= order[:, None]))[None, None]  # (1,1,T,T)
+    def bind_prefill_graph(self, slot_idx: torch.Tensor, n_new: int) -> None:
+        """Bind a prefill pass from position 0 whose slots are a device tensor (B,), read inside the pass (so it can
+        be captured in a CUDA graph, as ``bind_graph``): row b writes its ``n_new`` tokens at positions
+        [0, n_new) of slot ``slot_idx[b]`` and attends causally over them. Rows may repeat a slot only when
+        what they write is never read (padding rows into a scratch slot)."""
+        if not 0 < n_new <= self.max_seq_len:
+            raise ValueError(f"bind_prefill_graph: n_new must be in [1, {self.max_seq_len}], got {n_new}")
         self._binding = self._graph_binding = None
-        self._packed_binding = (slot_idx, positions, cu_seqlens.to(torch.int32), max_len, mask)
+        self._prefill_binding = (slot_idx, self._positions[:n_new])
 
     def bind(self, slots: list[int], start_pos: list[int], n_new: int) -> None:
         """Describe the next forward pass: row b is slot slots[b], writing n_new tokens from start_pos[b]."""
@@ -173,7 +163,7 @@ class StaticKVCache:
         dev = self.device
         n_rows = len(slots)
         ctx = max(start_pos) + n_new
-        self._packed_binding = None
+        self._prefill_binding = None
         contiguous = slots == list(range(slots[0], slots[0] + n_rows))
         uniform = all(s == start_pos[0] for s in start_pos)
         new = torch.arange(n_new, device=dev)
@@ -206,8 +196,8 @@ class StaticKVCache:
         """
         if self._graph_binding is not None:
             return self._attend_graph(layer, q, k, v)
-        if self._packed_binding is not None:
-            return self._attend_packed(layer, q, k, v)
+        if self._prefill_binding is not None:
+            return self._attend_prefill_graph(layer, q, k, v)
         b = self._binding
         if b is None:
             raise RuntimeError("StaticKVCache.attend called before bind()")
@@ -234,24 +224,13 @@ class StaticKVCache:
         values = v_cache[:, :, :ctx].index_select(0, slot_idx)
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
 
-    def _attend_packed(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        slot_idx, positions, cu_seqlens, max_len, mask = self._packed_binding
-        assert q.shape[0] == 1 and q.shape[2] == slot_idx.shape[0], (q.shape, slot_idx.shape)
-        # advanced indices around a slice: the indexed view is (T, nkv, hd); k/v[0] are (nkv, T, hd)
-        self.kv[layer, 0][slot_idx, :, positions] = k[0].transpose(0, 1)
-        self.kv[layer, 1][slot_idx, :, positions] = v[0].transpose(0, 1)
-        # every prompt starts at position 0: its context is its own new tokens, so attend over the packed row itself
-        if mask is None:  # (T, heads, hd) views, as the variable-length kernel takes them
-            out = _flash_varlen_causal(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
-                                       cu_seqlens, max_len)
-            return out.transpose(0, 1)[None]  # (1, nh, T, hd)
-        # K/V heads expanded for GQA (query head h reads KV head h // group, as enable_gqa does): the kernels that
-        # take a mask need equal head counts
-        group = q.shape[1] // k.shape[1]
-        if group > 1:
-            k = k[:, :, None].expand(-1, -1, group, -1, -1).flatten(1, 2)
-            v = v[:, :, None].expand(-1, -1, group, -1, -1).flatten(1, 2)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    def _attend_prefill_graph(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        slot_idx, positions = self._prefill_binding
+        # two advanced indices around a slice: the indexed view is (B, T, nkv, hd)
+        self.kv[layer, 0][slot_idx[:, None], :, positions[None, :]] = k.transpose(1, 2)
+        self.kv[layer, 1][slot_idx[:, None], :, positions[None, :]] = v.transpose(1, 2)
+        # from position 0, a row's context is exactly its new tokens: attend over them, not the cache
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
     @staticmethod
     def _write(b: _Binding, cache: torch.Tensor, new: torch.Tensor) -> None:
@@ -284,21 +263,3 @@ class StaticKVCache:
             raise ValueError(f"import_: expected shape ({want[0]}, 2, {want[2]}, length<= {self.max_seq_len}, "
                              f"{self.head_dim}), got {tuple(kv.shape)}")
         self.kv[:, :, slot, :, :kv.shape[3]].copy_(kv)
-
-
-def _flash_varlen_fits(kv: torch.Tensor) -> bool:
-    """Whether packed attention over this cache's tensors can use FlashAttention's variable-length kernel (CUDA,
-    half precision, head dim at most 256); elsewhere ``bind_packed`` builds a block-diagonal mask instead."""
-    return kv.device.type == "cuda" and kv.dtype in (torch.float16, torch.bfloat16) and kv.shape[-1] <= 256
-
-
-def _flash_varlen_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                         max_len: int) -> torch.Tensor:
-    """Causal attention of each sequence of a packed row over its own tokens: q (T, nh, hd), k/v (T, nkv, hd) with
-    nkv dividing nh (GQA as the kernel does it), ``cu_seqlens`` (N+1,) int32 -> (T, nh, hd). The one place this
-    package calls a private PyTorch op: ``torch.nn.attention.varlen.varlen_attn``, its public face, changed its
-    arguments between the releases we run (2.11 on the GPUs, 2.13 on CPUs), while this op's leading arguments have
-    stayed the same. Nothing here reads a device value on the host, so it can be captured in a CUDA graph."""
-    out = torch.ops.aten._flash_attention_forward(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, 0.0, True,
-                                                  False)[0]
-    return out

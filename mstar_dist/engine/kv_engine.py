@@ -21,13 +21,12 @@ Outputs: ``token`` (1,) int64 always; ``kv`` after a prefill when the walk conte
 another rank), in which case this rank's slot is freed at once. The stop check fires on the model's EOS ids.
 A call that finds no free slot is answered ``None`` and retried by the worker once slots free up.
 
-Prefills handed over together run as batched forwards of at most ``prefill_token_budget`` tokens (eager: rows
-right-padded to the batch's longest prompt; a row's logits are read at its own last token, and the pad positions it
-writes into its slot are never attended: decode overwrites and masks them). A model whose pads are not inert (a
-stateful MoE router would count them) sets ``pads_are_inert = False``: then only prompts of one length share a
-forward. With prefill graphs (CUDA, with decode graphs) the prompts of a batch are packed back to back into one row
-and the batch is cut so that one captured token bucket holds it (``cuda_graphs.PrefillGraphs``); a prompt no bucket
-holds runs eagerly, alone.
+Prefills handed over together run as batched forwards of at most ``prefill_token_budget`` tokens (rows right-padded
+to the batch's longest prompt; a row's logits are read at its own last token, and the pad positions it writes into
+its slot are never attended: decode overwrites and masks them). A model whose pads are not inert (a stateful MoE
+router would count them) sets ``pads_are_inert = False``: then only prompts of one length share a forward. With
+prefill graphs (CUDA, with decode graphs) a batch is cut so that one captured (rows, length) bucket holds it, and
+replays that bucket's graph (``cuda_graphs.PrefillGraphs``); a prompt no bucket holds runs eagerly, alone.
 
 Prefills go first: when one turn hands over prefills and decode rows, the prefills run and the decode rows are
 answered ``None`` (retried next turn), so the first tokens reach the worker, and the conductor, without waiting for
@@ -269,26 +268,26 @@ class KVCacheEngine(Component):
 
     def _prefill_groups(self, prefill: list[tuple[int, torch.Tensor]]) -> list[list[tuple[int, torch.Tensor]]]:
         """The prefills that get a slot now, in arrival order, cut into forwards of at most the token budget
-        (padded size: rows x longest prompt; with prefill graphs, the packed prompts, which one captured bucket must
-        hold, so every batch of more than one prompt replays a graph); prompts of one length only when pads are not
-        inert. The rest wait (answered None) for a free slot."""
+        (padded size: rows x longest prompt; with prefill graphs, the size of the bucket that holds them, so every
+        batch of more than one prompt replays a graph); prompts of one length only when pads are not inert. The rest
+        wait (answered None) for a free slot."""
         admitted = prefill[: self.cache.num_free]
         groups: list[list[tuple[int, torch.Tensor]]] = []
         for item in admitted:
             n = item[1].numel()
             for group in groups:
-                lengths = [ids.numel() for _, ids in group] + [n]
-                if (self.ragged_prefill or lengths[0] == n) and self._fits(lengths):
+                longest = max(n, *(ids.numel() for _, ids in group))
+                if (self.ragged_prefill or group[0][1].numel() == n) and self._fits(len(group) + 1, longest):
                     group.append(item)
                     break
             else:
                 groups.append([item])
         return groups
 
-    def _fits(self, lengths: list[int]) -> bool:
+    def _fits(self, rows: int, longest: int) -> bool:
         if self.prefill_graphs is not None:
-            return self.prefill_graphs.bucket_for(lengths) is not None
-        return len(lengths) * max(lengths) <= self.prefill_token_budget
+            return self.prefill_graphs.bucket_for(rows, longest) is not None
+        return rows * longest <= self.prefill_token_budget
 
     def _launch_prefills(self, groups: list[list[NodeCall]], prompts: list[list[torch.Tensor]]
                          ) -> list[_Launched | BaseException]:
@@ -301,17 +300,18 @@ class KVCacheEngine(Component):
         out: list[_Launched | BaseException] = []
         for group, group_prompts, group_slots in zip(groups, prompts, slots):
             lengths = [p.numel() for p in group_prompts]
+            longest = max(lengths)
             ids = [c.request_id for c in group]
-            bucket = None if self.prefill_graphs is None else self.prefill_graphs.bucket_for(lengths)
             if trace.ON:
-                trace.event("eng_prefill_start", rows=len(group), tokens=sum(lengths),
-                            padded=bucket or max(lengths) * len(group), ids=ids, engine=self.name)
+                trace.event("eng_prefill_start", rows=len(group), tokens=sum(lengths), padded=longest * len(group),
+                            ids=ids, engine=self.name)
             try:
                 with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-                    if bucket is not None:  # host prompts cross in the graph's one input copy
-                        logits = self.prefill_graphs.logits(group_prompts, group_slots, bucket)
+                    on_device = [to_device(p, self.device) for p in group_prompts]  # no stream sync
+                    bucket = None if self.prefill_graphs is None else self.prefill_graphs.bucket_for(len(group), longest)
+                    if bucket is not None:
+                        logits = self.prefill_graphs.logits(on_device, group_slots, bucket)
                     else:
-                        on_device = [to_device(p, self.device) for p in group_prompts]  # no stream sync
                         logits = self._prefill_eager(on_device, group_slots, lengths)
                     ctxs: list[WalkContext] = [c.ctx for c in group]
                     tokens = sample(self._biased(logits[:, -1]), [x.sampling for x in ctxs],

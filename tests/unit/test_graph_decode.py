@@ -128,73 +128,45 @@ def test_captured_graphs_cross_context_buckets_like_eager():
     assert torch.allclose(eager, replayed, atol=1e-4), (eager - replayed).abs().max()
 
 
-def test_a_packed_prefill_writes_and_attends_like_eager_on_cpu():
-    """PrefillGraphs.forward (what a captured prefill replays, run uncaptured) against eager prefills one prompt at a
-    time: prompts packed back to back in one row, padded to the bucket, give each prompt's own last-token logits,
-    write its KV into its slot at its positions (no prompt sees another's tokens, and the padding changes nothing),
-    and decode steps after it match too."""
+def test_graph_mode_prefill_writes_and_attends_like_eager_on_cpu():
+    """bind_prefill_graph (what a captured prefill replays) against bind: right-padded rows give each row's own
+    last-token logits, write its KV into its slot, and a padding row writing into the scratch slot changes nothing;
+    decode steps after it match too."""
     from mstar_dist.engine.cuda_graphs import PrefillGraphs
 
     model, new = make("cpu")
     lengths = [5, 17, 9]
-    eager_cache, packed_cache = new(), new()
+    eager_cache, graph_cache = new(), new()
     eager = run(model, eager_cache, lengths, 4, eager_step(model, eager_cache))
-    slots = [packed_cache.alloc() for _ in lengths]
-    scratch = packed_cache.alloc()
-    graphs = PrefillGraphs(model, packed_cache, scratch_slot=scratch, max_rows=4, max_tokens=128)
-    assert graphs.bucket_for(lengths) == 64  # 31 tokens: 33 of padding after them
-    inputs = graphs._host_inputs([torch.tensor(p) for p in prompts(lengths)], slots, 64)
-    assert inputs[4 * 64 + 4:].tolist() == [0, 5, 22, 64, 64]  # boundaries: the last prompt takes in the padding
+    slots = [graph_cache.alloc() for _ in lengths]
+    scratch = graph_cache.alloc()
+    graphs = PrefillGraphs(model, graph_cache, scratch_slot=scratch, max_rows=4, max_tokens=128)
+    ids = torch.zeros((4, 32), dtype=torch.long)  # bucket (4, 32): three prompts and a padding row
+    for row, p in enumerate(prompts(lengths)):
+        ids[row, :len(p)] = torch.tensor(p)
     with torch.inference_mode():
-        logits = graphs.forward(inputs, 64)
-    assert logits.shape == (4, 1, CFG.vocab_size)  # a row per possible prompt: the 4th reads token 0
+        logits = graphs._forward(ids, torch.tensor([*slots, scratch]), torch.tensor([n - 1 for n in lengths] + [0]))
     toks = logits[:3, -1].argmax(-1)
     out, lens = [], list(lengths)
     with torch.inference_mode():
         for _ in range(4):
-            step = eager_step(model, packed_cache)(toks, lens, slots)[:, -1].float()
+            step = eager_step(model, graph_cache)(toks, lens, slots)[:, -1].float()
             out.append(step)
             toks, lens = step.argmax(-1), [n + 1 for n in lens]
     assert torch.allclose(eager, torch.stack(out), atol=1e-5), (eager - torch.stack(out)).abs().max()
     for slot, n in zip(slots, lengths):  # the prompt's KV, as an eager prefill wrote it
-        torch.testing.assert_close(packed_cache.kv[:, :, slot, :, :n], eager_cache.kv[:, :, slot, :, :n])
+        torch.testing.assert_close(graph_cache.kv[:, :, slot, :, :n], eager_cache.kv[:, :, slot, :, :n])
 
 
-def test_packed_prefill_buckets_hold_a_batch_within_the_token_budget_and_the_batch_size():
-    from mstar_dist.engine.cuda_graphs import PrefillGraphs, token_buckets
+def test_prefill_buckets_hold_the_batch_within_the_token_budget():
+    from mstar_dist.engine.cuda_graphs import PrefillGraphs
 
-    assert token_buckets(4096) == [64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1280, 1536, 1792,
-                                   2048, 2560, 3072, 3584, 4096]
-    assert token_buckets(600) == [64, 128, 192, 256, 320, 384, 448, 512, 600] and token_buckets(40) == [40]
-    assert all(b / a <= 1.25 for a, b in zip(token_buckets(8192)[7:], token_buckets(8192)[8:]))  # padding < 25%
     cache = StaticKVCache(CFG.n_layers, CFG.n_kv_heads, CFG.head_dim, max_slots=9, max_seq_len=100)
     graphs = PrefillGraphs(model=None, cache=cache, scratch_slot=8, max_rows=6, max_tokens=256)
-    assert graphs.buckets == [64, 128, 192, 256]
-    assert graphs.bucket_for([44]) == 64
-    assert graphs.bucket_for([44, 44, 44]) == 192  # 132 tokens: rows x longest bucket would have padded to 4 x 64
-    assert graphs.bucket_for([99, 99, 50]) == 256
-    assert graphs.bucket_for([99, 99, 99]) is None  # 297 tokens: past the budget, the batch is cut
-    assert graphs.bucket_for([10, 10, 10, 10, 10, 10]) == 64
-    assert graphs.bucket_for([1] * 7) is None  # more prompts than rows
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_packed_attention_on_cuda_equals_each_prompt_attending_alone():
-    """The variable-length kernel behind packed prefill graphs (bf16 on CUDA): each sequence of the packed row
-    attends causally to its own tokens only, with GQA, exactly as SDPA over that sequence alone; the padding the last
-    sequence takes in after its tokens changes none of them."""
-    from mstar_dist.engine.kv_cache import _flash_varlen_causal
-
-    torch.manual_seed(0)
-    nh, nkv, hd, ends = 9, 3, 64, [5, 22, 31]
-    q = torch.randn(64, nh, hd, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(64, nkv, hd, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(64, nkv, hd, device="cuda", dtype=torch.bfloat16)
-    cu = torch.tensor([0, 5, 22, 64], dtype=torch.int32, device="cuda")  # the third's 9 tokens, then 33 of padding
-    out = _flash_varlen_causal(q, k, v, cu, 64)
-    for start, end in zip([0, *ends[:-1]], ends):
-        alone = torch.nn.functional.scaled_dot_product_attention(
-            q[start:end].transpose(0, 1)[None], k[start:end].transpose(0, 1)[None], v[start:end].transpose(0, 1)[None],
-            is_causal=True, enable_gqa=True)[0].transpose(0, 1)
-        torch.testing.assert_close(out[start:end], alone, atol=2e-2, rtol=2e-2)
+    assert sorted({length for _, length in graphs.buckets}) == [16, 32, 64, 100]  # the last: the cache's length
+    assert sorted({rows for rows, _ in graphs.buckets}) == [1, 2, 4, 6]
+    assert all(rows * length <= 256 for rows, length in graphs.buckets)
+    assert graphs.bucket_for(1, 44) == (1, 64)
+    assert graphs.bucket_for(3, 10) == (4, 16)
+    assert graphs.bucket_for(2, 100) == (2, 100)
+    assert graphs.bucket_for(5, 40) is None  # 6 x 64 padded tokens: past the budget, the batch runs eagerly

@@ -284,27 +284,23 @@ def test_a_prefill_runs_beside_the_decode_step_in_flight_unless_it_takes_a_slot_
 
 
 def test_with_prefill_graphs_every_batch_fits_a_bucket_and_an_overlong_prompt_runs_alone(model: Llama) -> None:
-    """The grouping the engine does for packed prefill graphs (bucket_for needs no capture, so this runs on CPU)."""
+    """The grouping the engine does for prefill graphs (bucket_for needs no capture, so this runs on CPU)."""
     from mstar_dist.engine.cuda_graphs import PrefillGraphs
 
     eng = engine(model, slots=8, budget=128, max_seq_len=200)
     eng.prefill_graphs = PrefillGraphs(model, eng.cache, scratch_slot=7, max_rows=4, max_tokens=128)
-    assert eng.prefill_graphs.buckets == [64, 128]
-    lengths = [5, 12, 20, 150, 30, 3, 9, 60]
+    assert sorted({length for _, length in eng.prefill_graphs.buckets}) == [16, 32, 64, 128]
+    lengths = [5, 12, 20, 150, 30, 3, 9]
     groups = eng._prefill_groups([(i, prompt(n, i)) for i, n in enumerate(lengths)])
-    # first fit in arrival order: 3 does not fit the first batch (4 rows at most) nor join the overlong prompt; 60
-    # joins 3 and 9 (72 tokens) but not the first batch (127)
-    assert [[lengths[i] for i, _ in g] for g in groups] == [[5, 12, 20, 30], [150], [3, 9, 60]]
-    buckets = [eng.prefill_graphs.bucket_for([lengths[i] for i, _ in g]) for g in groups]
-    assert buckets == [128, None, 128]  # what the forwards replay, each within the budget
-    # three 35-token prompts: 105 packed tokens fit one bucket, where eager rows x longest (105) fits the budget too
+    # first fit in arrival order: 3 does not fit the first batch (4 rows at most) nor join the overlong prompt
+    assert [[lengths[i] for i, _ in g] for g in groups] == [[5, 12, 20, 30], [150], [3, 9]]
+    buckets = [eng.prefill_graphs.bucket_for(len(g), max(lengths[i] for i, _ in g)) for g in groups]
+    assert buckets == [(4, 32), None, (2, 16)]  # what the forwards replay, each within the budget
+    # three 35-token prompts: 105 tokens fit the budget unpadded, but their bucket would be (4, 64), 256 tokens
     three = [(i, prompt(35, i)) for i in range(3)]
-    assert [len(g) for g in eng._prefill_groups(three)] == [3]
-    four = [(i, prompt(35, i)) for i in range(4)]  # 140 tokens: packed past the budget; eager 4 x 35 too
-    assert [len(g) for g in eng._prefill_groups(four)] == [3, 1]
+    assert [len(g) for g in eng._prefill_groups(three)] == [2, 1]
     eng.prefill_graphs = None
-    assert [len(g) for g in eng._prefill_groups(four)] == [3, 1]
-    assert [len(g) for g in eng._prefill_groups([(0, prompt(60, 0)), (1, prompt(5, 1)), (2, prompt(5, 2))])] == [2, 1]
+    assert [len(g) for g in eng._prefill_groups(three)] == [3]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -320,7 +316,7 @@ def test_prefills_replayed_from_cuda_graphs_give_the_tokens_of_eager_prefills(mo
         eng.warmup()
         return eng
 
-    def calls():  # ragged: 62 tokens packed into bucket 64 for the five together, each alone into 64
+    def calls():  # ragged: bucket (8, 32) for the five together, each alone its own
         return [call(f"r{i}", {"input_ids": prompt(n, i).cuda()}) for i, n in enumerate([5, 17, 9, 1, 30])]
 
     eager = generate(make(False), calls(), steps=6)
@@ -332,7 +328,7 @@ def test_prefills_replayed_from_cuda_graphs_give_the_tokens_of_eager_prefills(mo
         assert generate(alone, [c], steps=6)[c.request_id] == eager[c.request_id]
         alone.release(c.request_id)
     assert alone.prefill_batches_replayed == 5
-    tight = make(True, budget=40)  # 62 tokens are past the budget (one bucket, 40): cut into batches it holds
+    tight = make(True, budget=64)  # 5 rows x 32 is past the budget: cut into batches the buckets hold
     assert generate(tight, calls(), steps=6) == eager
     assert tight.prefill_batches_replayed == tight.prefill_batches > 1
 
