@@ -13,7 +13,8 @@ Call sites guard every call with the module flag, so a process with the trace of
     if trace.ON:
         trace.event("cond_admitted", wire_id, client=request_id)
 
-The list is bounded (``MAX_EVENTS``); past it events are counted, not kept. Appends are safe from any thread
+The garbage collector's pauses are events too (``gc``: generation, milliseconds, objects collected; stamped at the
+pause's start), since a collection stops every thread of the process it runs in. The list is bounded (``MAX_EVENTS``); past it events are counted, not kept. Appends are safe from any thread
 (``list.append`` under the GIL). The file is written by ``atexit`` and by :func:`flush` (call it on a way out
 that skips ``atexit``, such as ``os._exit``); writing again replaces the file with everything recorded so far.
 """
@@ -21,6 +22,7 @@ that skips ``atexit``, such as ``os._exit``); writing again replaces the file wi
 from __future__ import annotations
 
 import atexit
+import gc
 import json
 import os
 import time
@@ -124,6 +126,19 @@ def reset() -> None:
     _dropped = 0
 
 
+_gc_started = 0.0
+
+
+def _on_gc(phase: str, info: dict) -> None:
+    """``gc.callbacks`` hook: one ``gc`` event per collection while the trace is on."""
+    global _gc_started
+    if phase == "start":
+        _gc_started = time.monotonic()
+    elif ON:
+        event_at(_gc_started, "gc", generation=info.get("generation"), collected=info.get("collected"),
+                 ms=round((time.monotonic() - _gc_started) * 1e3, 3))
+
+
 def enable(directory: str | None) -> None:
     """Turn the trace on (into ``directory``) or off (None) in this process; the environment does it at import.
     For tests and tools that run the runtime in one process."""
@@ -131,10 +146,15 @@ def enable(directory: str | None) -> None:
     DIR = directory or None
     ON = DIR is not None
     if ON and not _registered:
-        atexit.register(flush)
-        _registered = True
+        _register()
+
+
+def _register() -> None:
+    global _registered
+    atexit.register(flush)
+    gc.callbacks.append(_on_gc)
+    _registered = True
 
 
 if ON:
-    atexit.register(flush)
-    _registered = True
+    _register()

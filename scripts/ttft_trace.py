@@ -249,7 +249,25 @@ def analyse(events: list[dict], t0: float, t1: float) -> dict:
     }
     complete = sum(1 for r in mine.values() if "http_first_chunk" in r)
     return {"requests": len(mine), "requests_with_first_chunk": complete, "segments_ms": segments,
-            "totals_ms": totals, "prefill": prefill, "decode": decode, "waiting_behind_decode": waiting}
+            "totals_ms": totals, "prefill": prefill, "decode": decode, "waiting_behind_decode": waiting,
+            "gc_pauses": gc_pauses(events, t0, t1)}
+
+
+def gc_pauses(events: list[dict], t0: float, t1: float) -> dict[str, dict]:
+    """Per process kind (``frontend``, ``intake``, ``rank``): the garbage collections that began in [t0, t1], their
+    count per generation, total and longest pause (ms). Every thread of a process stands still during one."""
+    out: dict[str, dict] = {}
+    for e in events:
+        if e["phase"] != "gc" or not t0 <= e["t"] <= t1:
+            continue
+        kind = e["proc"].rstrip("0123456789")
+        row = out.setdefault(kind, {"collections": 0, "by_generation": {}, "ms_total": 0.0, "ms_max": 0.0})
+        row["collections"] += 1
+        gen = str(e["extra"].get("generation"))
+        row["by_generation"][gen] = row["by_generation"].get(gen, 0) + 1
+        row["ms_total"] = round(row["ms_total"] + e["extra"]["ms"], 3)
+        row["ms_max"] = max(row["ms_max"], e["extra"]["ms"])
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ report
@@ -285,6 +303,10 @@ def table(runs: dict[str, dict]) -> str:
     lines.append(row("decode ms between prefill end and the first Emits",
                      [runs[k]["waiting_behind_decode"]["decode_ms_between_prefill_end_and_emits"] for k in keys]))
     lines.append(row("rows per prefill forward (count)", [runs[k]["prefill"]["rows_per_forward"] for k in keys]))
+    for kind in sorted({k for r in runs.values() for k in r["gc_pauses"]}):
+        cells = [runs[k]["gc_pauses"].get(kind) for k in keys]
+        lines.append(f"{'gc pauses of ' + kind + ' (count / longest ms)':58s}" + "".join(
+            f"{c['collections']:>11d} /{c['ms_max']:9.2f}" if c else f"{'-':>21s}" for c in cells))
     lines.append(f"{'prefill forwards / decode steps / requests':58s}" + "".join(
         f"{runs[k]['prefill']['forwards']:>8d} /{runs[k]['decode']['steps']:>6d} /{runs[k]['requests']:>4d}"
         for k in keys))

@@ -298,6 +298,7 @@ def _event(item) -> GenerationEvent | BackendError:
 
 def main(argv: list[str] | None = None) -> int:
     from mstar_dist.control.channel import ControlChannel
+    from mstar_dist.heap import freeze_startup_heap
     from mstar_dist.logs import configure_logging
     from mstar_dist.server.app import build_app
     from mstar_dist.server.http_metrics import HttpStats
@@ -354,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         if backend.output_modality == "text":
             warm_up(app, backend, h["api_key"])
             stats.reset()
+        freeze_startup_heap()  # the app and its warmed routes leave the collector's generations (heap.py)
         http = HttpServer(app)
         http.start(h["host"], h["port"], timeout_s=30, sock=reserve_port(h["host"], h["port"], reuse_port=True, join=True))
         report({"listening": http.port})

@@ -149,6 +149,7 @@ def _read_line(fd: int, timeout_s: float, proc: subprocess.Popen | None = None) 
 
 def main(argv: list[str] | None = None) -> int:
     from mstar_dist.control.channel import ControlChannel
+    from mstar_dist.heap import freeze_startup_heap
     from mstar_dist.logs import configure_logging
     from mstar_dist.serve import parse_args
     from mstar_dist.conductor.intake import IntakeProcess
@@ -208,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
             channel.connect(intake.name, intake.read(60, "its control endpoint")["endpoint"])
         conductor = _start_conductor(dep, channel, args.startup_timeout, log_stats_s=args.log_stats,
                                      intakes=tuple(intake.name for intake in intakes))
+        freeze_startup_heap()  # ready, and no HTTP yet: tokenizer, model family and app leave the collector (heap.py)
         if intakes:
             _start_intakes(dep, intakes, conductor_endpoint=channel.endpoint, api_key=args.api_key,
                            port=http_sock.getsockname()[1])

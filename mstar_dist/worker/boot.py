@@ -43,6 +43,7 @@ from mstar_dist.control.channel import (
     ControlChannel, default_store, lookup_endpoint, publish_endpoint, share_secret,
 )
 from mstar_dist.graph.model import CompositeModel, Layout
+from mstar_dist.heap import freeze_startup_heap
 from mstar_dist.logs import announce, configure_logging
 from mstar_dist.graph.nodes import iter_nodes, node_names
 from mstar_dist.telemetry import MeteredTransport
@@ -387,6 +388,7 @@ def serve(args: argparse.Namespace) -> int:
             tp_roles=tp_roles_for(dep.placement, rank),
         )
         frontend_gone = (lambda: False) if frontend is None else (lambda: not frontend.alive())
+        freeze_startup_heap()  # the model, torch and the graphs leave the collector's generations (heap.py)
         worker.run(should_stop=lambda: stop.is_set() or frontend_gone())
         if frontend_gone() and not stop.is_set() and not worker.stopping:
             raise RuntimeError(frontend.describe_exit())
@@ -435,6 +437,7 @@ def _teardown(components: dict, shutdown_distributed, timeout_s: float) -> bool:
             except Exception:  # noqa: BLE001 - teardown goes on; the process is leaving
                 log.warning("closing component %s failed", node, exc_info=True)
         components.clear()
+        gc.unfreeze()  # the startup heap was frozen (heap.py): its cycles are the collector's again
         gc.collect()  # graphs referenced from cycles go now, not at interpreter exit
         shutdown_distributed()
 

@@ -1,5 +1,6 @@
 """scripts/ttft_trace.py's analysis on a hand-made trace: segments joined across processes by the wire id, prefill
-batching, and the decode steps a prefill waited behind (before it, and between its end and its first Emits)."""
+batching, the decode steps a prefill waited behind (before it, and between its end and its first Emits), and the
+garbage collectors' pauses per process kind."""
 
 from scripts.ttft_trace import analyse
 
@@ -26,6 +27,9 @@ def _trace() -> list[dict]:
         _e(32 * ms, "eng_prefill_end", proc="rank0", rows=2, ids=["c1#1", "c2#2"]),
         _e(32 * ms, "eng_decode_start", proc="rank0", rows=5), _e(40 * ms, "eng_decode_end", proc="rank0", rows=5),
         _e(41 * ms, "rank_emits_sent", "c1#1", "rank0", n=7), _e(41 * ms, "rank_emits_sent", "c2#2", "rank0", n=7),
+        _e(41.5 * ms, "gc", proc="frontend", generation=1, collected=3, ms=0.25),
+        _e(41.6 * ms, "gc", proc="frontend", generation=2, collected=90, ms=3.5),
+        _e(20 * ms, "gc", proc="intake1", generation=0, collected=0, ms=0.05),
     ]
     for client, wire, t in (("c1", "c1#1", 42 * ms), ("c2", "c2#2", 43 * ms)):
         events += [_e(t, "cond_first_emit", wire), _e(t + 1 * ms, "http_first_chunk", client)]
@@ -48,6 +52,9 @@ def test_segments_batching_and_waits():
     assert wait["decode_ms_between_cond_dispatch_and_prefill"]["median"] == 6.5  # 7 and 6 ms of it in the window
     assert wait["decode_steps_between_prefill_end_and_emits"]["median"] == 1
     assert wait["decode_ms_between_prefill_end_and_emits"]["median"] == 8.0
+    assert report["gc_pauses"] == {  # which process stood still, how often and how long
+        "frontend": {"collections": 2, "by_generation": {"1": 1, "2": 1}, "ms_total": 3.75, "ms_max": 3.5},
+        "intake": {"collections": 1, "by_generation": {"0": 1}, "ms_total": 0.05, "ms_max": 0.05}}
 
 
 def test_a_window_keeps_only_the_requests_that_arrived_in_it():
