@@ -8,7 +8,7 @@ a timed test. Run it once per tree to compare two implementations side by side i
 The script imports ``mstar_dist`` from the working directory, so the second line measures the tree in ``.ab_base``.
 It speaks two bucket interfaces: main's (rows, length) buckets (``bucket_for(rows, longest)``, prompts on the device)
 and the packed token buckets of an experiment that did not stay (``bucket_for(lengths)``, host prompts; commit
-1f4218b, bench/results/README.md "Tenth session").
+1f4218b, bench/results/README.md "Eleventh session").
 """
 
 from __future__ import annotations

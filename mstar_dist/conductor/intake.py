@@ -355,9 +355,11 @@ def main(argv: list[str] | None = None) -> int:
         if backend.output_modality == "text":
             warm_up(app, backend, h["api_key"])
             stats.reset()
-        freeze_startup_heap()  # the app and its warmed routes leave the collector's generations (heap.py)
         http = HttpServer(app)
         http.start(h["host"], h["port"], timeout_s=30, sock=reserve_port(h["host"], h["port"], reuse_port=True, join=True))
+        # the app, its warmed routes and what uvicorn imported as it started leave the collector (heap.py); before
+        # the front end hears that this intake listens, so before any request can come
+        freeze_startup_heap()
         report({"listening": http.port})
         threading.Thread(target=watch_parent, args=(stop, "the front end"), name="parent-watch", daemon=True).start()
         while not stop.wait(0.2):

@@ -209,7 +209,6 @@ def main(argv: list[str] | None = None) -> int:
             channel.connect(intake.name, intake.read(60, "its control endpoint")["endpoint"])
         conductor = _start_conductor(dep, channel, args.startup_timeout, log_stats_s=args.log_stats,
                                      intakes=tuple(intake.name for intake in intakes))
-        freeze_startup_heap()  # ready, and no HTTP yet: tokenizer, model family and app leave the collector (heap.py)
         if intakes:
             _start_intakes(dep, intakes, conductor_endpoint=channel.endpoint, api_key=args.api_key,
                            port=http_sock.getsockname()[1])
@@ -217,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             http = _start_http(dep, conductor, api_key=args.api_key, sock=http_sock)
         http_sock = None
+        # tokenizer, model family, app and what uvicorn imported as it started leave the collector (heap.py)
+        freeze_startup_heap()
         while not stop.wait(0.2):
             if not conductor.thread.is_alive():
                 raise RuntimeError("the conductor thread died")
