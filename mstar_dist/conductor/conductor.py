@@ -328,6 +328,9 @@ class Conductor:
         elif isinstance(body, m.Emit):
             self._on_emit(body)
         elif isinstance(body, m.WalkDone):
+            # what the Emits before it produced leaves first: a prefill's WalkDone follows its first tokens, and
+            # dispatching the next walks of a whole batch of requests takes ~70 us each (about 1 ms for 15)
+            self.intakes.flush()
             self._on_walk_done(body)
         elif isinstance(body, m.Stats):
             self.metrics.rank_stats[body.rank] = body
