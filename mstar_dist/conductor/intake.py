@@ -3,8 +3,9 @@
 
 The front end spawns N of them (``python -m mstar_dist.conductor.intake --index k``) so that a burst of arrivals
 is parsed, validated and framed by N interpreters instead of the one HTTP thread that shares the conductor's GIL.
-Each binds its own listening socket on ``server.host:port`` with ``SO_REUSEPORT`` (the kernel spreads connections
-over them), and runs two threads:
+The front end accepts the connections on ``server.host:port`` and passes each to the intake with the fewest open
+ones (``server/handoff.py``: a client keeps its connection, so that is where its requests are parsed); each runs
+two threads:
 
 * the HTTP thread: uvicorn and the app (``server/app.py``), with :class:`IntakeBackend` as its backend;
 * the link thread: receives on this process's control channel (``intake<k>``) and delivers what comes back
@@ -13,7 +14,7 @@ over them), and runs two threads:
 
 Startup, as JSON lines with the front end (no pickle): it binds its channel and writes ``{"endpoint"}``; reads the
 handover (the launch's secret, the conductor's endpoint, what the app serves) on stdin; connects, waits for the
-conductor's first ``Health``, starts listening and writes ``{"listening": port}``. It stops on SIGTERM (in-flight
+conductor's first ``Health``, starts uvicorn on the connections passed to it and writes ``{"listening": port}``. It stops on SIGTERM (in-flight
 responses get up to 5 s to finish) or when its stdin closes (the front end is gone).
 """
 
@@ -26,6 +27,7 @@ import dataclasses
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -39,6 +41,7 @@ from mstar_dist.conductor.process import (
 )
 from mstar_dist.control import messages as m
 from mstar_dist.events import BackendError, Finished, GenerationEvent, GenerationParams, MediaDelta, TextDelta
+from mstar_dist.server.handoff import handoff_pair
 
 log = logging.getLogger(__name__)
 
@@ -51,14 +54,21 @@ COUNTS_EVERY_S = 1.0
 
 
 class IntakeProcess(ChildProcess):
-    """The front end's handle on one intake process."""
+    """The front end's handle on one intake process; ``link`` is the front end's end of the pair on which it passes
+    the intake its connections (``server/handoff.py``)."""
 
     def __init__(self, index: int, *, host_name: str, addr: str, log_level: str, log_format: str):
         self.what = f"HTTP intake {index}"
         self.name = f"intake{index}"
-        super().__init__("mstar_dist.conductor.intake",
-                         ["--index", str(index), "--log-level", log_level, "--log-format", log_format],
-                         {_WHERE: f"{host_name} {addr}", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"})
+        self.link, theirs = handoff_pair()
+        try:
+            super().__init__("mstar_dist.conductor.intake",
+                             ["--index", str(index), "--log-level", log_level, "--log-format", log_format,
+                              "--handoff-fd", str(theirs.fileno())],
+                             {_WHERE: f"{host_name} {addr}", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"},
+                             pass_fds=(theirs.fileno(),))
+        finally:
+            theirs.close()
 
 
 class ConductorLink:
@@ -302,12 +312,14 @@ def main(argv: list[str] | None = None) -> int:
     from mstar_dist.logs import configure_logging
     from mstar_dist.server.app import build_app
     from mstar_dist.server.http_metrics import HttpStats
-    from mstar_dist.server.http_server import HttpServer, reserve_port
+    from mstar_dist.server.http_server import HttpServer
 
     p = argparse.ArgumentParser(prog="python -m mstar_dist.conductor.intake")
     p.add_argument("--index", type=int, required=True)
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--log-format", default="text")
+    p.add_argument("--handoff-fd", type=int, required=True, help="this intake's end of the front end's pair "
+                   "(server/handoff.py): the connections it serves come on it")
     args = p.parse_args(argv)
     name = f"intake{args.index}"
     trace.set_process(name)
@@ -356,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
             warm_up(app, backend, h["api_key"])
             stats.reset()
         http = HttpServer(app)
-        http.start(h["host"], h["port"], timeout_s=30, sock=reserve_port(h["host"], h["port"], reuse_port=True, join=True))
+        http.start(h["host"], h["port"], timeout_s=30, handoff=socket.socket(fileno=args.handoff_fd))
         # the app, its warmed routes and what uvicorn imported as it started leave the collector (heap.py); before
         # the front end hears that this intake listens, so before any request can come
         freeze_startup_heap()

@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
 
-    channel = conductor = http = None
+    channel = conductor = http = acceptor = None
     intakes: list[IntakeProcess] = []
     dep = None
     world_size = 0
@@ -209,10 +209,9 @@ def main(argv: list[str] | None = None) -> int:
             channel.connect(intake.name, intake.read(60, "its control endpoint")["endpoint"])
         conductor = _start_conductor(dep, channel, args.startup_timeout, log_stats_s=args.log_stats,
                                      intakes=tuple(intake.name for intake in intakes))
-        if intakes:
-            _start_intakes(dep, intakes, conductor_endpoint=channel.endpoint, api_key=args.api_key,
-                           port=http_sock.getsockname()[1])
-            http_sock.close()  # every intake listens on the port now
+        if intakes:  # the acceptor owns the port from here
+            acceptor = _start_intakes(dep, intakes, http_sock, conductor_endpoint=channel.endpoint,
+                                      api_key=args.api_key)
         else:
             http = _start_http(dep, conductor, api_key=args.api_key, sock=http_sock)
         http_sock = None
@@ -231,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
             _broadcast_shutdown(dep, channel, world_size, f"the front end on rank 0's host failed: {exc}")
             time.sleep(0.2)
     finally:
+        if acceptor is not None:  # no new connections while what is in flight ends
+            acceptor.stop()
         if conductor is not None:
             # in-flight requests get their 503 while HTTP still delivers them; only after the join may this
             # thread use the conductor's socket (ZMQ sockets are single-threaded)
@@ -250,19 +251,25 @@ def main(argv: list[str] | None = None) -> int:
     return rc
 
 
-def _start_intakes(dep, intakes: list, *, conductor_endpoint: str, api_key: str | None, port: int) -> None:
-    """Hand every intake what it serves, then wait until each listens on the port (docs/architecture.md §2)."""
+def _start_intakes(dep, intakes: list, sock: socket.socket, *, conductor_endpoint: str, api_key: str | None):
+    """Hand every intake what it serves, wait until each serves, then accept on ``sock`` (the reserved port) and pass
+    the connections to them (docs/architecture.md §2): the running ``Acceptor``."""
+    from mstar_dist.server.handoff import Acceptor
     from mstar_dist.worker.boot import announce, served
 
     server = dep.config.server
+    port = sock.getsockname()[1]
     for intake in intakes:
         intake.write({"token": dep.token, "conductor": conductor_endpoint, "host": server.host, "port": port,
                       "api_key": api_key, "max_body_bytes": server.max_body_bytes,
                       "prompt_encoder": dep.model.prompt_encoder(), **served(dep)})
     for intake in intakes:
         intake.read(60, "that it listens on the port")
+    acceptor = Acceptor(sock, [intake.link for intake in intakes])
+    acceptor.start()
     announce(f"mstar_dist: serving {dep.config.model} on http://{server.host}:{port} "
              f"({len(intakes)} HTTP intake processes)")
+    return acceptor
 
 
 def _stop_all(children: list, timeout_s: float = 8.0) -> None:

@@ -170,8 +170,8 @@ class ServerConfig:
     """Largest HTTP request body accepted (bytes, default 8 MiB); a larger one is refused with a 413."""
     http_processes: int = 1
     """Processes that parse HTTP and frame responses, 1..64. 1: the front end's own HTTP thread does it; N > 1:
-    N intake processes share the port (``SO_REUSEPORT``) and talk to the conductor over its control socket
-    (docs/architecture.md §2, "Intake processes"), so a burst of arrivals is parsed in parallel."""
+    N intake processes, each given its share of the port's connections by the front end, talk to the conductor over
+    its control socket (docs/architecture.md §2, "Intake processes"), so a burst of arrivals is parsed in parallel."""
 
     def __post_init__(self) -> None:
         read_str(self.host, "host")

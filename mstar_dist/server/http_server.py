@@ -6,13 +6,17 @@ end (``conductor/process.py``, docs/architecture.md §2 "Threads"). The conducto
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
+import os
 import socket
 import threading
 import time
 
 import uvicorn
+
+from mstar_dist.server.handoff import CLOSED
 
 logger = logging.getLogger(__name__)
 
@@ -49,19 +53,25 @@ class HttpServer:
         return f"http://{host}:{self.port}"
 
     def start(self, host: str = "127.0.0.1", port: int = 8000, timeout_s: float = 30.0,
-              sock: socket.socket | None = None) -> None:
+              sock: socket.socket | None = None, handoff: socket.socket | None = None) -> None:
         """Binds ``host:port`` (0 = any free port), or takes ``sock`` from :func:`reserve_port`, and serves;
-        blocks up to ``timeout_s`` until listening.
+        blocks up to ``timeout_s`` until listening. With ``handoff`` (an intake's end of ``server/handoff.py``'s
+        pair) it serves the connections the front end accepted on ``host:port`` and passes on that pair instead,
+        and tells it when each closes.
 
         Raises OSError naming ``host:port`` when the address cannot be bound (port taken, bad address), and
         RuntimeError when uvicorn fails or does not come up within ``timeout_s``.
         """
         if self._thread is not None:
             raise RuntimeError(f"HttpServer already started on {self.host}:{self.port}")
+        self._handoff = handoff
+        if handoff is not None:  # uvicorn serves a listening socket: one that nobody can reach
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.bind(f"\0mstar-dist-handoff-{os.getpid()}-{id(self)}")
         sock = sock if sock is not None else reserve_port(host, port)
         sock.listen(2048)
         sock.setblocking(False)
-        self.host, self.port = host, sock.getsockname()[1]
+        self.host, self.port = host, port if handoff is not None else sock.getsockname()[1]
         config = uvicorn.Config(
             self._app,
             log_level=self._log_level,
@@ -81,6 +91,8 @@ class HttpServer:
                 self.stop(timeout_s=2.0)
                 raise RuntimeError(f"HTTP server on {host}:{self.port} did not start within {timeout_s:.0f} s")
             time.sleep(0.01)
+        if handoff is not None:
+            self._loop.call_soon_threadsafe(self._take_passed)
         logger.info("HTTP server listening on %s", self.url)
 
     def stop(self, timeout_s: float = 10.0) -> None:
@@ -101,6 +113,8 @@ class HttpServer:
         loop = asyncio.new_event_loop()
         asyncio.set_event_loop(loop)
         self._loop = loop
+        if self._handoff is not None:
+            _keep_protocol_factory(loop, self)
         try:
             loop.run_until_complete(self._server.serve(sockets=[sock]))
         except BaseException as exc:  # noqa: BLE001 -- reported by start() / logged; the thread must end cleanly
@@ -114,6 +128,63 @@ class HttpServer:
                 sock.close()
                 loop.close()
 
+    # -- connections passed by the front end (server/handoff.py) ------------------------------------------------
+    _handoff: socket.socket | None = None
+    _protocol_factory = None
+    """uvicorn's factory of per-connection protocols, kept from its ``create_server`` call (``_keep_protocol_factory``)."""
+
+    def _take_passed(self) -> None:
+        self._handoff.setblocking(False)
+        self._loop.add_reader(self._handoff.fileno(), self._on_passed)
+
+    def _on_passed(self) -> None:
+        while True:
+            try:
+                msg, fds, _, _ = socket.recv_fds(self._handoff, 16, 1)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                msg, fds = b"", []
+            if not msg and not fds:  # the front end is gone: nothing more comes
+                self._loop.remove_reader(self._handoff.fileno())
+                return
+            for fd in fds:
+                self._loop.create_task(self._adopt(socket.socket(fileno=fd)))
+
+    async def _adopt(self, conn: socket.socket) -> None:
+        """Serve a passed connection as uvicorn serves one it accepted (TCP_NODELAY set by asyncio: the socket object
+        reads its protocol back from the descriptor); the front end hears once when it closes."""
+        factory = self._protocol_factory
+        told = False
+
+        def closed() -> None:
+            nonlocal told
+            if not told:
+                told = True
+                with contextlib.suppress(OSError):
+                    self._handoff.send(CLOSED)
+
+        def protocol():
+            p = factory()
+            lost = p.connection_lost
+
+            def connection_lost(exc):
+                try:
+                    lost(exc)
+                finally:
+                    closed()
+
+            p.connection_lost = connection_lost
+            return p
+
+        try:
+            conn.setblocking(False)
+            await self._loop.connect_accepted_socket(protocol, conn)
+        except Exception:  # noqa: BLE001 -- the client's connection is lost; the server goes on
+            logger.warning("could not serve a connection passed by the front end", exc_info=True)
+            conn.close()
+            closed()
+
     def __enter__(self) -> HttpServer:
         return self
 
@@ -121,14 +192,9 @@ class HttpServer:
         self.stop()
 
 
-def reserve_port(host: str, port: int, *, reuse_port: bool = False, join: bool = False) -> socket.socket:
+def reserve_port(host: str, port: int) -> socket.socket:
     """A socket bound to ``host:port``, not yet listening (connections are refused until ``start``), so a port
-    in use is reported at startup, before any rank loads its model. OSError naming the address otherwise.
-
-    ``reuse_port``: set ``SO_REUSEPORT`` so that the intake processes (``server.http_processes`` > 1) can bind
-    their own listening sockets on the same port (each with ``join=True``). The port is first bound once without
-    the option: SO_REUSEPORT would otherwise let a second server of the same user share a port in use, and
-    split its connections with the first in silence."""
+    in use is reported at startup, before any rank loads its model. OSError naming the address otherwise."""
     try:
         family, kind, proto = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][:3]
         # the protocol stated (IPPROTO_TCP, not 0): asyncio turns Nagle off (TCP_NODELAY) only on connections
@@ -139,20 +205,25 @@ def reserve_port(host: str, port: int, *, reuse_port: bool = False, join: bool =
         raise OSError(exc.errno, f"cannot bind HTTP server to {host}:{port}: {exc.strerror or exc}") from exc
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if reuse_port and not join:  # is it free? (the probe's port, when 0 asked for any, is the one kept)
-            sock.bind((host, port))
-            port = sock.getsockname()[1]
-            sock.close()
-            sock = socket.socket(family, kind, proto)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if reuse_port:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
         hint = " (port already in use)" if exc.errno == errno.EADDRINUSE else ""
         raise OSError(exc.errno, f"cannot bind HTTP server to {host}:{port}{hint}: {exc.strerror}") from exc
     return sock
+
+
+def _keep_protocol_factory(loop: asyncio.AbstractEventLoop, server: HttpServer) -> None:
+    """Keep the protocol factory uvicorn passes to ``loop.create_server`` on ``server``: passed connections get
+    the same protocols (and so uvicorn's connection tracking and graceful shutdown) through asyncio's public
+    ``connect_accepted_socket``, without reaching into uvicorn."""
+    create_server = loop.create_server
+
+    async def keeping(protocol_factory, *args, **kwargs):
+        server._protocol_factory = protocol_factory
+        return await create_server(protocol_factory, *args, **kwargs)
+
+    loop.create_server = keeping
 
 
 def _cancel_remaining(loop: asyncio.AbstractEventLoop) -> None:

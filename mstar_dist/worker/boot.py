@@ -331,7 +331,7 @@ def serve(args: argparse.Namespace) -> int:
     if dep.placement.is_conductor(rank):  # first thing: its imports overlap the distributed setup (§2)
         from mstar_dist.conductor.process import FrontendProcess
 
-        http_sock = reserve_port(config.server.host, config.server.port, reuse_port=config.server.http_processes > 1)
+        http_sock = reserve_port(config.server.host, config.server.port)
         frontend = FrontendProcess(getattr(args, "argv", sys.argv[1:]), host_name=info.host_name, addr=info.addr,
                                    http_sock=http_sock)
     stop = threading.Event()

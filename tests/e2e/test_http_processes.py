@@ -3,7 +3,7 @@ model family (tests/toy_model.py, 2 ranks; docs/architecture.md §2, "Intake pro
 
 A failure here means a request parsed by an intake other than the front end is lost, answered wrongly or left
 running after its client left, that ``/metrics`` counts only the intake that happened to answer the scrape,
-that connections are not spread over the intakes, or that an intake that dies leaves a server that looks healthy
+that connections are not spread evenly over the intakes, or that an intake that dies leaves a server that looks healthy
 but answers only some of its connections.
 """
 
@@ -99,8 +99,8 @@ def test_requests_on_many_connections_are_spread_over_the_intakes_and_all_answer
                 base64.b64decode(line["data"]).decode() for line in lines if line.get("modality") == "text")
             assert text == "".join(f"{i * 50 + k} " for k in range(1, 7)), (i, r.text)
         per_intake = [established_on(pid, toy.port) for pid in intake_pids(toy).values()]
-        assert sum(per_intake) == len(clients), per_intake
-        assert sum(1 for n in per_intake if n) >= 2, f"every connection went to one intake: {per_intake}"
+        # the front end passes each connection to the intake with the fewest: 12 open at once over 3 intakes
+        assert per_intake == [len(clients) // INTAKES] * INTAKES, per_intake
     finally:
         for c in clients:
             c.close()
