@@ -250,7 +250,18 @@ def analyse(events: list[dict], t0: float, t1: float) -> dict:
     complete = sum(1 for r in mine.values() if "http_first_chunk" in r)
     return {"requests": len(mine), "requests_with_first_chunk": complete, "segments_ms": segments,
             "totals_ms": totals, "prefill": prefill, "decode": decode, "waiting_behind_decode": waiting,
-            "gc_pauses": gc_pauses(events, t0, t1)}
+            "gc_pauses": gc_pauses(events, t0, t1), "requests_per_intake": requests_per_intake(events, t0, t1)}
+
+
+def requests_per_intake(events: list[dict], t0: float, t1: float) -> dict[str, int]:
+    """How many of the requests that arrived in [t0, t1] each HTTP process of the trace parsed (0 for one that had
+    none then): an intake takes its connections' requests one after another, so an uneven spread delays a burst's
+    last arrivals."""
+    out = {e["proc"]: 0 for e in events if e["phase"] == "http_arrived"}  # every HTTP process of the trace
+    for e in events:
+        if e["phase"] == "http_arrived" and t0 <= e["t"] <= t1:
+            out[e["proc"]] += 1
+    return dict(sorted(out.items()))
 
 
 def gc_pauses(events: list[dict], t0: float, t1: float) -> dict[str, dict]:
@@ -303,6 +314,9 @@ def table(runs: dict[str, dict]) -> str:
     lines.append(row("decode ms between prefill end and the first Emits",
                      [runs[k]["waiting_behind_decode"]["decode_ms_between_prefill_end_and_emits"] for k in keys]))
     lines.append(row("rows per prefill forward (count)", [runs[k]["prefill"]["rows_per_forward"] for k in keys]))
+    per_intake = [runs[k]["requests_per_intake"] for k in keys]
+    lines.append(f"{'requests per HTTP process (fewest / most)':58s}" + "".join(
+        f"{min(c.values()):>11d} /{max(c.values()):9d}" if c else f"{'-':>21s}" for c in per_intake))
     for kind in sorted({k for r in runs.values() for k in r["gc_pauses"]}):
         cells = [runs[k]["gc_pauses"].get(kind) for k in keys]
         lines.append(f"{'gc pauses of ' + kind + ' (count / longest ms)':58s}" + "".join(

@@ -52,6 +52,7 @@ def test_segments_batching_and_waits():
     assert wait["decode_ms_between_cond_dispatch_and_prefill"]["median"] == 6.5  # 7 and 6 ms of it in the window
     assert wait["decode_steps_between_prefill_end_and_emits"]["median"] == 1
     assert wait["decode_ms_between_prefill_end_and_emits"]["median"] == 8.0
+    assert report["requests_per_intake"] == {"frontend": 2}  # both parsed by the front end's HTTP thread
     assert report["gc_pauses"] == {  # which process stood still, how often and how long
         "frontend": {"collections": 2, "by_generation": {"1": 1, "2": 1}, "ms_total": 3.75, "ms_max": 3.5},
         "intake": {"collections": 1, "by_generation": {"0": 1}, "ms_total": 0.05, "ms_max": 0.05}}
@@ -60,3 +61,4 @@ def test_segments_batching_and_waits():
 def test_a_window_keeps_only_the_requests_that_arrived_in_it():
     report = analyse(_trace(), 0.5e-3, 1.0)
     assert report["requests"] == 1
+    assert report["requests_per_intake"] == {"frontend": 1}
