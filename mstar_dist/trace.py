@@ -14,7 +14,8 @@ Call sites guard every call with the module flag, so a process with the trace of
         trace.event("cond_admitted", wire_id, client=request_id)
 
 The garbage collector's pauses are events too (``gc``: generation, milliseconds, objects collected; stamped at the
-pause's start), since a collection stops every thread of the process it runs in. The list is bounded (``MAX_EVENTS``); past it events are counted, not kept. Appends are safe from any thread
+pause's start), since a collection stops every thread of the process it runs in. The list is bounded
+(``MAX_EVENTS``); past it events are counted, not kept. Appends are safe from any thread
 (``list.append`` under the GIL). The file is written by ``atexit`` and by :func:`flush` (call it on a way out
 that skips ``atexit``, such as ``os._exit``); writing again replaces the file with everything recorded so far.
 """

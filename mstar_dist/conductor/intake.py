@@ -14,8 +14,8 @@ two threads:
 
 Startup, as JSON lines with the front end (no pickle): it binds its channel and writes ``{"endpoint"}``; reads the
 handover (the launch's secret, the conductor's endpoint, what the app serves) on stdin; connects, waits for the
-conductor's first ``Health``, starts uvicorn on the connections passed to it and writes ``{"listening": port}``. It stops on SIGTERM (in-flight
-responses get up to 5 s to finish) or when its stdin closes (the front end is gone).
+conductor's first ``Health``, starts uvicorn on the connections passed to it and writes ``{"listening": port}``. It
+stops on SIGTERM (in-flight responses get up to 5 s to finish) or when its stdin closes (the front end is gone).
 """
 
 from __future__ import annotations

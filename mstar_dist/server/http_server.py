@@ -131,9 +131,11 @@ class HttpServer:
     # -- connections passed by the front end (server/handoff.py) ------------------------------------------------
     _handoff: socket.socket | None = None
     _protocol_factory = None
-    """uvicorn's factory of per-connection protocols, kept from its ``create_server`` call (``_keep_protocol_factory``)."""
+    """uvicorn's factory of per-connection protocols, kept from its ``create_server`` call
+    (``_keep_protocol_factory``)."""
 
     def _take_passed(self) -> None:
+        self._adopting: set[asyncio.Task] = set()
         self._handoff.setblocking(False)
         self._loop.add_reader(self._handoff.fileno(), self._on_passed)
 
@@ -148,8 +150,10 @@ class HttpServer:
             if not msg and not fds:  # the front end is gone: nothing more comes
                 self._loop.remove_reader(self._handoff.fileno())
                 return
-            for fd in fds:
-                self._loop.create_task(self._adopt(socket.socket(fileno=fd)))
+            for fd in fds:  # the loop holds only weak references to its tasks: keep each until it is done
+                task = self._loop.create_task(self._adopt(socket.socket(fileno=fd)))
+                self._adopting.add(task)
+                task.add_done_callback(self._adopting.discard)
 
     async def _adopt(self, conn: socket.socket) -> None:
         """Serve a passed connection as uvicorn serves one it accepted (TCP_NODELAY set by asyncio: the socket object
