@@ -33,14 +33,16 @@ class LlamaChat(CompositeModel):
     step before the host has read the previous one's tokens, docs/architecture.md §8; default true on CUDA outside
     TP groups, where it is always off, as it is for models whose rows affect each other, such as the MoE family),
     ``prefill_stream`` (with lookahead, a prefill that finds a decode step in flight runs beside it on a second,
-    higher-priority CUDA stream instead of behind it; default true)."""
+    higher-priority CUDA stream instead of behind it; default true), ``prefill_in_flight`` (the rank's loop goes on
+    while a prefill is on the GPU, and prompts that arrive meanwhile go as one batch the moment it ends; default true
+    on CUDA outside TP groups)."""
 
     name = "llama"
     tp_nodes = frozenset({LLM})
 
     def __init__(self, weights_dir: str | None, **model_kwargs: Any):
         allowed = {"dtype", "max_seq_len", "max_batch", "cuda_graphs", "prefill_token_budget", "prefill_graphs",
-                   "lookahead", "prefill_stream"}
+                   "lookahead", "prefill_stream", "prefill_in_flight"}
         if unknown := set(model_kwargs) - allowed:
             raise ValueError(f"model_kwargs: unknown keys {sorted(unknown)} (allowed: {', '.join(sorted(allowed))})")
         super().__init__(weights_dir, **model_kwargs)
@@ -108,10 +110,14 @@ class LlamaChat(CompositeModel):
             and (tp is None or tp.size == 1)
         # prefill graphs would capture the TP all-reduces of every (rows, length) bucket: not in TP groups (yet)
         prefill_graphs = graphs and bool(self.model_kwargs.get("prefill_graphs", True)) and (tp is None or tp.size == 1)
+        # a TP leader and its followers would see a prefill end in different turns and launch different batches
+        in_flight = device.startswith("cuda") and bool(self.model_kwargs.get("prefill_in_flight", True)) \
+            and (tp is None or tp.size == 1)
         return KVCacheEngine(LLM, model, cache, torch.device(device), cuda_graphs=graphs,
                              prefill_token_budget=self.prefill_token_budget, lookahead=lookahead,
                              prefill_graphs=prefill_graphs,
-                             prefill_stream=bool(self.model_kwargs.get("prefill_stream", True)))
+                             prefill_stream=bool(self.model_kwargs.get("prefill_stream", True)),
+                             prefill_in_flight=in_flight)
 
     def _load_model(self, device: str, dtype: torch.dtype, tp):
         """(model, config) of this rank's shard; the model has ``local_kv_heads`` and the KV-cache interface."""

@@ -2,7 +2,8 @@
 
 The worker hands a component every ready call for it at once, across requests, so an engine batches what it can
 (decode steps of many requests in one forward). ``run_batch`` returns one entry per call: a ``NodeResult``, an
-exception (that request fails, the others go on), or ``None`` (not now: e.g. no free KV slot; retried later).
+exception (that request fails, the others go on), or ``None`` (not now: e.g. no free KV slot, or its work is still on
+the GPU; retried later).
 """
 
 from __future__ import annotations
@@ -52,6 +53,11 @@ class Component(ABC):
     @abstractmethod
     def run_batch(self, calls: list[NodeCall]) -> list[NodeResult | BaseException | None]:
         """Run ready calls (from several requests); one entry per call, in order."""
+
+    def pending(self) -> bool:
+        """True while calls this component answered None will complete with no new input (a prefill still on the
+        GPU): the worker then polls instead of blocking on its socket, and hands the calls over again."""
+        return False
 
     def release(self, request_id: str) -> None:
         """Free everything this component keeps for ``request_id`` (KV slots). Idempotent."""

@@ -107,6 +107,8 @@ class _Launched:
     """The side stream it runs on, or None (the current stream)."""
     replayed: bool
     ids: list[str]
+    dropped: set[str] = field(default_factory=set)
+    """Requests released while the batch was on the GPU: their slots go back when it is finished."""
 
 
 class KVCacheEngine(Component):
@@ -115,7 +117,7 @@ class KVCacheEngine(Component):
     def __init__(self, name: str, model: torch.nn.Module, cache: StaticKVCache, device: torch.device,
                  cuda_graphs: bool = False, logit_bias: torch.Tensor | None = None,
                  prefill_token_budget: int = 4096, lookahead: bool | None = None, prefill_graphs: bool = False,
-                 prefill_stream: bool = True):
+                 prefill_stream: bool = True, prefill_in_flight: bool = False):
         """With ``cuda_graphs`` (CUDA only) decode steps replay captured graphs; the cache must hold one slot
         more than the batch: it is kept as the padding rows' scratch slot. ``logit_bias`` (V,) is added to every
         row's logits before sampling (``-inf`` forbids a token: e.g. a speech LLM restricted to audio codes).
@@ -126,7 +128,9 @@ class KVCacheEngine(Component):
         other's forward). Members of a TP group must not use it (their collectives would no longer pair up if one
         member dropped a row another used). ``prefill_stream`` (with lookahead): a prefill that finds a decode step
         in flight runs on a second, higher-priority CUDA stream beside it instead of queueing behind it (see
-        ``_prefill_stream``)."""
+        ``_prefill_stream``). ``prefill_in_flight`` returns from a turn while its prefills are on the
+        GPU and finishes them in a later turn (see ``run_batch``); TP members must not use it (a leader and its
+        followers would see a batch end in different turns and launch different batches)."""
         self.name = name
         self.logit_bias = None if logit_bias is None else logit_bias.to(device, torch.float32)
         self.model = model
@@ -158,6 +162,10 @@ class KVCacheEngine(Component):
         self._ahead: _Ahead | None = None
         self._side = torch.cuda.Stream(device, priority=-1) \
             if self.lookahead and prefill_stream and device.type == "cuda" else None
+        self.prefill_in_flight = bool(prefill_in_flight)
+        self._launched: list[_Launched] = []
+        """Prefill batches launched in earlier turns whose tokens the host has not taken yet (``prefill_in_flight``)."""
+        self._held: set[str] = set()
         self._seqs: dict[str, _Seq] = {}
         self.steps = 0
         self.decode_rows = 0
@@ -165,6 +173,7 @@ class KVCacheEngine(Component):
         self.prefill_batches = 0
         self.prefill_batches_replayed = 0
         self.prefill_batches_beside = 0
+        self.prefills_held = 0
         self.decode_seconds = 0.0
         self.ahead_rows_used = 0
         self.ahead_rows_dropped = 0
@@ -173,11 +182,24 @@ class KVCacheEngine(Component):
 
     @torch.inference_mode()
     def run_batch(self, calls: list[NodeCall]) -> list[NodeResult | BaseException | None]:
+        """One turn (see the module docstring). With ``prefill_in_flight`` a turn does not wait for the prefills it
+        launches: their calls are answered None while they are on the GPU and get their first tokens in the first
+        turn that finds them ended (the worker retries the same calls, and polls while ``pending``). A turn that finds
+        a prefill still on the GPU holds new prompts back (None) and launches them as one batch once it has ended,
+        right before taking its tokens, so the GPU goes from one prefill to the next without waiting for the host's
+        emits, and the prompts that arrived meanwhile share one forward instead of queueing one batch each."""
         results: list[NodeResult | BaseException | None] = [None] * len(calls)
+        at = {call: i for i, call in enumerate(calls)}
+        on_gpu = {call for batch in self._launched for call in batch.calls}
+        prefilling = {rid for batch in self._launched for rid in batch.ids}
         decode: list[int] = []
         prefill: list[tuple[int, torch.Tensor]] = []
         for i, call in enumerate(calls):
+            if call in on_gpu:
+                continue  # answered when its batch is finished
             try:
+                if call.request_id in prefilling:
+                    raise RuntimeError(f"request {call.request_id!r} already has a prefill on the GPU of {self.name!r}")
                 if "input_ids" in call.inputs:
                     prefill.append((i, self._prompt(call)))
                 elif self._ensure_seq(call):
@@ -187,43 +209,64 @@ class KVCacheEngine(Component):
                     decode.append(i)
             except Exception as exc:  # one request's failure must not take the batch down
                 results[i] = exc
+        ended = [batch for batch in self._launched if _ended(batch.ready)]
+        if prefill and len(ended) < len(self._launched):  # a prefill is still on the GPU: the new prompts wait for it
+            for i, _ in prefill:
+                self._hold(calls[i].request_id)
+            prefill = []
         groups = self._prefill_groups(prefill)
         launched = self._launch_prefills([[calls[i] for i, _ in g] for g in groups], [[p for _, p in g] for g in groups])
         # first tokens leave before this turn's decode step (the worker sends them as run_batch returns): a new
         # request's TTFT does not include the step; decode rows wait one turn, never two in a row, and when they do not
         # wait their step's host work runs while the prefills are on the GPU
-        waits = bool(decode and prefill and not self._decode_waited)
+        waits = bool(decode and (ended or (launched and not self.prefill_in_flight)) and not self._decode_waited)
         self._decode_waited = waits
         if decode and not waits:
             try:
                 # beside prefills, rows new to the lookahead join its next launch rather than run now: the turn, and
                 # so the first tokens, would otherwise wait for their forward, queued behind the prefills
-                for i, result in zip(decode, self._decode([calls[i] for i in decode], defer_fresh=bool(launched))):
+                defer = bool(launched or len(ended) < len(self._launched))
+                for i, result in zip(decode, self._decode([calls[i] for i in decode], defer_fresh=defer)):
                     results[i] = result
             except Exception as exc:  # a broken batch fails exactly its requests
                 for i in decode:
                     results[i] = exc
-        for group, done in zip(groups, launched):
-            try:
-                if isinstance(done, BaseException):
-                    raise done
-                for (i, _), result in zip(group, self._finish_prefill(done)):
-                    results[i] = result
-            except Exception as exc:  # a broken batch fails exactly its requests
+        for batch in ended:
+            self._launched.remove(batch)
+            self._answer(batch, at, results)
+        for group, batch in zip(groups, launched):
+            if isinstance(batch, BaseException):
                 for i, _ in group:
-                    results[i] = exc
+                    results[i] = batch
+            elif self.prefill_in_flight and not _ended(batch.ready):
+                self._launched.append(batch)
+            else:
+                self._answer(batch, at, results)
         return results
 
+    def pending(self) -> bool:
+        return any(len(batch.dropped) < len(batch.calls) for batch in self._launched)
+
     def release(self, request_id: str) -> None:
+        self._held.discard(request_id)
         seq = self._seqs.pop(request_id, None)
         if seq is not None:
             self.cache.free(seq.slot)
+        for batch in self._launched:
+            if request_id in batch.ids:  # on the GPU: its slot goes back when the batch is finished
+                batch.dropped.add(request_id)
+                if len(batch.dropped) == len(batch.calls):  # nobody waits for this batch any more
+                    self._launched.remove(batch)
+                    _wait_quietly(batch.ready)
+                    self._give_back(batch.slots, batch.stream)
+                break
 
     def stats(self) -> dict[str, int]:
         return {"kv_slots_used": len(self._seqs), "kv_slots_free": self.cache.num_free,
                 "prefills_total": self.prefills, "prefill_batches_total": self.prefill_batches,
                 "prefill_batches_replayed_total": self.prefill_batches_replayed,
                 "prefill_batches_beside_decode_total": self.prefill_batches_beside,
+                "prefills_held_total": self.prefills_held,
                 "decode_steps_total": self.steps,
                 "decode_rows_total": self.decode_rows, "decode_ms_total": int(self.decode_seconds * 1000),
                 "lookahead_rows_used_total": self.ahead_rows_used,
@@ -231,6 +274,9 @@ class KVCacheEngine(Component):
                 "decode_rows_joined_total": self.joined_rows}
 
     def close(self) -> None:
+        for batch in self._launched:  # nothing may still write into the cache or the graphs' pool
+            _wait_quietly(batch.ready)
+        self._launched.clear()
         if self.prefill_graphs is not None:
             self.prefill_graphs.close()
             self.prefill_graphs = None
@@ -302,6 +348,7 @@ class KVCacheEngine(Component):
             lengths = [p.numel() for p in group_prompts]
             longest = max(lengths)
             ids = [c.request_id for c in group]
+            self._held.difference_update(ids)
             if trace.ON:
                 trace.event("eng_prefill_start", rows=len(group), tokens=sum(lengths), padded=longest * len(group),
                             ids=ids, engine=self.name)
@@ -337,8 +384,12 @@ class KVCacheEngine(Component):
             raise
         self.prefills += len(launched.calls)
         self.prefill_batches += 1
-        results = []
+        results: list[NodeResult | None] = []
         for call, ctx, slot, n, token in zip(launched.calls, launched.ctxs, launched.slots, launched.lengths, tokens):
+            if call.request_id in launched.dropped:  # released while on the GPU: nobody takes its token
+                self.cache.free(slot)
+                results.append(None)
+                continue
             self._seqs[call.request_id] = _Seq(slot=slot, length=n)
             outputs = {"token": torch.tensor([token])}
             if "kv" in ctx.export:  # on the current stream, where a p2p send of it is ordered (its KV writes are done)
@@ -349,6 +400,22 @@ class KVCacheEngine(Component):
             trace.event("eng_prefill_end", rows=len(launched.calls), ids=launched.ids, engine=self.name,
                         replayed=launched.replayed, beside=launched.stream is not None)
         return results
+
+    def _answer(self, batch: _Launched, at: dict[NodeCall, int], results: list) -> None:
+        """Finish a launched prefill and put its results where its calls are in this turn's ``results``."""
+        try:
+            finished = self._finish_prefill(batch)
+        except Exception as exc:  # a broken batch fails exactly its requests
+            finished = [exc] * len(batch.calls)
+        for call, result in zip(batch.calls, finished):
+            i = at.get(call)
+            if i is not None:
+                results[i] = result
+
+    def _hold(self, request_id: str) -> None:
+        if request_id not in self._held:
+            self._held.add(request_id)
+            self.prefills_held += 1
 
     def _give_back(self, slots: list[int], stream: torch.cuda.Stream | None) -> None:
         if stream is not None:
@@ -588,3 +655,13 @@ class KVCacheEngine(Component):
 def _wait(event: object) -> None:
     if event is not None:
         event.synchronize()
+
+
+def _ended(event: object) -> bool:
+    """Whether the work before ``event`` is done (None: done already, on the CPU), without waiting."""
+    return event is None or event.query()
+
+
+def _wait_quietly(event: object) -> None:
+    with contextlib.suppress(Exception):  # a failed stream has nothing left to write
+        _wait(event)

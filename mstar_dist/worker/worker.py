@@ -12,8 +12,8 @@ groups), so NCCL ops of a rank are never issued from two threads. Each turn of t
    walk ends). A ``StreamEnd`` the conductor routes through this rank is forwarded after its items.
 A request that fails on this rank is reported in ``WalkDone.error``; the rank lives on. Walks are keyed by
 (request, walk): two partitions of one request may run on the same rank. The loop blocks on the control socket
-unless a call is runnable (1 ms slices while transfers are in flight; no blocking while an NCCL transfer is, since
-its end wakes nobody), after polling it without blocking for ``transport.spin_us`` (GPU ranks: a message that
+unless a call is runnable (1 ms slices while transfers are in flight; no blocking while an NCCL transfer is, or a
+component's work that answers a call later is on the GPU (``Component.pending``), since their end wakes nobody), after polling it without blocking for ``transport.spin_us`` (GPU ranks: a message that
 comes then is taken without a wake-up).
 """
 
@@ -184,6 +184,8 @@ class Worker:
             # Poll at once only when a node call can run; wait briefly while transfers are in flight.
             if self._collect() and not self._deferred_only:
                 timeout_ms = 0
+            elif self._pending_calls():
+                timeout_ms = 0  # a component's work is on the GPU (a prefill): its end wakes nobody either
             elif self._incoming or self._outgoing or self._waiting or self._chunks or self._in_flight() \
                     or self._follower.steps:
                 # an NCCL transfer's end wakes nobody: poll for it rather than sleep up to 1 ms past it
@@ -200,6 +202,9 @@ class Worker:
             self._step()
             self._maybe_send_stats()
             self._check_conductor()
+
+    def _pending_calls(self) -> bool:
+        return any(component.pending() for component in self.components.values())
 
     def _send(self, peer: str, body: m.Message) -> None:
         self.channel.send(peer, m.encode(self.token, self.name, body))

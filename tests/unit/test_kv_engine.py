@@ -374,3 +374,140 @@ def test_beside_prefills_new_decode_rows_join_a_launch_instead_of_holding_the_fi
     assert done is not None and eng.steps == 1 and eng.ahead_rows_used == 1
     reference = generate(engine(model), [call("a", {"input_ids": prompt(7, 1)})], steps=1)["a"]
     assert [int(first), int(done.outputs["token"])] == reference
+
+
+class GpuClock:
+    """Stands in for the CUDA events of the prefills an engine launches (CPU engine, ``prefill_in_flight``): each
+    launch's copy of its first tokens is "on the GPU" until the test ends it."""
+
+    def __init__(self, eng: KVCacheEngine) -> None:
+        self.events: list[SimpleNamespace] = []
+        plain = eng._copy_to_host
+
+        def copy_to_host(tokens: torch.Tensor):
+            host, _ = plain(tokens)
+            event = SimpleNamespace(ended=False)
+            event.query = lambda: event.ended
+            event.synchronize = lambda: setattr(event, "ended", True)
+            self.events.append(event)
+            return host, event
+
+        eng._copy_to_host = copy_to_host
+
+    def end(self, k: int) -> None:
+        self.events[k].ended = True
+
+
+def in_flight_engine(model: Llama, slots: int = 8) -> tuple[KVCacheEngine, GpuClock]:
+    cache = StaticKVCache(n_layers=CFG.n_layers, n_kv_heads=CFG.n_kv_heads, head_dim=CFG.head_dim, max_slots=slots,
+                          max_seq_len=64)
+    eng = KVCacheEngine("LLM", model, cache, torch.device("cpu"), prefill_in_flight=True)
+    return eng, GpuClock(eng)
+
+
+def test_prompts_that_arrive_while_a_prefill_is_on_the_gpu_go_as_one_batch_when_it_ends(model: Llama) -> None:
+    """With ``prefill_in_flight`` a turn returns while its prefill is on the GPU (its call answered None, the engine
+    pending); prompts that come meanwhile wait, and go as one forward in the turn that takes the first prefill's
+    tokens. Every request's tokens are those of an engine that waits for each prefill."""
+    eng, gpu = in_flight_engine(model)
+    a, b, c = (call(rid, {"input_ids": prompt(n, i)}) for i, (rid, n) in enumerate([("a", 7), ("b", 12), ("c", 3)]))
+    assert eng.run_batch([a]) == [None] and eng.pending()
+    assert eng.run_batch([a, b]) == [None, None]
+    assert eng.run_batch([a, b, c]) == [None, None, None]
+    assert len(gpu.events) == 1 and eng.stats()["prefills_held_total"] == 2  # b and c wait for a's prefill
+    gpu.end(0)
+    first = eng.run_batch([a, b, c])
+    assert first[0] is not None and first[1:] == [None, None]  # a's token; b and c launched, together
+    assert len(gpu.events) == 2 and eng.pending()
+    gpu.end(1)
+    rest = eng.run_batch([b, c])
+    assert None not in rest and not eng.pending() and eng.prefill_batches == 2
+    got = {"a": int(first[0].outputs["token"]), "b": int(rest[0].outputs["token"]),
+           "c": int(rest[1].outputs["token"])}
+    waiting = engine(model)  # each prefill waited for
+    want = {x.request_id: int(r.outputs["token"]) for x, r in zip((a, b, c), waiting.run_batch(
+        [call(rid, {"input_ids": prompt(n, i)}) for i, (rid, n) in enumerate([("a", 7), ("b", 12), ("c", 3)])]))}
+    assert got == want
+    # decoding goes on from the slots those prefills filled
+    step = [call(rid, {"token": torch.tensor([tok])}) for rid, tok in got.items()]
+    ref = [call(rid, {"token": torch.tensor([tok])}) for rid, tok in got.items()]
+    assert [int(r.outputs["token"]) for r in eng.run_batch(step)] == \
+        [int(r.outputs["token"]) for r in waiting.run_batch(ref)]
+
+
+def test_a_second_call_for_a_request_whose_prefill_is_on_the_gpu_fails_alone(model: Llama) -> None:
+    eng, gpu = in_flight_engine(model)
+    a = call("a", {"input_ids": prompt(7, 1)})
+    assert eng.run_batch([a]) == [None]
+    gpu.end(0)
+    again = eng.run_batch([call("a", {"input_ids": prompt(7, 1)}), a])  # two slots for one request would leak one
+    assert isinstance(again[0], RuntimeError) and "prefill on the GPU" in str(again[0]) and again[1] is not None
+    assert eng.cache.num_free == 7
+
+
+def test_decode_steps_run_while_a_prefill_is_on_the_gpu_and_wait_one_turn_for_its_first_tokens(model: Llama) -> None:
+    eng, gpu = in_flight_engine(model)
+    a = call("a", {"input_ids": prompt(7, 1)})
+    eng.run_batch([a])
+    gpu.end(0)
+    tok_a = eng.run_batch([a])[0].outputs["token"]
+    step_a = call("a", {"token": tok_a})
+    b = call("b", {"input_ids": prompt(5, 2)})
+    both = eng.run_batch([step_a, b])  # b launches and stays on the GPU: a's step is not held back for it
+    assert both[0] is not None and both[1] is None and eng.steps == 1
+    gpu.end(1)
+    step_a2 = call("a", {"token": both[0].outputs["token"]})
+    again = eng.run_batch([step_a2, b])  # b's first token goes out; a's step waits this one turn
+    assert again[0] is None and again[1] is not None and eng.steps == 1
+    assert eng.run_batch([step_a2])[0] is not None and eng.steps == 2
+
+
+def test_a_request_released_while_its_prefill_is_on_the_gpu_gives_its_slot_back(model: Llama) -> None:
+    eng, gpu = in_flight_engine(model, slots=4)
+    a, b = call("a", {"input_ids": prompt(7, 1)}), call("b", {"input_ids": prompt(9, 2)})
+    eng.run_batch([a, b])
+    assert eng.cache.num_free == 2
+    eng.release("a")  # its client left: b still waits for the batch, a's slot comes back when it has ended
+    assert eng.cache.num_free == 2 and eng.pending()
+    gpu.end(0)
+    assert eng.run_batch([b])[0] is not None
+    assert eng.cache.num_free == 3 and "a" not in eng._seqs and not eng.pending()
+    c = call("c", {"input_ids": prompt(5, 3)})
+    eng.run_batch([c])
+    eng.release("c")  # nobody is left waiting for that batch: it is given back at once
+    assert not eng.pending() and eng.cache.num_free == 3 and gpu.events[1].ended
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_a_turn_returns_while_its_prefill_replays_and_the_next_prompts_share_one_batch(model: Llama) -> None:
+    gpu = Llama(CFG).to("cuda").eval().requires_grad_(False)
+    gpu.load_state_dict(model.state_dict())
+    gpu.init_rope_tables()
+
+    def make(in_flight: bool) -> KVCacheEngine:
+        cache = StaticKVCache(CFG.n_layers, CFG.n_kv_heads, CFG.head_dim, max_slots=9, max_seq_len=64, device="cuda")
+        eng = KVCacheEngine("LLM", gpu, cache, torch.device("cuda"), cuda_graphs=True, lookahead=True,
+                            prefill_graphs=True, prefill_in_flight=in_flight)
+        eng.warmup()
+        return eng
+
+    lengths = [7, 12, 3, 20]
+
+    def calls() -> list[NodeCall]:
+        return [call(f"r{i}", {"input_ids": prompt(n, i)}) for i, n in enumerate(lengths)]
+
+    waited = make(False)
+    want = {c.request_id: int(r.outputs["token"]) for c, r in zip(calls(), waited.run_batch(calls()))}
+    eng = make(True)
+    first, *rest = calls()
+    torch.cuda._sleep(200_000_000)  # the GPU is busy: r0's prefill queues behind this
+    assert eng.run_batch([first]) == [None] and eng.pending()
+    got: dict[str, int] = {}
+    waiting = [first, *rest]
+    while waiting:  # the worker's loop: the same calls, handed over again until answered
+        results = eng.run_batch(waiting)
+        got.update({c.request_id: int(r.outputs["token"]) for c, r in zip(waiting, results) if r is not None})
+        waiting = [c for c, r in zip(waiting, results) if r is None]
+    assert got == want
+    assert eng.prefill_batches == 2 and eng.stats()["prefills_held_total"] == 3  # r1..r3 waited, then went together
+    assert not eng.pending()

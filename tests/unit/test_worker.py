@@ -410,3 +410,38 @@ def test_an_inline_input_the_component_moves_itself_arrives_on_the_host_and_othe
         deliver(worker, channel, run_walk("a", 5, walk="keep"))
         turn(worker, 2)
         assert comp.devices == [expected]
+
+
+class OnTheGpu(Counter):
+    """Counter whose calls are answered None for their first three turns, with ``pending`` true: the work is on the
+    GPU and will end with no message coming (a prefill the KV engine left in flight)."""
+
+    def __init__(self):
+        super().__init__()
+        self.turns = 0
+
+    def run_batch(self, calls):
+        self.turns += 1
+        return [None] * len(calls) if self.turns <= 3 else super().run_batch(calls)
+
+    def pending(self):
+        return 0 < self.turns <= 3
+
+
+def test_the_loop_polls_instead_of_sleeping_while_a_component_has_work_on_the_gpu():
+    worker, channel, *_ = make_worker()
+    worker.components["C"] = comp = OnTheGpu()
+    waits: list[tuple[int, bool]] = []  # (recv timeout, the component pending then)
+
+    def recv(timeout_ms=0, spin_s=0.0):
+        waits.append((timeout_ms, comp.pending()))
+        out, channel.inbox = channel.inbox, []
+        return out
+
+    channel.recv = recv
+    deliver(worker, channel, run_walk("k", 5, walk="keep"))
+    worker._serve(should_stop=lambda: "k" in dones(channel) or len(waits) > 50)
+    assert "k" in dones(channel) and not dones(channel)["k"].error
+    assert comp.turns == 4
+    # each turn with the work on the GPU polled (timeout 0) rather than slept on the socket (20 ms when idle)
+    assert [t for t, busy in waits if busy] == [0, 0, 0]
