@@ -354,16 +354,20 @@ class KVCacheEngine(Component):
                             ids=ids, engine=self.name)
             try:
                 with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-                    on_device = [to_device(p, self.device) for p in group_prompts]  # no stream sync
                     bucket = None if self.prefill_graphs is None else self.prefill_graphs.bucket_for(len(group), longest)
-                    if bucket is not None:
-                        logits = self.prefill_graphs.logits(on_device, group_slots, bucket)
+                    if bucket is not None:  # host prompts go to the graph's inputs in one copy
+                        logits = self.prefill_graphs.logits(group_prompts, group_slots, bucket)
                     else:
+                        on_device = [to_device(p, self.device) for p in group_prompts]  # no stream sync
                         logits = self._prefill_eager(on_device, group_slots, lengths)
+                    if trace.ON:
+                        trace.event("eng_prefill_replayed", rows=len(group), engine=self.name)
                     ctxs: list[WalkContext] = [c.ctx for c in group]
                     tokens = sample(self._biased(logits[:, -1]), [x.sampling for x in ctxs],
                                     [x.generator("cpu") for x in ctxs])
                     host, ready = self._copy_to_host(tokens)
+                    if trace.ON:
+                        trace.event("eng_prefill_launched", rows=len(group), engine=self.name)
             except Exception as exc:  # a broken batch fails exactly its requests
                 self._give_back(group_slots, side)
                 out.append(exc)

@@ -304,7 +304,8 @@ def test_with_prefill_graphs_every_batch_fits_a_bucket_and_an_overlong_prompt_ru
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_prefills_replayed_from_cuda_graphs_give_the_tokens_of_eager_prefills(model: Llama) -> None:
+@pytest.mark.parametrize("where", ["host", "cuda"])  # inline prompts stay on the host; another rank's are on the GPU
+def test_prefills_replayed_from_cuda_graphs_give_the_tokens_of_eager_prefills(model: Llama, where: str) -> None:
     gpu = Llama(CFG).to("cuda").eval().requires_grad_(False)
     gpu.load_state_dict(model.state_dict())
     gpu.init_rope_tables()
@@ -317,7 +318,7 @@ def test_prefills_replayed_from_cuda_graphs_give_the_tokens_of_eager_prefills(mo
         return eng
 
     def calls():  # ragged: bucket (8, 32) for the five together, each alone its own
-        return [call(f"r{i}", {"input_ids": prompt(n, i).cuda()}) for i, n in enumerate([5, 17, 9, 1, 30])]
+        return [call(f"r{i}", {"input_ids": prompt(n, i).to(where)}) for i, n in enumerate([5, 17, 9, 1, 30])]
 
     eager = generate(make(False), calls(), steps=6)
     replayed = make(True)
