@@ -115,15 +115,15 @@ for step in "$@"; do
                --max-tokens 256 --no-hf --no-eager-bare --streams ${STREAMS:-1 32} \
                --config /tmp/smollm2_single_intakes.yaml:1 --config /tmp/smollm2_single_intakes_onestream.yaml:1 \
                --out "$out/serving_h200_prefill_stream$tag.json" 2>&1 | tail -45 ;;
-    inflightab) # the single rank with ${INTAKES:-4} intakes, prefills left in flight while the rank's loop goes on (the
-             # default) against each turn waiting for its prefills (prefill_in_flight: false), side by side,
+    inflightab) # the single rank with ${INTAKES:-4} intakes, prefills left in flight while the rank's loop goes on
+             # (model_kwargs.prefill_in_flight) against each turn waiting for its prefills (the default), side by side,
              # ${ROUNDS:-3} rounds at ${STREAMS:-1 32 64}
              intakes_config "${INTAKES:-4}"
-             { cat /tmp/smollm2_single_intakes.yaml; echo "model_kwargs: {prefill_in_flight: false}"; } \
-               > /tmp/smollm2_single_intakes_waiting.yaml
+             { cat /tmp/smollm2_single_intakes.yaml; echo "model_kwargs: {prefill_in_flight: true}"; } \
+               > /tmp/smollm2_single_intakes_in_flight.yaml
              timeout 420 python3 scripts/bench_serving.py --device cuda --model llama --rounds "${ROUNDS:-3}" \
                --max-tokens 256 --no-hf --no-eager-bare --streams ${STREAMS:-1 32 64} \
-               --config /tmp/smollm2_single_intakes.yaml:1 --config /tmp/smollm2_single_intakes_waiting.yaml:1 \
+               --config /tmp/smollm2_single_intakes_in_flight.yaml:1 --config /tmp/smollm2_single_intakes.yaml:1 \
                --out "$out/serving_h200_prefill_in_flight$tag.json" 2>&1 | grep -A8 '"median_tok_s"\|"ttft_median_s"' ;;
     clientab) # the single rank with ${INTAKES:-4} intakes measured by bench_serving's asyncio client against its
              # thread-per-stream client (the one of earlier sessions), alternating, ${PAIRS:-2} pairs at ${STREAMS:-1 32};

@@ -33,7 +33,9 @@ answered ``None`` (retried next turn), so the first tokens reach the worker, and
 a decode step; decode rows never wait two turns in a row. TP followers replay the same turns and decide alike. In a
 turn that runs both, the prefills are launched first and the decode step's host work runs while they are on the GPU.
 With lookahead on CUDA, prefills that find a decode step in flight run beside it on a second, higher-priority stream
-(``prefill_stream``; ``_prefill_stream`` says why that is safe), in slots that step does not write.
+(``prefill_stream``; ``_prefill_stream`` says why that is safe), in slots that step does not write. With
+``prefill_in_flight`` (docs/architecture.md §8) a turn returns while its prefills are on the GPU and a later turn
+finishes them (``run_batch``).
 """
 
 from __future__ import annotations
