@@ -38,6 +38,22 @@ def engine(model: Llama, slots: int = 8, budget: int = 4096, lookahead: bool = F
     return KVCacheEngine("LLM", model, cache, torch.device("cpu"), prefill_token_budget=budget, lookahead=lookahead)
 
 
+def on_cuda(model: Llama) -> Llama:
+    """A copy of the test model on the GPU."""
+    gpu = Llama(CFG).to("cuda").eval().requires_grad_(False)
+    gpu.load_state_dict(model.state_dict())
+    gpu.init_rope_tables()
+    return gpu
+
+
+def cuda_engine(gpu: Llama, slots: int = 9, **kwargs) -> KVCacheEngine:
+    """A warmed-up engine with decode graphs on ``gpu`` (one of the ``slots`` is the graphs' scratch slot)."""
+    cache = StaticKVCache(CFG.n_layers, CFG.n_kv_heads, CFG.head_dim, max_slots=slots, max_seq_len=64, device="cuda")
+    eng = KVCacheEngine("LLM", gpu, cache, torch.device("cuda"), cuda_graphs=True, **kwargs)
+    eng.warmup()
+    return eng
+
+
 def call(request_id: str, inputs: dict, *, seed: int = 0, temperature: float = 0.0,
          export: frozenset[str] = frozenset()) -> NodeCall:
     ctx = WalkContext(request_id=request_id, walk="w", walk_index=0, seed=seed,
@@ -204,15 +220,10 @@ def test_lookahead_gives_the_tokens_of_steps_run_one_at_a_time(model: Llama) -> 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_lookahead_with_cuda_graphs_gives_the_tokens_of_steps_run_one_at_a_time(model: Llama) -> None:
-    gpu = Llama(CFG).to("cuda").eval().requires_grad_(False)
-    gpu.load_state_dict(model.state_dict())
-    gpu.init_rope_tables()
+    gpu = on_cuda(model)
 
     def make(lookahead: bool) -> KVCacheEngine:
-        cache = StaticKVCache(CFG.n_layers, CFG.n_kv_heads, CFG.head_dim, max_slots=9, max_seq_len=64, device="cuda")
-        eng = KVCacheEngine("LLM", gpu, cache, torch.device("cuda"), cuda_graphs=True, lookahead=lookahead)
-        eng.warmup()
-        return eng
+        return cuda_engine(gpu, lookahead=lookahead)
 
     plain = run_schedule(make(False), steps=14, sampled=False)
     eng = make(True)
@@ -228,17 +239,11 @@ def test_a_prefill_runs_beside_the_decode_step_in_flight_unless_it_takes_a_slot_
     token reaches the host before that step ends; its tokens, and the decoding requests', are those of an engine that
     runs everything on one stream. A prefill given the slot of a request whose dropped row the step still writes
     waits behind it."""
-    gpu = Llama(CFG).to("cuda").eval().requires_grad_(False)
-    gpu.load_state_dict(model.state_dict())
-    gpu.init_rope_tables()
+    gpu = on_cuda(model)
 
     def make(prefill_stream: bool) -> KVCacheEngine:
         # 4 slots: the graphs' scratch, r0, r1 and r2; r3 can only have the one r0 lets go
-        cache = StaticKVCache(CFG.n_layers, CFG.n_kv_heads, CFG.head_dim, max_slots=4, max_seq_len=64, device="cuda")
-        eng = KVCacheEngine("LLM", gpu, cache, torch.device("cuda"), cuda_graphs=True, lookahead=True,
-                            prefill_graphs=True, prefill_stream=prefill_stream)
-        eng.warmup()
-        return eng
+        return cuda_engine(gpu, slots=4, lookahead=True, prefill_graphs=True, prefill_stream=prefill_stream)
 
     def run(eng: KVCacheEngine, hold_gpu: bool) -> tuple[dict[str, list[int]], list[bool]]:
         out: dict[str, list[int]] = {}
@@ -306,16 +311,10 @@ def test_with_prefill_graphs_every_batch_fits_a_bucket_and_an_overlong_prompt_ru
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("where", ["host", "cuda"])  # inline prompts stay on the host; another rank's are on the GPU
 def test_prefills_replayed_from_cuda_graphs_give_the_tokens_of_eager_prefills(model: Llama, where: str) -> None:
-    gpu = Llama(CFG).to("cuda").eval().requires_grad_(False)
-    gpu.load_state_dict(model.state_dict())
-    gpu.init_rope_tables()
+    gpu = on_cuda(model)
 
     def make(prefill_graphs: bool, budget: int = 4096) -> KVCacheEngine:
-        cache = StaticKVCache(CFG.n_layers, CFG.n_kv_heads, CFG.head_dim, max_slots=9, max_seq_len=64, device="cuda")
-        eng = KVCacheEngine("LLM", gpu, cache, torch.device("cuda"), cuda_graphs=True, lookahead=False,
-                            prefill_token_budget=budget, prefill_graphs=prefill_graphs)
-        eng.warmup()
-        return eng
+        return cuda_engine(gpu, lookahead=False, prefill_token_budget=budget, prefill_graphs=prefill_graphs)
 
     def calls():  # ragged: bucket (8, 32) for the five together, each alone its own
         return [call(f"r{i}", {"input_ids": prompt(n, i).to(where)}) for i, n in enumerate([5, 17, 9, 1, 30])]
@@ -481,16 +480,10 @@ def test_a_request_released_while_its_prefill_is_on_the_gpu_gives_its_slot_back(
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_cuda_a_turn_returns_while_its_prefill_replays_and_the_next_prompts_share_one_batch(model: Llama) -> None:
-    gpu = Llama(CFG).to("cuda").eval().requires_grad_(False)
-    gpu.load_state_dict(model.state_dict())
-    gpu.init_rope_tables()
+    gpu = on_cuda(model)
 
     def make(in_flight: bool) -> KVCacheEngine:
-        cache = StaticKVCache(CFG.n_layers, CFG.n_kv_heads, CFG.head_dim, max_slots=9, max_seq_len=64, device="cuda")
-        eng = KVCacheEngine("LLM", gpu, cache, torch.device("cuda"), cuda_graphs=True, lookahead=True,
-                            prefill_graphs=True, prefill_in_flight=in_flight)
-        eng.warmup()
-        return eng
+        return cuda_engine(gpu, lookahead=True, prefill_graphs=True, prefill_in_flight=in_flight)
 
     lengths = [7, 12, 3, 20]
 
