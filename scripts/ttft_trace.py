@@ -72,6 +72,12 @@ TRACE_ENV = "MSTAR_DIST_TRACE_DIR"  # mstar_dist.trace.ENV (not imported: this p
 PATH = ["http_arrived", "http_prepared", "http_submitted", "cond_received", "cond_preprocessed", "cond_admitted",
         "cond_dispatch", "rank_runwalk", "eng_prefill_start", "eng_prefill_end", "rank_emits_sent",
         "cond_first_emit", "cond_first_delta", "http_first_event", "http_first_chunk"]
+WAVE_PHASES = ["http_arrived", "http_submitted", "cond_received", "cond_dispatch", "rank_runwalk", "eng_prefill_start",
+               "rank_emits_sent", "http_first_chunk"]
+"""Where ``waves`` measures how far apart a burst's requests are: a burst that reaches the intakes over several ms
+cannot get its first tokens together however the rank batches it."""
+WAVE_GAP_S = 0.03
+"""Arrivals further apart than this start a new wave (a 32-stream phase's waves are ~0.5 s apart)."""
 TOTALS = [("http_arrived", "http_first_chunk"), ("cond_admitted", "cond_first_emit"),
           ("cond_dispatch", "eng_prefill_start"), ("http_arrived", "cond_dispatch"),
           ("eng_prefill_end", "http_first_chunk"),
@@ -250,7 +256,34 @@ def analyse(events: list[dict], t0: float, t1: float) -> dict:
     complete = sum(1 for r in mine.values() if "http_first_chunk" in r)
     return {"requests": len(mine), "requests_with_first_chunk": complete, "segments_ms": segments,
             "totals_ms": totals, "prefill": prefill, "decode": decode, "waiting_behind_decode": waiting,
-            "gc_pauses": gc_pauses(events, t0, t1), "requests_per_intake": requests_per_intake(events, t0, t1)}
+            "gc_pauses": gc_pauses(events, t0, t1), "requests_per_intake": requests_per_intake(events, t0, t1),
+            "waves": waves(mine, arrived)}
+
+
+def waves(mine: dict[str, dict], arrived) -> dict:
+    """The requests cut into waves (arrivals ``WAVE_GAP_S`` apart start a new one; waves of one request left out) and,
+    per phase of ``WAVE_PHASES``, the time from a wave's first request reaching it to its last (ms, over waves): how
+    the closed-loop benchmark's bursts spread on their way to the GPU and back."""
+    order = sorted((arrived(r), r) for r in mine.values())
+    cut: list[list[dict]] = []
+    last = None
+    for t, r in order:
+        if last is None or t - last > WAVE_GAP_S:
+            cut.append([])
+        cut[-1].append(r)
+        last = t
+    cut = [w for w in cut if len(w) > 1]
+    spread = {}
+    for phase in WAVE_PHASES:
+        widths = []
+        for wave in cut:
+            ts = [r[phase] for r in wave if phase in r]
+            if len(ts) > 1:
+                widths.append(max(ts) - min(ts))
+        spread[phase] = summary(widths)
+    prefills = [len({tuple(r["_prefill"]["ids"]) for r in wave if "_prefill" in r}) for wave in cut]
+    return {"waves": len(cut), "requests_per_wave": summary([len(w) for w in cut], scale=1, digits=1),
+            "prefill_forwards_per_wave": summary(prefills, scale=1, digits=1), "spread_ms": spread}
 
 
 def requests_per_intake(events: list[dict], t0: float, t1: float) -> dict[str, int]:
@@ -314,6 +347,9 @@ def table(runs: dict[str, dict]) -> str:
     lines.append(row("decode ms between prefill end and the first Emits",
                      [runs[k]["waiting_behind_decode"]["decode_ms_between_prefill_end_and_emits"] for k in keys]))
     lines.append(row("rows per prefill forward (count)", [runs[k]["prefill"]["rows_per_forward"] for k in keys]))
+    lines.append(row("prefill forwards per wave (count)", [runs[k]["waves"]["prefill_forwards_per_wave"] for k in keys]))
+    for phase in WAVE_PHASES:
+        lines.append(row(f"a wave's spread at {phase}", [runs[k]["waves"]["spread_ms"][phase] for k in keys]))
     per_intake = [runs[k]["requests_per_intake"] for k in keys]
     lines.append(f"{'requests per HTTP process (fewest / most)':58s}" + "".join(
         f"{min(c.values()):>11d} /{max(c.values()):9d}" if c else f"{'-':>21s}" for c in per_intake))

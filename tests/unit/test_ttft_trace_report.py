@@ -62,3 +62,21 @@ def test_a_window_keeps_only_the_requests_that_arrived_in_it():
     report = analyse(_trace(), 0.5e-3, 1.0)
     assert report["requests"] == 1
     assert report["requests_per_intake"] == {"frontend": 1}
+
+
+def test_waves_measure_how_far_apart_a_bursts_requests_travel():
+    """Two waves 100 ms apart: c1 and c2 (1 ms apart, one prefill forward), then c3 and c4 (2 ms apart)."""
+    ms = 1e-3
+    events = _trace()
+    for client, wire, t0 in (("c3", "c3#3", 100 * ms), ("c4", "c4#4", 102 * ms)):
+        events += [_e(t0, "http_arrived", client), _e(t0 + 1 * ms, "cond_received", client),
+                   _e(t0 + 2 * ms, "cond_admitted", wire, client=client),
+                   _e(t0 + 3 * ms, "cond_dispatch", wire, walk="prefill", rank=0)]
+    events += [_e(105 * ms, "eng_prefill_start", proc="rank0", rows=1, tokens=20, ids=["c3#3"]),
+               _e(108 * ms, "eng_prefill_start", proc="rank0", rows=1, tokens=20, ids=["c4#4"])]
+    report = analyse(sorted(events, key=lambda e: e["t"]), -1.0, 1.0)["waves"]
+    assert report["waves"] == 2 and report["requests_per_wave"]["median"] == 2
+    assert report["spread_ms"]["http_arrived"]["median"] == 1.5  # 1 and 2 ms
+    assert report["spread_ms"]["eng_prefill_start"]["median"] == 1.5  # 0 (one forward) and 3 ms
+    assert report["prefill_forwards_per_wave"]["median"] == 1.5  # 1 and 2
+    assert report["spread_ms"]["http_first_chunk"]["n"] == 1  # only the first wave got its first chunks
