@@ -347,7 +347,8 @@ def table(runs: dict[str, dict]) -> str:
     lines.append(row("decode ms between prefill end and the first Emits",
                      [runs[k]["waiting_behind_decode"]["decode_ms_between_prefill_end_and_emits"] for k in keys]))
     lines.append(row("rows per prefill forward (count)", [runs[k]["prefill"]["rows_per_forward"] for k in keys]))
-    lines.append(row("prefill forwards per wave (count)", [runs[k]["waves"]["prefill_forwards_per_wave"] for k in keys]))
+    lines.append(row("prefill forwards per wave (count)",
+                     [runs[k]["waves"]["prefill_forwards_per_wave"] for k in keys]))
     for phase in WAVE_PHASES:
         lines.append(row(f"a wave's spread at {phase}", [runs[k]["waves"]["spread_ms"][phase] for k in keys]))
     per_intake = [runs[k]["requests_per_intake"] for k in keys]

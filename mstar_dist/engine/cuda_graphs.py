@@ -18,7 +18,8 @@ engine's prefill token budget. Static inputs: ids (R, L), slots (R,), each row's
 row's last token (R, 1, V). Prompts are right-padded to the bucket's length (pad positions are written into the
 row's slot past its prompt, where decode overwrites them before reading), padding rows prefill token 0 into the
 scratch slot. The three inputs are views of one device buffer, so prompts that are on the host reach it in one copy
-from one pinned buffer (a copy per prompt cost ~60-100 us of host time each in serving: 1-2.4 ms to launch 15 rows). Built on ``StaticKVCache.bind_prefill_graph`` (attention over the new tokens, causal, from position 0).
+from one pinned buffer (with a copy per prompt, launching 12-18 prompts took 1.0-2.4 ms of host time in serving).
+Built on ``StaticKVCache.bind_prefill_graph`` (attention over the new tokens, causal, from position 0).
 A batch no bucket holds runs eagerly.
 """
 

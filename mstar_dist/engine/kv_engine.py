@@ -217,7 +217,8 @@ class KVCacheEngine(Component):
                 self._hold(calls[i].request_id)
             prefill = []
         groups = self._prefill_groups(prefill)
-        launched = self._launch_prefills([[calls[i] for i, _ in g] for g in groups], [[p for _, p in g] for g in groups])
+        launched = self._launch_prefills([[calls[i] for i, _ in g] for g in groups],
+                                         [[p for _, p in g] for g in groups])
         # first tokens leave before this turn's decode step (the worker sends them as run_batch returns): a new
         # request's TTFT does not include the step; decode rows wait one turn, never two in a row, and when they do not
         # wait their step's host work runs while the prefills are on the GPU

@@ -13,8 +13,9 @@ groups), so NCCL ops of a rank are never issued from two threads. Each turn of t
 A request that fails on this rank is reported in ``WalkDone.error``; the rank lives on. Walks are keyed by
 (request, walk): two partitions of one request may run on the same rank. The loop blocks on the control socket
 unless a call is runnable (1 ms slices while transfers are in flight; no blocking while an NCCL transfer is, or a
-component's work that answers a call later is on the GPU (``Component.pending``), since their end wakes nobody), after polling it without blocking for ``transport.spin_us`` (GPU ranks: a message that
-comes then is taken without a wake-up).
+component's work that answers a call later is on the GPU (``Component.pending``), since their end wakes nobody),
+after polling it without blocking for ``transport.spin_us`` (GPU ranks: a message that comes then is taken without a
+wake-up).
 """
 
 from __future__ import annotations
