@@ -525,3 +525,24 @@ def test_streamed_text_events_are_the_bytes_the_response_models_give(text):
         lines = asyncio.run(body(request_id))
         assert lines[0] == _line(_delta_line(TextDelta(text=text, n_tokens=3), request_id))
         assert json.loads(lines[-1])["metadata"]["finish_reason"] == "stop"
+
+
+def test_streamed_chat_events_built_from_templates_are_the_bytes_pydantic_writes():
+    """The role, content and finish events of a streamed chat completion come from per-model templates with the
+    response's id and time filled in; a client must get exactly what the models would write, whatever the id holds
+    (a client's X-Request-Id can carry quotes, backslashes, line separators)."""
+    from mstar_dist.server.app import _ChatReply, _chunk_template, _json
+    from mstar_dist.server.protocol import ChunkChoice, ChunkDelta
+
+    reply = _ChatReply('chatcmpl-a"b\\c\u2028d', 1764629000, "fake/model")
+    for usage in (False, True):
+        role = reply._chunk([ChunkChoice(delta=ChunkDelta(role="assistant", content=""))], None, usage)
+        assert reply._fill(_chunk_template(reply.model, usage, "role")) == role
+        for reason in ("stop", "length"):
+            finish = reply._chunk([ChunkChoice(delta=ChunkDelta(), finish_reason=reason)], None, usage)
+            assert reply._fill(_chunk_template(reply.model, usage, "finish", reason)) == finish
+        head, tail = reply._content_framing(usage)
+        assert head + _json("h\u00e9\n") + tail == reply._chunk(
+            [ChunkChoice(delta=ChunkDelta(content="h\u00e9\n"))], None, usage)
+    other = _ChatReply("chatcmpl-x", 5, "fake/model")
+    assert b'"id":"chatcmpl-x"' in other._fill(_chunk_template(other.model, False, "role"))  # no id carried over
