@@ -429,6 +429,8 @@ async def _drive(app, path: str, body: dict, *, disconnect_after, spec_version: 
     gone.set()
     try:
         await asyncio.wait_for(task, 5)
+    except TimeoutError:  # (an OSError too) the response would end only by this cancellation, not the disconnect
+        raise AssertionError("the response did not end within 5 s of the client going away") from None
     except OSError:
         pass  # spec 2.4: the app may re-raise the failed send as ClientDisconnect
     return sent
@@ -546,3 +548,39 @@ def test_streamed_chat_events_built_from_templates_are_the_bytes_pydantic_writes
             [ChunkChoice(delta=ChunkDelta(content="h\u00e9\n"))], None, usage)
     other = _ChatReply("chatcmpl-x", 5, "fake/model")
     assert b'"id":"chatcmpl-x"' in other._fill(_chunk_template(other.model, False, "role"))  # no id carried over
+
+
+def test_a_stream_cancelled_by_the_server_stays_cancelled_and_aborts_the_backend():
+    """A streamed response on an ASGI 2.3 server (uvicorn) whose task the server cancels (it is stopping) while the
+    client is still there: the cancellation is not taken for the client going away and swallowed, and the backend
+    request is aborted all the same."""
+    fake = FakeBackend(hang_at=2)
+    app = build_app(fake)
+
+    async def main():
+        body_sent = False
+
+        async def receive():
+            nonlocal body_sent
+            if not body_sent:
+                body_sent = True
+                return {"type": "http.request", "body": json.dumps({"messages": MSGS, "stream": True}).encode(),
+                        "more_body": False}
+            await asyncio.Event().wait()  # the client never leaves
+
+        async def send(message):
+            pass
+
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+                 "method": "POST", "scheme": "http", "path": CHAT, "raw_path": CHAT.encode(), "query_string": b"",
+                 "root_path": "", "headers": [(b"content-type", b"application/json")],
+                 "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8000)}
+        task = asyncio.create_task(app(scope, receive, send))
+        while not fake.hanging.is_set():
+            await asyncio.sleep(0.005)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, 5)
+
+    asyncio.run(main())
+    assert fake.aborted.is_set() and fake.n_closed == 1
