@@ -174,6 +174,8 @@ class Conductor:
         self._incarnation = 0
         self._queue: collections.deque[_Queued] = collections.deque()
         self._rng = random.Random(0)
+        self._fixed_choice: tuple[int, dict | None] | None = None
+        """(dead ranks counted, the choice) of ``_choose_ranks`` when every node has one replica."""
         self.intakes = IntakeHub(self, intakes)
 
     # ---- thread side ----
@@ -424,7 +426,10 @@ class Conductor:
         "Placement"), as the replica's ranks (TP group; the first leads). None when some node has no live replica."""
         from mstar_dist.topology.placement import choose_replica
 
-        chosen: dict[tuple[str, str], tuple[int, ...]] = {}
+        fixed = self._fixed_choice
+        if fixed is not None and fixed[0] == len(self.dead_ranks):  # ranks are only ever added to dead_ranks
+            return fixed[1]
+        chosen: dict[tuple[str, str], tuple[int, ...]] | None = {}
         for walk, node in self._walk_nodes:
             replica = choose_replica(
                 self.placement.replicas(walk, node),
@@ -435,8 +440,13 @@ class Conductor:
                 rng=self._rng,
             )
             if replica is None:
-                return None
+                chosen = None
+                break
             chosen[(walk, node)] = replica.ranks
+        if all(len(self.placement.replicas(walk, node)) == 1 for walk, node in self._walk_nodes):
+            # one replica per node: every request gets the same answer until a rank dies (and no random tie-break
+            # is drawn); requests only read it
+            self._fixed_choice = (len(self.dead_ranks), chosen)
         return chosen
 
     # ---- walks ----

@@ -182,6 +182,22 @@ def test_silent_rank_is_declared_dead_its_requests_fail_and_new_ones_avoid_it():
     assert submit(c, params("none-left"))[0].status == 503
 
 
+def test_with_one_replica_per_node_a_rank_that_dies_after_earlier_requests_still_fails_new_ones():
+    """Every node has one replica: the conductor keeps the one choice it makes, and must drop it when a rank dies."""
+    cfg = parse_config({"model": "tests.toy_model:ToyModel", "node_groups": [
+        {"node_names": ["ADD"], "ranks": [0], "graph_walks": ["start"]},
+        {"node_names": ["COUNT"], "ranks": [1], "graph_walks": ["count"]}]}, "test")
+    placement = Placement.build(cfg, {"start": frozenset({"ADD"}), "count": frozenset({"COUNT"})}, 2)
+    c = Conductor(model=ToyModel(None), placement=placement, channel=FakeChannel(), token=TOKEN, world_size=2,
+                  max_concurrent=10, request_timeout_s=60.0, rank_hosts={0: "h", 1: "h"})
+    for rid in ("a", "b"):
+        submit(c, params(rid))
+        assert c._active[rid].walk_ranks("count") == [1]
+    c._declare_dead(1, "gone", "died")
+    refused = submit(c, params("c"))
+    assert refused[0].status == 503 and "rank 1 (gone)" in str(refused[0])
+
+
 def test_log_stats_reports_throughput_load_and_the_leak_canary(caplog):
     c, _ = make()
     c.metrics.rank_stats = {1: m.Stats(rank=1, live_tensors=3, live_bytes=12, edge_bytes_sent=0,
