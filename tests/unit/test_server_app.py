@@ -393,6 +393,14 @@ def test_failure_mid_stream_ends_with_an_error_line(client, fake):
 # -------------------------------------------------------------------------------------- disconnects
 
 
+def _post_scope(path: str, spec_version: str) -> dict:
+    """The ASGI scope of a JSON POST to ``path`` from a server speaking ``spec_version``."""
+    return {"type": "http", "asgi": {"version": "3.0", "spec_version": spec_version}, "http_version": "1.1",
+            "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+            "root_path": "", "headers": [(b"content-type", b"application/json")],
+            "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8000)}
+
+
 async def _drive(app, path: str, body: dict, *, disconnect_after, spec_version: str = "2.3", send_fails=False):
     """Runs one request through the ASGI app; the client disconnects once ``disconnect_after(sent)`` is true
     (spec 2.3: ``receive`` returns http.disconnect; ``send_fails``: spec 2.4, ``send`` raises OSError)."""
@@ -415,11 +423,7 @@ async def _drive(app, path: str, body: dict, *, disconnect_after, spec_version: 
         if disconnect_after(sent):
             gone.set()
 
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": spec_version}, "http_version": "1.1",
-             "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
-             "root_path": "", "headers": [(b"content-type", b"application/json")],
-             "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8000)}
-    task = asyncio.create_task(app(scope, receive, send))
+    task = asyncio.create_task(app(_post_scope(path, spec_version), receive, send))
     for _ in range(500):
         if gone.is_set() or disconnect_after(sent):
             break
@@ -571,11 +575,7 @@ def test_a_stream_cancelled_by_the_server_stays_cancelled_and_aborts_the_backend
         async def send(message):
             pass
 
-        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-                 "method": "POST", "scheme": "http", "path": CHAT, "raw_path": CHAT.encode(), "query_string": b"",
-                 "root_path": "", "headers": [(b"content-type", b"application/json")],
-                 "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8000)}
-        task = asyncio.create_task(app(scope, receive, send))
+        task = asyncio.create_task(app(_post_scope(CHAT, "2.3"), receive, send))
         while not fake.hanging.is_set():
             await asyncio.sleep(0.005)
         task.cancel()
