@@ -327,6 +327,10 @@ class Conductor:
         if isinstance(body, m.Emits):
             for emit in body.items:
                 self._guarded(self._on_emit, emit)
+            if body.done:
+                self.intakes.flush()  # the step's first tokens leave before its walks' next ones are dispatched
+                for done in body.done:
+                    self._guarded(self._on_walk_done, done)
         elif isinstance(body, m.Emit):
             self._on_emit(body)
         elif isinstance(body, m.WalkDone):

@@ -331,12 +331,6 @@ class Emit(msgspec.Struct, tag=True):
     values: list[InlineTensor]
 
 
-class Emits(msgspec.Struct, tag=True):
-    """Every ``Emit`` of one worker step, for all of the rank's requests: one message per step, not per token."""
-
-    items: list[Emit]
-
-
 class WalkDone(msgspec.Struct, tag=True):
     """The receiving rank finished its part of a walk; ``outputs`` are the walk's outputs it produced."""
 
@@ -348,6 +342,15 @@ class WalkDone(msgspec.Struct, tag=True):
     finish_reason: str | None = None
     status: int = 500
     """HTTP status for ``error``: 503 when the rank could not serve it for lack of a peer (a TP member died)."""
+
+
+class Emits(msgspec.Struct, tag=True):
+    """Every ``Emit`` of one worker step, for all of the rank's requests, and the walks that ended in it: one message
+    per step, not per token or per walk (a prefill batch of 26 requests sent 26 ``WalkDone``s, and the conductor read
+    them all before it took the first tokens: 0.75 ms on an H200 host). The conductor handles ``items`` first."""
+
+    items: list[Emit]
+    done: list[WalkDone] = []
 
 
 class Ready(msgspec.Struct, tag=True):

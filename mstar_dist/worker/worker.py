@@ -118,6 +118,8 @@ class Worker:
         self._incoming_req: dict[str, str] = {}  # uuid -> request id
         self._outgoing: list[_Outgoing] = []
         self._emits: dict[str, list[tuple[str, torch.Tensor]]] = collections.defaultdict(list)
+        self._done_out: list[m.WalkDone] = []  # walks ended this turn: reported with its emits (``_flush_emits``)
+        self._ended: set[str] = set()  # requests whose last walk here ended this turn: their emits go, then the list
         self._removed: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._early_stops: dict[str, list[str]] = collections.defaultdict(list)
         self._stream_edges = {e.signal: e for e in streaming_edges}
@@ -208,6 +210,8 @@ class Worker:
         return any(component.pending() for component in self.components.values())
 
     def _send(self, peer: str, body: m.Message) -> None:
+        if peer == CONDUCTOR and self._done_out:
+            self._flush_emits()  # FIFO: the walks that ended before this message are reported before it
         self.channel.send(peer, m.encode(self.token, self.name, body))
         self.transport.flush()  # p2p sends wait for their descriptor to be out (docs/architecture.md §7)
 
@@ -610,6 +614,7 @@ class Worker:
             run.stop_loop(loop)
         if run.done:
             self._finish(run)
+            self._flush_emits()
 
     def _resolve(self, value: m.Value, received: torch.Tensor | None, on_host: bool = False) -> torch.Tensor:
         if isinstance(value, m.TensorRef):
@@ -681,13 +686,16 @@ class Worker:
                 if run.done:
                     finished.append(run)
         self._deferred_only = not progressed
-        self._flush_emits()
         for run in finished:
             self._finish(run)
+        self._flush_emits()
 
     def _flush_emits(self) -> None:
-        """Send this step's emitted values of every request to the conductor as one ``Emits`` message."""
+        """Send this step's emitted values of every request, and the walks that ended in it, to the conductor as one
+        ``Emits`` message (after the step's streamed values have left for their consumers' ranks: a walk's end makes
+        the conductor end its streams)."""
         out: list[m.Emit] = []
+        failed: list[tuple[str, str]] = []  # failed once the message is out (a failure is reported after it)
         for request_id, items in list(self._emits.items()):
             if not items:
                 continue
@@ -697,22 +705,29 @@ class Worker:
                     by_signal[signal].append(encode_tensor(value.detach().to("cpu")))
             except Exception as exc:  # a component emitted something that is not a tensor
                 items.clear()
-                self._fail_request(request_id, f"emitted value: {type(exc).__name__}: {exc}")
+                failed.append((request_id, f"emitted value: {type(exc).__name__}: {exc}"))
                 continue
             out.extend(m.Emit(request_id=request_id, walk="", signal=signal, values=values)
                        for signal, values in by_signal.items())
             items.clear()
-        if out:
-            if trace.ON:  # stamped as it is handed to the socket (after, the conductor may be first on the clock)
-                trace.first("rank_emits_sent", [e.request_id for e in out], n=len(out))
-            self._send(CONDUCTOR, m.Emits(items=out))
+        for request_id in self._ended:
+            if not self._runs_of(request_id):
+                self._emits.pop(request_id, None)
+        self._ended.clear()
         for request_id, items in list(self._stream_out.items()):
             if items:
                 try:
                     self._flush_stream(request_id, items)
                 except Exception as exc:  # a streamed value that cannot travel fails its request
-                    self._fail_request(request_id, f"streamed value: {type(exc).__name__}: {exc}")
+                    failed.append((request_id, f"streamed value: {type(exc).__name__}: {exc}"))
                 items.clear()
+        done, self._done_out = self._done_out, []
+        if out or done:
+            if trace.ON and out:  # stamped as it is handed to the socket (after, the conductor may be first on the clock)
+                trace.first("rank_emits_sent", [e.request_id for e in out], n=len(out))
+            self._send(CONDUCTOR, m.Emits(items=out, done=done))
+        for request_id, error in failed:
+            self._fail_request(request_id, error)
 
     def _flush_stream(self, request_id: str, items: list[tuple[str, torch.Tensor]]) -> None:
         """Send a request's streamed values to their consumers' ranks: one message per signal, small values
@@ -731,10 +746,10 @@ class Worker:
             self._outgoing.extend(transfers)
 
     def _finish(self, run: WalkRun) -> None:
-        self._flush_emits()
+        """Report the walk's end with this turn's emits (its own come first in that message: ``_flush_emits``)."""
         del self._runs[(run.request_id, run.walk)]
         if not self._runs_of(run.request_id):
-            self._emits.pop(run.request_id, None)
+            self._ended.add(run.request_id)
         self._drop_streams(run.request_id, consumer=run)
         self._spans.pop((run.request_id, run.walk), None)
         self._arrivals.pop((run.request_id, run.walk), None)
@@ -758,11 +773,8 @@ class Worker:
                 )
             else:
                 outputs[signal] = encode_tensor(value.detach().to("cpu"))
-        self._send(
-            CONDUCTOR,
-            m.WalkDone(request_id=run.request_id, walk=run.walk, rank=self.global_rank, outputs=outputs,
-                       finish_reason=run.finish_reason),
-        )
+        self._done_out.append(m.WalkDone(request_id=run.request_id, walk=run.walk, rank=self.global_rank,
+                                         outputs=outputs, finish_reason=run.finish_reason))
 
     def _fail_run(self, run: WalkRun, exc: BaseException) -> None:
         status = 503 if isinstance(exc, TPPeerLost) else 500

@@ -5,6 +5,7 @@ leak into the text, queued requests are lost or reordered, or an aborted/timed-o
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from mstar_dist.conductor.conductor import Conductor, request_seed
@@ -256,18 +257,24 @@ def test_an_intakes_requests_come_back_in_one_outputs_message_per_turn_and_can_b
     assert [b for p, b in ch.sent if p == "intake0"][-1] == m.Health(serving=False, reason="rank 1 failed to load")
 
 
-def test_an_intakes_first_tokens_leave_before_the_next_walks_are_dispatched():
-    """A rank's first tokens (Emits) and its WalkDones come in one turn of the conductor: the tokens go to the intake
-    before the conductor dispatches the next walks, which for a batch of requests takes about a millisecond."""
+@pytest.mark.parametrize("together", [False, True], ids=["apart", "in_the_emits"])
+def test_an_intakes_first_tokens_leave_before_the_next_walks_are_dispatched(together: bool):
+    """A rank's first tokens (Emits) and its WalkDones come in one turn of the conductor, or in one message (a worker
+    step's Emits carries the walks that ended in it): the tokens go to the intake before the conductor dispatches the
+    next walks, which for a batch of requests takes about a millisecond."""
     c, ch = make()
     c.intakes = IntakeHub(c, ("intake0",))
     c.serving = True
     c._handle("intake0", m.encode(TOKEN, "intake0", m.Submit(params=params("r1", max_tokens=3), pinned_id=True)))
     (_, first), = walks_sent(ch, "start")
     ch.sent.clear()
-    emit(c, first.request_id, 4)
-    from_rank(c, m.WalkDone(request_id=first.request_id, walk="start", rank=0,
-                            outputs={"x": encode_tensor(torch.tensor([4]))}))
+    tokens = m.Emit(request_id=first.request_id, walk="", signal="x", values=[encode_tensor(torch.tensor([4]))])
+    done = m.WalkDone(request_id=first.request_id, walk="start", rank=0, outputs={"x": encode_tensor(torch.tensor([4]))})
+    if together:
+        from_rank(c, m.Emits(items=[tokens], done=[done]))
+    else:
+        from_rank(c, tokens)
+        from_rank(c, done)
     kinds = [type(b).__name__ for peer, b in ch.sent if peer == "intake0" or isinstance(b, m.RunWalk)]
     assert kinds[:2] == ["Outputs", "RunWalk"], kinds
     assert [i.text for i in ch.sent[0][1].items if isinstance(i, m.OutText)] == ["4 "]

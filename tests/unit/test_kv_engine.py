@@ -309,7 +309,7 @@ def test_with_prefill_graphs_every_batch_fits_a_bucket_and_an_overlong_prompt_ru
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("where", ["host", "cuda"])  # inline prompts stay on the host; another rank's are on the GPU
+@pytest.mark.parametrize("where", ["cpu", "cuda"])  # inline prompts stay on the host; another rank's are on the GPU
 def test_prefills_replayed_from_cuda_graphs_give_the_tokens_of_eager_prefills(model: Llama, where: str) -> None:
     gpu = on_cuda(model)
 
@@ -398,10 +398,10 @@ class GpuClock:
         self.events[k].ended = True
 
 
-def in_flight_engine(model: Llama, slots: int = 8) -> tuple[KVCacheEngine, GpuClock]:
+def in_flight_engine(model: Llama, slots: int = 8, lookahead: bool = False) -> tuple[KVCacheEngine, GpuClock]:
     cache = StaticKVCache(n_layers=CFG.n_layers, n_kv_heads=CFG.n_kv_heads, head_dim=CFG.head_dim, max_slots=slots,
                           max_seq_len=64)
-    eng = KVCacheEngine("LLM", model, cache, torch.device("cpu"), prefill_in_flight=True)
+    eng = KVCacheEngine("LLM", model, cache, torch.device("cpu"), prefill_in_flight=True, lookahead=lookahead)
     return eng, GpuClock(eng)
 
 
@@ -460,6 +460,34 @@ def test_decode_steps_run_while_a_prefill_is_on_the_gpu_and_wait_one_turn_for_it
     again = eng.run_batch([step_a2, b])  # b's first token goes out; a's step waits this one turn
     assert again[0] is None and again[1] is not None and eng.steps == 1
     assert eng.run_batch([step_a2])[0] is not None and eng.steps == 2
+
+
+def test_a_lookahead_step_queued_behind_a_prefill_in_flight_is_not_waited_for(model: Llama) -> None:
+    """The turn after a prefill's launch finds the lookahead step queued behind it: its rows are answered None and the
+    turn returns at once (waiting would hold the rank, and the prompts arriving meanwhile, until both end); the step's
+    tokens are taken once the prefill's have gone out, and they are an engine's that waits for everything."""
+    eng, gpu = in_flight_engine(model, lookahead=True)
+    a = call("a", {"input_ids": prompt(7, 1)})
+    eng.run_batch([a])
+    gpu.end(0)
+    tok_a = eng.run_batch([a])[0].outputs["token"]
+    step_a = call("a", {"token": tok_a})
+    b = call("b", {"input_ids": prompt(5, 2)})
+    assert eng.run_batch([step_a, b]) == [None, None]  # b on the GPU; a's step launched behind it (lookahead)
+    assert len(gpu.events) == 3
+    assert eng.run_batch([step_a, b]) == [None, None] and eng.pending()
+    assert not gpu.events[2].ended  # nobody waited for a's step
+    gpu.end(1)
+    out = eng.run_batch([step_a, b])  # b's first token; a's step waits this one turn
+    assert out[0] is None and out[1] is not None
+    gpu.end(2)
+    tok_a2 = eng.run_batch([step_a])[0].outputs["token"]
+    ref = engine(model)
+    ref_a = ref.run_batch([call("a", {"input_ids": prompt(7, 1)})])[0].outputs["token"]
+    assert int(ref_a) == int(tok_a)
+    assert int(ref.run_batch([call("a", {"token": ref_a})])[0].outputs["token"]) == int(tok_a2)
+    assert int(ref.run_batch([call("b", {"input_ids": prompt(5, 2)})])[0].outputs["token"]) == \
+        int(out[1].outputs["token"])
 
 
 def test_a_request_released_while_its_prefill_is_on_the_gpu_gives_its_slot_back(model: Llama) -> None:

@@ -127,8 +127,14 @@ def turn(worker, n=10):
         worker._step()
 
 
+def walk_dones(channel) -> list[m.WalkDone]:
+    """Every WalkDone sent, on its own (a failure) or in a step's Emits, in order."""
+    return [d for _, b in channel.sent
+            for d in ([b] if isinstance(b, m.WalkDone) else b.done if isinstance(b, m.Emits) else [])]
+
+
 def dones(channel):
-    return {b.request_id: b for _, b in channel.sent if isinstance(b, m.WalkDone)}
+    return {d.request_id: d for d in walk_dones(channel)}
 
 
 def test_failing_call_fails_only_its_request_and_batch_mates_complete():
@@ -145,6 +151,25 @@ def test_failing_call_fails_only_its_request_and_batch_mates_complete():
     assert emitted == [1, 2, 3]
     batches = [{e.request_id for e in b.items} for _, b in channel.sent if isinstance(b, m.Emits)]
     assert {"a", "b"} <= batches[0], batches  # one message per step carries every request's tokens
+
+
+def test_walks_that_end_in_one_step_are_reported_in_its_one_message_after_their_last_tokens():
+    """A batch of walks that end together costs the conductor one message: their last tokens, then their ends (it
+    read 26 separate WalkDones before it took the first tokens of a 26-row prefill)."""
+    worker, channel, *_ = make_worker()
+    for i in range(5):
+        deliver(worker, channel, run_walk(f"r{i}", 10 * i, iters=2))
+    turn(worker, 1)
+    turn(worker, 1)  # the second and last iteration of all five
+    last = channel.sent[-1][1]
+    assert [type(b).__name__ for _, b in channel.sent] == ["Emits", "Emits"]
+    assert [d.request_id for d in last.done] == [f"r{i}" for i in range(5)]
+    assert {e.request_id: int(decode_tensor(e.values[-1])) for e in last.items} == {f"r{i}": 10 * i + 2
+                                                                                    for i in range(5)}
+    assert all(int(decode_tensor(d.outputs["x"])) == 10 * i + 2 for i, d in enumerate(last.done))
+    assert not worker._emits  # nothing of the finished requests is kept
+    turn(worker, 3)
+    assert len(channel.sent) == 2  # and nothing more is sent for them
 
 
 def test_broken_batch_fails_exactly_its_requests_and_the_rank_lives():
@@ -262,7 +287,7 @@ def test_a_send_that_cannot_be_posted_kills_the_pair_on_both_sides_and_fails_the
     aborts = [(peer, b) for peer, b in channel.sent if isinstance(b, m.AbortPair)]
     assert aborts == [("rank2", m.AbortPair(src=1, dst=2, reason=aborts[0][1].reason))]
     assert transport.is_dead(2)
-    failed = [b for peer, b in channel.sent if isinstance(b, m.WalkDone) and b.error]
+    failed = [b for b in walk_dones(channel) if b.error]
     assert failed and failed[0].walk == "decode" and "cannot send 'kv' to rank 2" in failed[0].error
     deliver(worker, channel, m.Push(request_id="k", uuid=ref.uuid, dst=2))  # dead: no descriptor at all
     assert [b for _, b in channel.sent if isinstance(b, m.TensorDesc)] == []
@@ -343,7 +368,7 @@ def test_an_arena_that_stays_full_fails_the_request_naming_it():
     turn(worker)
     ref = dones(channel)["a"].outputs["kept"]
     deliver(worker, channel, m.Push(request_id="a", uuid=ref.uuid, dst=2, walk="decode", signal="kv"))
-    failed = [b for _, b in channel.sent if isinstance(b, m.WalkDone) and b.error]
+    failed = [b for b in walk_dones(channel) if b.error]
     assert "test-arena is full" in failed[0].error and "transport.backpressure_timeout_s" in failed[0].error
     assert not plane.is_dead(2)  # a full arena is not a broken peer
 
