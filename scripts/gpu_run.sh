@@ -4,7 +4,7 @@
 #                                        composite | speech | image | twohost | soak | fastloop |
 #                                        prefillab | engine | ttftab | treeab | intakeab |
 #                                        overlap | streamab | clientab | intaketrace | prefillbench |
-#                                        inflightab
+#                                        inflightab | firstuse
 # Needs, carried from the dev machine (bash scripts/gpu_prepare.sh makes both): .whl/ (wheels the GPU image lacks: fastapi, starlette, pydantic(-core),
 # annotated-types, typing-inspection, opentelemetry-api, uvicorn, pyzmq, msgspec, py-spy) and .ckpt/smol-shape (config + tokenizer of
 # SmolLM2-135M; a random same-shaped checkpoint is generated there); .whl/extra (httptools, uvloop) for the fastloop
@@ -143,12 +143,18 @@ for step in "$@"; do
                --streams 1 32 --config /tmp/smollm2_single_intakes.yaml:1 --out "$out/ttft_trace_h200_async_client$tag.json" \
                --events-out "$out/ttft_trace_h200_async_client$tag.events.jsonl" 2>&1 \
                | grep -v "^W1\|^  \|Traceback\|^torch\|File " | tail -45 ;;
-    intaketrace) # the phase trace of the single rank with ${INTAKES:-4} intakes at 1 and 32 streams, then (with
-             # ALSO8=1) tok/s and TTFT with 8 intakes, one round
+    intaketrace) # the phase trace of the single rank with ${INTAKES:-4} intakes at 1 and 32 streams (INFLIGHT=1:
+             # with model_kwargs.prefill_in_flight), then (with ALSO8=1) tok/s and TTFT with 8 intakes, one round
              intakes_config "${INTAKES:-4}"
+             trace_cfg=/tmp/smollm2_single_intakes.yaml trace_tag=""
+             if [ "${INFLIGHT:-0}" = 1 ]; then
+               { cat /tmp/smollm2_single_intakes.yaml; echo "model_kwargs: {prefill_in_flight: true}"; } \
+                 > /tmp/smollm2_single_intakes_in_flight.yaml
+               trace_cfg=/tmp/smollm2_single_intakes_in_flight.yaml trace_tag=_in_flight
+             fi
              timeout 150 python3 scripts/ttft_trace.py --device cuda --model llama --max-tokens 256 --streams 1 32 \
-               --config /tmp/smollm2_single_intakes.yaml:1 --out "$out/ttft_trace_h200_intakes${INTAKES:-4}$tag.json" \
-               --events-out "$out/ttft_trace_h200_intakes${INTAKES:-4}$tag.events.jsonl" 2>&1 \
+               --config "$trace_cfg:1" --out "$out/ttft_trace_h200_intakes${INTAKES:-4}$trace_tag$tag.json" \
+               --events-out "$out/ttft_trace_h200_intakes${INTAKES:-4}$trace_tag$tag.events.jsonl" 2>&1 \
                | grep -v "^W1\|^  \|Traceback\|^torch\|File " | tail -45
              if [ "${ALSO8:-0}" = 1 ]; then
                intakes_config 8
@@ -156,6 +162,8 @@ for step in "$@"; do
                  --no-hf --no-eager-bare --streams 1 32 --config /tmp/smollm2_single_intakes.yaml:1 \
                  --out "$out/serving_h200_intakes8_async$tag.json" 2>&1 | grep -A3 '"median_tok_s"\|"ttft_median_s"'
              fi ;;
+    firstuse) # a CUDA graph's first replay and pinned host memory's first use, against the next ones (host time)
+             timeout 60 python3 scripts/bench_first_use.py --out "$out/first_use_h200.json" 2>&1 | tail -30 ;;
     engine)  # the engine's CUDA tests: decode and prefill graphs, lookahead
              timeout 200 python3 -m pytest -q -p no:cacheprovider tests/unit/test_kv_engine.py \
                tests/unit/test_graph_decode.py 2>&1 | tail -4 ;;
