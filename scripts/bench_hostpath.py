@@ -72,6 +72,8 @@ class CountingChannel:
         body = m.decode(payload).body if b"WalkDone" in payload else None
         if isinstance(body, m.WalkDone):
             self.done.append(body)
+        elif isinstance(body, m.Emits):  # the walks that ended in a step ride in its Emits
+            self.done.extend(body.done)
 
 
 def make_worker(rows: int) -> tuple[Worker, CountingChannel, KVCacheEngine]:
@@ -96,8 +98,12 @@ def run(rows: int, steps: int, profile: bool = False) -> dict:
         deliver(worker, m.RunWalk(request_id=f"r{i}", walk="prefill", walk_index=0, seed=i,
                                   inputs={"input_ids": encode_tensor(torch.arange(2, 12))}, sampling=m.Sampling(
                                       temperature=0.0)))
-    while len(channel.done) < rows:
+    for _ in range(1000):
+        if len(channel.done) >= rows:
+            break
         worker._step()
+    else:
+        raise RuntimeError(f"{rows - len(channel.done)} of {rows} prefill walks did not report their end in 1000 steps")
     for done in channel.done:
         token = decode_tensor(done.outputs["token"])
         deliver(worker, m.RunWalk(request_id=done.request_id, walk="decode", walk_index=1, seed=0,
