@@ -232,7 +232,8 @@ def ours(base_url: str, streams: int, max_tokens: int, n_requests: int, client: 
     wall = end - start
     tokens = sum(r[2] for r in results)
     out = {"tok_s": tokens / wall, "ttft_median_s": statistics.median(r[0] for r in results),
-           "e2e_s": [round(r[1], 5) for r in results], "tokens": tokens, "seconds": wall}
+           "ttft_s": [round(r[0], 5) for r in results], "e2e_s": [round(r[1], 5) for r in results], "tokens": tokens,
+           "seconds": wall}
     if before is not None and server_ttft is not None and server_ttft[1] > before[1]:
         # the conductor's own view: from a request's arrival at the conductor to its first token leaving it
         out["server_ttft_mean_s"] = (server_ttft[0] - before[0]) / (server_ttft[1] - before[1])
@@ -346,6 +347,10 @@ def main() -> None:
     p.add_argument("--client", choices=sorted(CLIENTS), default="async",
                    help="async: every stream of a client process on one asyncio loop; threads: one httpx client "
                         "thread per stream (earlier sessions' client)")
+    p.add_argument("--requests-per-stream", type=int, default=2,
+                   help="requests per client stream at each concurrency (at least 4 in all): each stream sends its "
+                        "next request when the last one ends, so at 32 streams the first wave starts at once and the "
+                        "later ones as the earlier ones end; more of them measure the steady state more than the burst")
     p.add_argument("--no-eager-bare", action="store_true",
                    help="on CUDA, skip the eager bare loop (the yardstick there is the CUDA-graph one)")
     args = p.parse_args()
@@ -387,7 +392,8 @@ def main() -> None:
                 # kernel shapes, which would otherwise land in the 1-stream TTFT (its requests come first)
                 ours(server.base_url, 1, 8, len(PROMPTS), args.client)
                 for n in args.streams:
-                    rows[f"{name}_{n}"].append(ours(server.base_url, n, args.max_tokens, max(4, 2 * n), args.client))
+                    rows[f"{name}_{n}"].append(ours(server.base_url, n, args.max_tokens,
+                                                    max(4, args.requests_per_stream * n), args.client))
             finally:
                 server.stop()
         with torch.inference_mode():
@@ -458,6 +464,7 @@ def main() -> None:
         "weights": WEIGHTS,
         "max_tokens": args.max_tokens,
         "max_batch": max_batch,
+        "requests_per_stream": args.requests_per_stream,
         "client": args.client,
         "cold_start_to_health_s": cold,
         "median_tok_s": med,

@@ -83,7 +83,8 @@ for step in "$@"; do
              done ;;
     treeab)  # this tree against the one in .ab_base (carried; e.g. `git archive HEAD~1 mstar_dist models scripts tests
              # launch`), alternating, one round each, ${PAIRS:-2} pairs: tok/s and TTFT of the single rank at
-             # ${STREAMS:-1 32 64} streams; with TREE_INTAKES=N both serve through N HTTP intake processes
+             # ${STREAMS:-1 32 64} streams; with TREE_INTAKES=N both serve through N HTTP intake processes; with
+             # REQUESTS_PER_STREAM=K, K requests per client stream (both trees' bench_serving must take the flag)
              cfg=$PWD/launch/configs/smollm2_single.yaml
              if [ -n "${TREE_INTAKES:-}" ]; then
                cfg=/tmp/smollm2_single_intakes.yaml
@@ -94,6 +95,7 @@ for step in "$@"; do
                  name=$([ "$tree" = . ] && echo new || echo base)
                  (cd "$tree" && PYTHONPATH="/tmp/site:$PWD" timeout 150 python3 scripts/bench_serving.py --device cuda \
                    --model llama --rounds 1 --max-tokens 256 --no-hf --no-eager-bare --streams ${STREAMS:-1 32 64} \
+                   ${REQUESTS_PER_STREAM:+--requests-per-stream $REQUESTS_PER_STREAM} \
                    --config "$cfg:1" --out "$out/serving_h200_treeab${TREE_INTAKES:+_intakes}_${name}_$i.json" 2>&1 \
                    | grep -A4 '"median_tok_s"\|"ttft_median_s"')
                done

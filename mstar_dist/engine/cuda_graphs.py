@@ -130,9 +130,9 @@ class DecodeGraphs:
 
 def _replay_once(captured, device: torch.device) -> None:
     """Replay every graph once after capture (their inputs still hold the scratch slot's padding, so only that slot is
-    written): the first replay of a graph, and a launch's first use of pinned host memory of a size, cost ~1-1.5 ms
-    of host time on an H200 host (in serving, the first prefill of each bucket took 1.3-1.9 ms to launch against
-    0.2-0.3 for its next ones), which would otherwise land on the first requests to use each bucket."""
+    written): a graph's first replay costs the host 0.5-0.9 ms more than its next ones on an H200 host
+    (bench/results/first_use_h200.json; in serving the first prefill of each bucket took 1.3-1.9 ms to launch, the next
+    ones 0.2-0.3), which would otherwise land on the first requests to use each bucket."""
     for cap in captured:
         cap.graph.replay()
     torch.cuda.synchronize(device)
