@@ -445,14 +445,18 @@ def test_a_second_call_for_a_request_whose_prefill_is_on_the_gpu_fails_alone(mod
     assert eng.cache.num_free == 7
 
 
-def test_decode_steps_run_while_a_prefill_is_on_the_gpu_and_wait_one_turn_for_its_first_tokens(model: Llama) -> None:
-    eng, gpu = in_flight_engine(model)
+def decoding_a_and_prompt_b(eng: KVCacheEngine, gpu: GpuClock) -> tuple[NodeCall, NodeCall, torch.Tensor]:
+    """Request a prefilled (its first token out), its first decode call, and a new prompt b."""
     a = call("a", {"input_ids": prompt(7, 1)})
     eng.run_batch([a])
     gpu.end(0)
     tok_a = eng.run_batch([a])[0].outputs["token"]
-    step_a = call("a", {"token": tok_a})
-    b = call("b", {"input_ids": prompt(5, 2)})
+    return call("a", {"token": tok_a}), call("b", {"input_ids": prompt(5, 2)}), tok_a
+
+
+def test_decode_steps_run_while_a_prefill_is_on_the_gpu_and_wait_one_turn_for_its_first_tokens(model: Llama) -> None:
+    eng, gpu = in_flight_engine(model)
+    step_a, b, _ = decoding_a_and_prompt_b(eng, gpu)
     both = eng.run_batch([step_a, b])  # b launches and stays on the GPU: a's step is not held back for it
     assert both[0] is not None and both[1] is None and eng.steps == 1
     gpu.end(1)
@@ -467,12 +471,7 @@ def test_a_lookahead_step_queued_behind_a_prefill_in_flight_is_not_waited_for(mo
     turn returns at once (waiting would hold the rank, and the prompts arriving meanwhile, until both end); the step's
     tokens are taken once the prefill's have gone out, and they are an engine's that waits for everything."""
     eng, gpu = in_flight_engine(model, lookahead=True)
-    a = call("a", {"input_ids": prompt(7, 1)})
-    eng.run_batch([a])
-    gpu.end(0)
-    tok_a = eng.run_batch([a])[0].outputs["token"]
-    step_a = call("a", {"token": tok_a})
-    b = call("b", {"input_ids": prompt(5, 2)})
+    step_a, b, tok_a = decoding_a_and_prompt_b(eng, gpu)
     assert eng.run_batch([step_a, b]) == [None, None]  # b on the GPU; a's step launched behind it (lookahead)
     assert len(gpu.events) == 3
     assert eng.run_batch([step_a, b]) == [None, None] and eng.pending()
