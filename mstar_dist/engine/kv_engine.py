@@ -189,7 +189,9 @@ class KVCacheEngine(Component):
         turn that finds them ended (the worker retries the same calls, and polls while ``pending``). A turn that finds
         a prefill still on the GPU holds new prompts back (None) and launches them as one batch once it has ended,
         right before taking its tokens, so the GPU goes from one prefill to the next without waiting for the host's
-        emits, and the prompts that arrived meanwhile share one forward instead of queueing one batch each."""
+        emits, and the prompts that arrived meanwhile share one forward instead of queueing one batch each. Decode rows
+        whose lookahead step is queued behind a prefill still on the GPU are answered None too
+        (``_step_behind_prefill``)."""
         results: list[NodeResult | BaseException | None] = [None] * len(calls)
         at = {call: i for i, call in enumerate(calls)}
         on_gpu = {call for batch in self._launched for call in batch.calls}
