@@ -27,6 +27,10 @@ intakes_config() {  # /tmp/smollm2_single_intakes.yaml: the single rank with $1 
   sed "s/server: {host: 127.0.0.1, port: 8000}/server: {host: 127.0.0.1, port: 8000, http_processes: $1}/" \
     launch/configs/smollm2_single.yaml > /tmp/smollm2_single_intakes.yaml
 }
+in_flight_config() {  # /tmp/smollm2_single_intakes_in_flight.yaml: that one with model_kwargs.prefill_in_flight
+  { cat /tmp/smollm2_single_intakes.yaml; echo "model_kwargs: {prefill_in_flight: true}"; } \
+    > /tmp/smollm2_single_intakes_in_flight.yaml
+}
 tag=""  # appended to the result names of ttft, ttftrace and profile once the fastloop step has run
 for step in "$@"; do
   echo "== $step"
@@ -123,8 +127,7 @@ for step in "$@"; do
              # (model_kwargs.prefill_in_flight) against each turn waiting for its prefills (the default), side by side,
              # ${ROUNDS:-3} rounds at ${STREAMS:-1 32 64}
              intakes_config "${INTAKES:-4}"
-             { cat /tmp/smollm2_single_intakes.yaml; echo "model_kwargs: {prefill_in_flight: true}"; } \
-               > /tmp/smollm2_single_intakes_in_flight.yaml
+             in_flight_config
              timeout 420 python3 scripts/bench_serving.py --device cuda --model llama --rounds "${ROUNDS:-3}" \
                --max-tokens 256 --no-hf --no-eager-bare --streams ${STREAMS:-1 32 64} \
                --config /tmp/smollm2_single_intakes_in_flight.yaml:1 --config /tmp/smollm2_single_intakes.yaml:1 \
@@ -150,8 +153,7 @@ for step in "$@"; do
              intakes_config "${INTAKES:-4}"
              trace_cfg=/tmp/smollm2_single_intakes.yaml trace_tag=""
              if [ "${INFLIGHT:-0}" = 1 ]; then
-               { cat /tmp/smollm2_single_intakes.yaml; echo "model_kwargs: {prefill_in_flight: true}"; } \
-                 > /tmp/smollm2_single_intakes_in_flight.yaml
+               in_flight_config
                trace_cfg=/tmp/smollm2_single_intakes_in_flight.yaml trace_tag=_in_flight
              fi
              timeout 150 python3 scripts/ttft_trace.py --device cuda --model llama --max-tokens 256 --streams 1 32 \
