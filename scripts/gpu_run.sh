@@ -125,11 +125,12 @@ for step in "$@"; do
                --out "$out/serving_h200_prefill_stream$tag.json" 2>&1 | tail -45 ;;
     inflightab) # the single rank with ${INTAKES:-4} intakes, prefills left in flight while the rank's loop goes on
              # (model_kwargs.prefill_in_flight) against each turn waiting for its prefills (the default), side by side,
-             # ${ROUNDS:-3} rounds at ${STREAMS:-1 32 64}
+             # ${ROUNDS:-3} rounds at ${STREAMS:-1 32 64}; REQUESTS_PER_STREAM=K: K requests per client stream
              intakes_config "${INTAKES:-4}"
              in_flight_config
-             timeout 420 python3 scripts/bench_serving.py --device cuda --model llama --rounds "${ROUNDS:-3}" \
+             timeout 540 python3 scripts/bench_serving.py --device cuda --model llama --rounds "${ROUNDS:-3}" \
                --max-tokens 256 --no-hf --no-eager-bare --streams ${STREAMS:-1 32 64} \
+               ${REQUESTS_PER_STREAM:+--requests-per-stream $REQUESTS_PER_STREAM} \
                --config /tmp/smollm2_single_intakes_in_flight.yaml:1 --config /tmp/smollm2_single_intakes.yaml:1 \
                --out "$out/serving_h200_prefill_in_flight$tag.json" 2>&1 | grep -A8 '"median_tok_s"\|"ttft_median_s"' ;;
     clientab) # the single rank with ${INTAKES:-4} intakes measured by bench_serving's asyncio client against its
