@@ -1,6 +1,7 @@
-"""Host cost of one streamed chat completion through the HTTP app, without sockets or a model.
+"""Host cost of one streamed chat completion through the HTTP app, without a model.
 
     python scripts/bench_http_path.py [--tokens 1 16] [--requests 400] [--out FILE]
+    python scripts/bench_http_path.py --socket [--stacks h11/asyncio httptools/uvloop] [--rounds 3] [--out FILE]
 
 An intake process takes its connections' requests one after another, so what one request costs it (the app's
 middleware and routing, the body's validation, the response's events) decides how far apart a burst of requests
@@ -8,8 +9,14 @@ reaches the conductor (docs/architecture.md §2). This drives the real FastAPI a
 would, one request at a time on one event loop, over a backend that answers every request with ``--tokens`` text
 deltas at once (tests/fakes.py's FakeBackend), and reports the median time per request, wall and the thread's CPU
 time (a VM's stolen time does not count in the latter). Not included: the HTTP
-parser (uvicorn's h11), the chat template and tokenizer, the link to the conductor. Run it from another tree (for
+parser, the chat template and tokenizer, the link to the conductor. Run it from another tree (for
 example a `git archive` of an older commit) to compare.
+
+``--socket`` adds the server around the app: a child process serves it with ``HttpServer`` (uvicorn) on a loopback
+port, and one keep-alive client connection sends ``--requests`` streamed requests one after another; it reports the
+server process's CPU time per request (user + system, from /proc) and the client's wall time per request, for each
+HTTP parser / event loop in ``--stacks`` (a child blocks the import of whichever of httptools and uvloop its stack
+leaves out, so uvicorn falls back to h11 and ``HttpServer`` to asyncio's loop), alternated ``--rounds`` times.
 """
 
 from __future__ import annotations
@@ -18,7 +25,10 @@ import argparse
 import asyncio
 import gc
 import json
+import os
 import platform
+import socket
+import subprocess
 import statistics
 import sys
 import time
@@ -79,17 +89,97 @@ async def measure(tokens: int, requests: int) -> dict:
             "cpu_us_per_request_median": round(statistics.median(cpu) * 1e6, 1), "response_bytes": size}
 
 
+STACKS = {"h11/asyncio": ("httptools", "uvloop"), "httptools/asyncio": ("uvloop",), "h11/uvloop": ("httptools",),
+          "httptools/uvloop": ()}
+"""HTTP parser / event loop -> the modules a ``--socket`` server child must not import to run it."""
+
+
+def serve(stack: str) -> None:
+    """The ``--socket`` server child: the app over FakeBackend (two text deltas a request) on a free loopback port,
+    which it prints, until killed."""
+    for name in STACKS[stack]:
+        sys.modules[name] = None  # import fails: uvicorn parses with h11, HttpServer takes asyncio's loop
+    from mstar_dist.server.http_server import HttpServer
+
+    backend = FakeBackend(deltas=["hi", "there"])
+    backend.max_tokens_limit = 16
+    server = HttpServer(build_app(backend))
+    server.start("127.0.0.1", 0)
+    gc.collect()
+    gc.freeze()
+    print(server.port, flush=True)
+    time.sleep(3600)
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def measure_socket(stack: str, requests: int) -> dict:
+    child = subprocess.Popen([sys.executable, __file__, "--serve", stack], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(child.stdout.readline())
+        body = json.dumps(BODY).encode()
+        head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n").encode()
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as conn:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+            def one() -> None:
+                conn.sendall(head + body)
+                got = b""
+                while not got.endswith(b"\r\n0\r\n\r\n"):  # the chunked body's last chunk
+                    data = conn.recv(65536)
+                    if not data:
+                        raise RuntimeError(f"the server closed the connection: {got[-300:]!r}")
+                    got += data
+                if not got.startswith(b"HTTP/1.1 200"):
+                    raise RuntimeError(f"the server answered {got[:300]!r}")
+
+            for _ in range(300):  # the app's first requests build its validators and serialisers
+                one()
+            cpu0, t0 = _cpu_seconds(child.pid), time.perf_counter()
+            for _ in range(requests):
+                one()
+            wall, cpu = time.perf_counter() - t0, _cpu_seconds(child.pid) - cpu0
+    finally:
+        child.kill()
+        child.wait(10)
+    return {"stack": stack, "requests": requests, "server_cpu_us_per_request": round(cpu / requests * 1e6, 1),
+            "wall_us_per_request": round(wall / requests * 1e6, 1)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 16])
     p.add_argument("--requests", type=int, default=400)
     p.add_argument("--out", default=None)
+    p.add_argument("--socket", action="store_true", help="through a server child on a loopback socket")
+    p.add_argument("--stacks", nargs="+", choices=sorted(STACKS), default=["h11/asyncio", "httptools/uvloop"])
+    p.add_argument("--rounds", type=int, default=3, help="--socket: rounds, the stacks alternated in each")
+    p.add_argument("--serve", choices=sorted(STACKS), help=argparse.SUPPRESS)
     args = p.parse_args()
-    results = [asyncio.run(measure(n, args.requests)) for n in args.tokens]
-    for r in results:
-        print(f"{r['tokens']:3d} tokens: {r['us_per_request_median']:7.1f} us per request (p90 "
-              f"{r['us_per_request_p90']:.1f}; CPU {r['cpu_us_per_request_median']:.1f}), {r['response_bytes']} bytes",
-              flush=True)
+    if args.serve:
+        serve(args.serve)
+        return
+    if args.socket:
+        results = []
+        for _ in range(args.rounds):
+            for stack in args.stacks:
+                results.append(measure_socket(stack, args.requests))
+                print(f"{stack:18s} server CPU {results[-1]['server_cpu_us_per_request']:7.1f} us per request, "
+                      f"wall {results[-1]['wall_us_per_request']:7.1f}", flush=True)
+        medians = {stack: statistics.median(r["server_cpu_us_per_request"] for r in results if r["stack"] == stack)
+                   for stack in args.stacks}
+        print("median server CPU us per request: " + ", ".join(f"{k} {v:.1f}" for k, v in medians.items()))
+        results = {"runs": results, "server_cpu_us_per_request_median": medians}
+    else:
+        results = [asyncio.run(measure(n, args.requests)) for n in args.tokens]
+        for r in results:
+            print(f"{r['tokens']:3d} tokens: {r['us_per_request_median']:7.1f} us per request (p90 "
+                  f"{r['us_per_request_p90']:.1f}; CPU {r['cpu_us_per_request_median']:.1f}), {r['response_bytes']} "
+                  f"bytes", flush=True)
     out = {"command": " ".join([sys.executable, *sys.argv]), "tree": str(REPO),
            "machine": {"platform": platform.platform(), "python": platform.python_version()}, "results": results}
     if args.out:

@@ -12,18 +12,13 @@ venv="$(bash launch/install.sh | tail -n 1)"
 py="$venv/bin/python"
 mkdir -p .whl
 for pkg in fastapi starlette pydantic pydantic_core annotated-types typing-inspection opentelemetry-api uvicorn \
-           pyzmq msgspec; do
+           httptools uvloop pyzmq msgspec; do
   version="$("$py" -c "import importlib.metadata as m; print(m.version('$pkg'))")"
   "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_26_x86_64 \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any -d .whl "$pkg==$version"
 done
-# httptools and uvloop, kept apart in .whl/extra: only gpu_run.sh's fastloop step installs them (an A/B; neither is a
-# dependency)
-mkdir -p .whl/extra
-"$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-  -d .whl/extra httptools uvloop
+rm -rf .whl/extra  # httptools and uvloop, once apart for an A/B, are dependencies now
 # py-spy (scripts/profile_serving.py, gpu_run.sh profile): not in the venv, any recent release
 "$py" -m pip download -q --no-deps --only-binary=:all: --platform manylinux2014_x86_64 --python-version 3.12 \
   -d .whl py-spy

@@ -1,21 +1,22 @@
 #!/usr/bin/env bash
 # GPU runs on the device machine (torch + NCCL preinstalled, no network). Usage, from the repo root there:
 #   bash scripts/gpu_run.sh STEP...      STEP: tests | gpu | tpstop | serving | pd | pace | pace2 | ttft | ttftrace | profile | edges | split |
-#                                        composite | speech | image | twohost | soak | fastloop |
+#                                        composite | speech | image | twohost | soak | plainhttp | stackab |
 #                                        prefillab | engine | ttftab | treeab | intakeab |
 #                                        overlap | streamab | clientab | intaketrace | prefillbench |
 #                                        inflightab | firstuse
 # Needs, carried from the dev machine (bash scripts/gpu_prepare.sh makes both): .whl/ (wheels the GPU image lacks: fastapi, starlette, pydantic(-core),
-# annotated-types, typing-inspection, opentelemetry-api, uvicorn, pyzmq, msgspec, py-spy) and .ckpt/smol-shape (config + tokenizer of
-# SmolLM2-135M; a random same-shaped checkpoint is generated there); .whl/extra (httptools, uvloop) for the fastloop
-# step only. Results go to $OUT (or bench/results).
+# annotated-types, typing-inspection, opentelemetry-api, uvicorn, httptools, uvloop, pyzmq, msgspec, py-spy) and .ckpt/smol-shape (config +
+# tokenizer of SmolLM2-135M; a random same-shaped checkpoint is generated there). Results go to $OUT (or bench/results).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 out="${OUT:-bench/results}"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || exit 1
-# a warm machine keeps /tmp/site: drop what an earlier fastloop step added, so every command starts without it
-rm -rf /tmp/site/httptools* /tmp/site/uvloop*
+plain_site() {  # /tmp/site_plain: /tmp/site without httptools and uvloop (uvicorn then parses with h11, HttpServer
+  rm -rf /tmp/site_plain    # runs asyncio's loop: their fallback, and what served before the fourteenth session)
+  cp -a /tmp/site /tmp/site_plain && rm -rf /tmp/site_plain/httptools* /tmp/site_plain/uvloop*
+}
 export PYTHONPATH="/tmp/site:$PWD" MSTAR_TEST_WEIGHTS=/tmp/smol-rand PATH="/tmp/site/bin:$PATH"
 [ -f /tmp/smol-rand/model.safetensors ] || python3 scripts/make_random_checkpoint.py --like .ckpt/smol-shape \
   --out /tmp/smol-rand --dtype bfloat16 >/dev/null 2>&1 || exit 1
@@ -31,7 +32,7 @@ in_flight_config() {  # /tmp/smollm2_single_intakes_in_flight.yaml: that one wit
   { cat /tmp/smollm2_single_intakes.yaml; echo "model_kwargs: {prefill_in_flight: true}"; } \
     > /tmp/smollm2_single_intakes_in_flight.yaml
 }
-tag=""  # appended to the result names of ttft, ttftrace and profile once the fastloop step has run
+tag=""  # appended to the result names of ttft, ttftrace and profile once the plainhttp step has run
 for step in "$@"; do
   echo "== $step"
   case "$step" in
@@ -205,10 +206,26 @@ for step in "$@"; do
     soak)    # detached: starts a ${SOAK_SECONDS:-600} s soak unless one is in /tmp/soak, waits up to SOAK_WAIT s;
              # collect the rest at once in the next command: bash scripts/gpu_soak.sh collect 540
              bash scripts/gpu_soak.sh auto "${SOAK_SECONDS:-600}" "${SOAK_WAIT:-480}" 2>&1 | tail -60 ;;
-    fastloop) # installs .whl/extra (httptools, uvloop) for the steps after it, to compare with those before: uvicorn's
-             # http="auto" then parses with httptools; uvloop stays unused (HttpServer runs its own asyncio loop)
-             python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
-               .whl/extra/*.whl && tag="_fastloop" ;;
+    plainhttp) # the steps after it run without httptools and uvloop (h11, asyncio's loop), to compare with those before
+             plain_site && export PYTHONPATH="/tmp/site_plain:$PWD" && tag="_plainhttp" ;;
+    stackab) # the single rank with ${INTAKES:-4} intakes, HTTP on httptools + uvloop against h11 + asyncio's loop, alternating,
+             # ${PAIRS:-3} pairs at ${STREAMS:-1 32 64} streams (REQUESTS_PER_STREAM=K: K requests per client stream);
+             # first the HTTP path's server CPU per request over a loopback socket, the four stacks alternated
+             timeout 120 python3 scripts/bench_http_path.py --socket --requests 3000 --rounds 3 \
+               --stacks h11/asyncio httptools/asyncio h11/uvloop httptools/uvloop --out "$out/http_path_socket_h200.json" \
+               2>&1 | tail -1
+             plain_site
+             intakes_config "${INTAKES:-4}"
+             for i in $(seq "${PAIRS:-3}"); do
+               for stack in plain fast; do
+                 site=$([ "$stack" = plain ] && echo /tmp/site_plain || echo /tmp/site)
+                 PYTHONPATH="$site:$PWD" timeout 150 python3 scripts/bench_serving.py --device cuda --model llama \
+                   --rounds 1 --max-tokens 256 --no-hf --no-eager-bare --streams ${STREAMS:-1 32 64} \
+                   ${REQUESTS_PER_STREAM:+--requests-per-stream $REQUESTS_PER_STREAM} \
+                   --config /tmp/smollm2_single_intakes.yaml:1 --out "$out/serving_h200_stack_${stack}_$i.json" 2>&1 \
+                   | grep -A4 '"median_tok_s"\|"ttft_median_s"'
+               done
+             done ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done

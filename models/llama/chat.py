@@ -35,8 +35,7 @@ class LlamaChat(CompositeModel):
     ``prefill_stream`` (with lookahead, a prefill that finds a decode step in flight runs beside it on a second,
     higher-priority CUDA stream instead of behind it; default true), ``prefill_in_flight`` (CUDA, outside TP groups:
     the rank's loop goes on while a prefill is on the GPU, and prompts that arrive meanwhile go as one batch the moment
-    it ends; default false: on one H200 it changed no TTFT at 1 or 32 streams and cost 0.8-4.4 ms at 64,
-    docs/architecture.md §8)."""
+    it ends; default true: on one H200 it lowered TTFT at 32 and 64 streams in every round, docs/architecture.md §8)."""
 
     name = "llama"
     tp_nodes = frozenset({LLM})
@@ -112,7 +111,7 @@ class LlamaChat(CompositeModel):
         # prefill graphs would capture the TP all-reduces of every (rows, length) bucket: not in TP groups (yet)
         prefill_graphs = graphs and bool(self.model_kwargs.get("prefill_graphs", True)) and (tp is None or tp.size == 1)
         # a TP leader and its followers would see a prefill end in different turns and launch different batches
-        in_flight = device.startswith("cuda") and bool(self.model_kwargs.get("prefill_in_flight", False)) \
+        in_flight = device.startswith("cuda") and bool(self.model_kwargs.get("prefill_in_flight", True)) \
             and (tp is None or tp.size == 1)
         return KVCacheEngine(LLM, model, cache, torch.device(device), cuda_graphs=graphs,
                              prefill_token_budget=self.prefill_token_budget, lookahead=lookahead,

@@ -33,6 +33,19 @@ def pinned(base_url: str) -> list[str]:
     return out
 
 
+def test_the_llama_engine_on_cuda_reads_its_socket_while_a_prefill_runs_unless_told_not_to():
+    """The family's CUDA default (docs/architecture.md §8, "Prefill in flight"): without it the rank waits for each
+    prefill, and a 32-request wave's TTFT rose ~1.5 ms on one H200. A TP group never uses it."""
+    from models.llama.chat import LLM, LlamaChat
+
+    def engine(**kwargs):
+        return LlamaChat(WEIGHTS, cuda_graphs=False, max_batch=4, **kwargs).build_component(
+            LLM, device="cuda", walks={"prefill", "decode"})
+
+    assert engine().prefill_in_flight
+    assert not engine(prefill_in_flight=False).prefill_in_flight
+
+
 def test_single_rank_serves_on_cuda_and_repeats_pinned_requests():
     server = Server(REPO / "launch/configs/smollm2_single.yaml", 1, overrides=LLAMA)
     try:
