@@ -1,7 +1,7 @@
 """Host cost of one streamed chat completion through the HTTP app, without a model.
 
     python scripts/bench_http_path.py [--tokens 1 16] [--requests 400] [--out FILE]
-    python scripts/bench_http_path.py --socket [--stacks h11/asyncio httptools/uvloop] [--rounds 3] [--out FILE]
+    python scripts/bench_http_path.py --socket [--parsers h11 httptools] [--rounds 3] [--out FILE]
 
 An intake process takes its connections' requests one after another, so what one request costs it (the app's
 middleware and routing, the body's validation, the response's events) decides how far apart a burst of requests
@@ -15,8 +15,8 @@ example a `git archive` of an older commit) to compare.
 ``--socket`` adds the server around the app: a child process serves it with ``HttpServer`` (uvicorn) on a loopback
 port, and one keep-alive client connection sends ``--requests`` streamed requests one after another; it reports the
 server process's CPU time per request (user + system, from /proc) and the client's wall time per request, for each
-HTTP parser / event loop in ``--stacks`` (a child blocks the import of whichever of httptools and uvloop its stack
-leaves out, so uvicorn falls back to h11 and ``HttpServer`` to asyncio's loop), alternated ``--rounds`` times.
+HTTP parser of ``--parsers`` (a child running h11 blocks the import of httptools, so uvicorn falls back to h11),
+alternated ``--rounds`` times.
 """
 
 from __future__ import annotations
@@ -89,16 +89,15 @@ async def measure(tokens: int, requests: int) -> dict:
             "cpu_us_per_request_median": round(statistics.median(cpu) * 1e6, 1), "response_bytes": size}
 
 
-STACKS = {"h11/asyncio": ("httptools", "uvloop"), "httptools/asyncio": ("uvloop",), "h11/uvloop": ("httptools",),
-          "httptools/uvloop": ()}
-"""HTTP parser / event loop -> the modules a ``--socket`` server child must not import to run it."""
+PARSERS = {"h11": ("httptools",), "httptools": ()}
+"""uvicorn's HTTP parser -> the modules a ``--socket`` server child must not import to run it."""
 
 
-def serve(stack: str) -> None:
+def serve(parser: str) -> None:
     """The ``--socket`` server child: the app over FakeBackend (two text deltas a request) on a free loopback port,
     which it prints, until killed."""
-    for name in STACKS[stack]:
-        sys.modules[name] = None  # import fails: uvicorn parses with h11, HttpServer takes asyncio's loop
+    for name in PARSERS[parser]:
+        sys.modules[name] = None  # import fails: uvicorn parses with h11
     from mstar_dist.server.http_server import HttpServer
 
     backend = FakeBackend(deltas=["hi", "there"])
@@ -116,8 +115,8 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
-def measure_socket(stack: str, requests: int) -> dict:
-    child = subprocess.Popen([sys.executable, __file__, "--serve", stack], stdout=subprocess.PIPE, text=True)
+def measure_socket(parser: str, requests: int) -> dict:
+    child = subprocess.Popen([sys.executable, __file__, "--serve", parser], stdout=subprocess.PIPE, text=True)
     try:
         port = int(child.stdout.readline())
         body = json.dumps(BODY).encode()
@@ -146,7 +145,7 @@ def measure_socket(stack: str, requests: int) -> dict:
     finally:
         child.kill()
         child.wait(10)
-    return {"stack": stack, "requests": requests, "server_cpu_us_per_request": round(cpu / requests * 1e6, 1),
+    return {"parser": parser, "requests": requests, "server_cpu_us_per_request": round(cpu / requests * 1e6, 1),
             "wall_us_per_request": round(wall / requests * 1e6, 1)}
 
 
@@ -156,9 +155,9 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=400)
     p.add_argument("--out", default=None)
     p.add_argument("--socket", action="store_true", help="through a server child on a loopback socket")
-    p.add_argument("--stacks", nargs="+", choices=sorted(STACKS), default=["h11/asyncio", "httptools/uvloop"])
-    p.add_argument("--rounds", type=int, default=3, help="--socket: rounds, the stacks alternated in each")
-    p.add_argument("--serve", choices=sorted(STACKS), help=argparse.SUPPRESS)
+    p.add_argument("--parsers", nargs="+", choices=sorted(PARSERS), default=["h11", "httptools"])
+    p.add_argument("--rounds", type=int, default=3, help="--socket: rounds, the parsers alternated in each")
+    p.add_argument("--serve", choices=sorted(PARSERS), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve:
         serve(args.serve)
@@ -166,12 +165,12 @@ def main() -> None:
     if args.socket:
         results = []
         for _ in range(args.rounds):
-            for stack in args.stacks:
-                results.append(measure_socket(stack, args.requests))
-                print(f"{stack:18s} server CPU {results[-1]['server_cpu_us_per_request']:7.1f} us per request, "
+            for parser in args.parsers:
+                results.append(measure_socket(parser, args.requests))
+                print(f"{parser:10s} server CPU {results[-1]['server_cpu_us_per_request']:7.1f} us per request, "
                       f"wall {results[-1]['wall_us_per_request']:7.1f}", flush=True)
-        medians = {stack: statistics.median(r["server_cpu_us_per_request"] for r in results if r["stack"] == stack)
-                   for stack in args.stacks}
+        medians = {parser: statistics.median(r["server_cpu_us_per_request"] for r in results
+                                             if r["parser"] == parser) for parser in args.parsers}
         print("median server CPU us per request: " + ", ".join(f"{k} {v:.1f}" for k, v in medians.items()))
         results = {"runs": results, "server_cpu_us_per_request_median": medians}
     else:

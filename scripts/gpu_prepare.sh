@@ -12,13 +12,13 @@ venv="$(bash launch/install.sh | tail -n 1)"
 py="$venv/bin/python"
 mkdir -p .whl
 for pkg in fastapi starlette pydantic pydantic_core annotated-types typing-inspection opentelemetry-api uvicorn \
-           httptools uvloop pyzmq msgspec; do
+           httptools pyzmq msgspec; do
   version="$("$py" -c "import importlib.metadata as m; print(m.version('$pkg'))")"
   "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_26_x86_64 \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any -d .whl "$pkg==$version"
 done
-rm -rf .whl/extra  # httptools and uvloop, once apart for an A/B, are dependencies now
+rm -rf .whl/extra .whl/uvloop-*  # httptools, once apart for an A/B, is a dependency now
 # py-spy (scripts/profile_serving.py, gpu_run.sh profile): not in the venv, any recent release
 "$py" -m pip download -q --no-deps --only-binary=:all: --platform manylinux2014_x86_64 --python-version 3.12 \
   -d .whl py-spy

@@ -1,29 +1,21 @@
 #!/usr/bin/env bash
 # GPU runs on the device machine (torch + NCCL preinstalled, no network). Usage, from the repo root there:
 #   bash scripts/gpu_run.sh STEP...      STEP: tests | gpu | tpstop | serving | pd | pace | pace2 | ttft | ttftrace | profile | edges | split |
-#                                        composite | speech | image | twohost | soak | plainhttp | stackab |
+#                                        composite | speech | image | twohost | soak | h11 | parserab | intakes48 |
 #                                        prefillab | engine | ttftab | treeab | intakeab |
 #                                        overlap | streamab | clientab | intaketrace | prefillbench |
 #                                        inflightab | firstuse
 # Needs, carried from the dev machine (bash scripts/gpu_prepare.sh makes both): .whl/ (wheels the GPU image lacks: fastapi, starlette, pydantic(-core),
-# annotated-types, typing-inspection, opentelemetry-api, uvicorn, httptools, uvloop, pyzmq, msgspec, py-spy) and .ckpt/smol-shape (config +
+# annotated-types, typing-inspection, opentelemetry-api, uvicorn, httptools, pyzmq, msgspec, py-spy) and .ckpt/smol-shape (config +
 # tokenizer of SmolLM2-135M; a random same-shaped checkpoint is generated there). Results go to $OUT (or bench/results).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 out="${OUT:-bench/results}"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || exit 1
-plain_site() {  # /tmp/site_plain: /tmp/site without httptools and uvloop (uvicorn then parses with h11, HttpServer
-  rm -rf /tmp/site_plain    # runs asyncio's loop: their fallback, and what served before the fourteenth session)
-  cp -a /tmp/site /tmp/site_plain && rm -rf /tmp/site_plain/httptools* /tmp/site_plain/uvloop*
+h11_site() {  # /tmp/site_h11: /tmp/site without httptools (uvicorn then parses with h11, as before the fourteenth session)
+  rm -rf /tmp/site_h11 && cp -a /tmp/site /tmp/site_h11 && rm -rf /tmp/site_h11/httptools*
 }
-export PYTHONPATH="/tmp/site:$PWD" MSTAR_TEST_WEIGHTS=/tmp/smol-rand PATH="/tmp/site/bin:$PATH"
-[ -f /tmp/smol-rand/model.safetensors ] || python3 scripts/make_random_checkpoint.py --like .ckpt/smol-shape \
-  --out /tmp/smol-rand --dtype bfloat16 >/dev/null 2>&1 || exit 1
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-# the host's CPUs: the rank, the front end, the intakes and the benchmark's clients share them
-lscpu 2>/dev/null | grep -E "^(CPU\(s\)|Thread\(s\) per core|Core\(s\) per socket|Socket\(s\)|Model name):" | tr -s " "
-python3 -c "import torch; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version(), 'gpus', torch.cuda.device_count())"
 intakes_config() {  # /tmp/smollm2_single_intakes.yaml: the single rank with $1 HTTP intake processes
   sed "s/server: {host: 127.0.0.1, port: 8000}/server: {host: 127.0.0.1, port: 8000, http_processes: $1}/" \
     launch/configs/smollm2_single.yaml > /tmp/smollm2_single_intakes.yaml
@@ -32,7 +24,7 @@ in_flight_config() {  # /tmp/smollm2_single_intakes_in_flight.yaml: that one wit
   { cat /tmp/smollm2_single_intakes.yaml; echo "model_kwargs: {prefill_in_flight: true}"; } \
     > /tmp/smollm2_single_intakes_in_flight.yaml
 }
-tag=""  # appended to the result names of ttft, ttftrace and profile once the plainhttp step has run
+tag=""  # appended to the result names of ttft, ttftrace and profile once the h11 step has run
 for step in "$@"; do
   echo "== $step"
   case "$step" in
@@ -151,7 +143,8 @@ for step in "$@"; do
                --events-out "$out/ttft_trace_h200_async_client$tag.events.jsonl" 2>&1 \
                | grep -v "^W1\|^  \|Traceback\|^torch\|File " | tail -45 ;;
     intaketrace) # the phase trace of the single rank with ${INTAKES:-4} intakes at 1 and 32 streams (INFLIGHT=1:
-             # with model_kwargs.prefill_in_flight), then (with ALSO8=1) tok/s and TTFT with 8 intakes, one round
+             # with model_kwargs.prefill_in_flight, the default since the fourteenth session; REQUESTS_PER_STREAM=K: K
+             # requests per client stream), then (with ALSO8=1) tok/s and TTFT with 8 intakes, one round
              intakes_config "${INTAKES:-4}"
              trace_cfg=/tmp/smollm2_single_intakes.yaml trace_tag=""
              if [ "${INFLIGHT:-0}" = 1 ]; then
@@ -159,6 +152,7 @@ for step in "$@"; do
                trace_cfg=/tmp/smollm2_single_intakes_in_flight.yaml trace_tag=_in_flight
              fi
              timeout 150 python3 scripts/ttft_trace.py --device cuda --model llama --max-tokens 256 --streams 1 32 \
+               ${REQUESTS_PER_STREAM:+--requests-per-stream $REQUESTS_PER_STREAM} \
                --config "$trace_cfg:1" --out "$out/ttft_trace_h200_intakes${INTAKES:-4}$trace_tag$tag.json" \
                --events-out "$out/ttft_trace_h200_intakes${INTAKES:-4}$trace_tag$tag.events.jsonl" 2>&1 \
                | grep -v "^W1\|^  \|Traceback\|^torch\|File " | tail -45
@@ -168,6 +162,15 @@ for step in "$@"; do
                  --no-hf --no-eager-bare --streams 1 32 --config /tmp/smollm2_single_intakes.yaml:1 \
                  --out "$out/serving_h200_intakes8_async$tag.json" 2>&1 | grep -A3 '"median_tok_s"\|"ttft_median_s"'
              fi ;;
+    intakes48) # the single rank with 4 against 8 HTTP intake processes, side by side, ${ROUNDS:-2} rounds at
+             # ${STREAMS:-1 32 64} streams (REQUESTS_PER_STREAM=K: K requests per client stream)
+             intakes_config 8 && mv /tmp/smollm2_single_intakes.yaml /tmp/smollm2_single_intakes8.yaml
+             intakes_config 4
+             timeout 540 python3 scripts/bench_serving.py --device cuda --model llama --rounds "${ROUNDS:-2}" \
+               --max-tokens 256 --no-hf --no-eager-bare --streams ${STREAMS:-1 32 64} \
+               ${REQUESTS_PER_STREAM:+--requests-per-stream $REQUESTS_PER_STREAM} \
+               --config /tmp/smollm2_single_intakes.yaml:1 --config /tmp/smollm2_single_intakes8.yaml:1 \
+               --out "$out/serving_h200_intakes48$tag.json" 2>&1 | grep -A8 '"median_tok_s"\|"ttft_median_s"' ;;
     firstuse) # a CUDA graph's first replay and pinned host memory's first use, against the next ones (host time)
              timeout 60 python3 scripts/bench_first_use.py --out "$out/first_use_h200.json" 2>&1 | tail -30 ;;
     engine)  # the engine's CUDA tests: decode and prefill graphs, lookahead
@@ -206,23 +209,22 @@ for step in "$@"; do
     soak)    # detached: starts a ${SOAK_SECONDS:-600} s soak unless one is in /tmp/soak, waits up to SOAK_WAIT s;
              # collect the rest at once in the next command: bash scripts/gpu_soak.sh collect 540
              bash scripts/gpu_soak.sh auto "${SOAK_SECONDS:-600}" "${SOAK_WAIT:-480}" 2>&1 | tail -60 ;;
-    plainhttp) # the steps after it run without httptools and uvloop (h11, asyncio's loop), to compare with those before
-             plain_site && export PYTHONPATH="/tmp/site_plain:$PWD" && tag="_plainhttp" ;;
-    stackab) # the single rank with ${INTAKES:-4} intakes, HTTP on httptools + uvloop against h11 + asyncio's loop, alternating,
+    h11)     # the steps after it run without httptools (uvicorn parses with h11), to compare with those before
+             h11_site && export PYTHONPATH="/tmp/site_h11:$PWD" && tag="_h11" ;;
+    parserab) # the single rank with ${INTAKES:-4} intakes, uvicorn parsing with httptools against h11, alternating,
              # ${PAIRS:-3} pairs at ${STREAMS:-1 32 64} streams (REQUESTS_PER_STREAM=K: K requests per client stream);
-             # first the HTTP path's server CPU per request over a loopback socket, the four stacks alternated
+             # first the HTTP path's server CPU per request over a loopback socket, the two parsers alternated
              timeout 120 python3 scripts/bench_http_path.py --socket --requests 3000 --rounds 3 \
-               --stacks h11/asyncio httptools/asyncio h11/uvloop httptools/uvloop --out "$out/http_path_socket_h200.json" \
-               2>&1 | tail -1
-             plain_site
+               --out "$out/http_path_socket_h200.json" 2>&1 | tail -1
+             h11_site
              intakes_config "${INTAKES:-4}"
              for i in $(seq "${PAIRS:-3}"); do
-               for stack in plain fast; do
-                 site=$([ "$stack" = plain ] && echo /tmp/site_plain || echo /tmp/site)
+               for parser in h11 httptools; do
+                 site=$([ "$parser" = h11 ] && echo /tmp/site_h11 || echo /tmp/site)
                  PYTHONPATH="$site:$PWD" timeout 150 python3 scripts/bench_serving.py --device cuda --model llama \
                    --rounds 1 --max-tokens 256 --no-hf --no-eager-bare --streams ${STREAMS:-1 32 64} \
                    ${REQUESTS_PER_STREAM:+--requests-per-stream $REQUESTS_PER_STREAM} \
-                   --config /tmp/smollm2_single_intakes.yaml:1 --out "$out/serving_h200_stack_${stack}_$i.json" 2>&1 \
+                   --config /tmp/smollm2_single_intakes.yaml:1 --out "$out/serving_h200_parser_${parser}_$i.json" 2>&1 \
                    | grep -A4 '"median_tok_s"\|"ttft_median_s"'
                done
              done ;;

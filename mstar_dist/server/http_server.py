@@ -2,10 +2,9 @@
 end (``conductor/process.py``, docs/architecture.md §2 "Threads"). The conductor thread hands events to this loop with
 ``call_soon_threadsafe`` (``conductor/backend.py``); nothing else runs on it.
 
-The loop is uvloop's and uvicorn parses HTTP with httptools (both dependencies; asyncio's loop and h11 where they
-cannot be imported): an intake takes a burst's requests one after another, and over a loopback socket a streamed
-request cost it 0.85 ms of CPU with h11 on asyncio's loop against 0.59 ms with both on the 2-core CI machine
-(docs/architecture.md §2, "Intake processes"; ``scripts/bench_http_path.py --socket``).
+uvicorn parses HTTP with httptools (a dependency; h11 where it cannot be imported): an intake takes a burst's requests
+one after another, and over a loopback socket a streamed request cost the server 0.78 ms of CPU with h11 against 0.47
+with httptools on the H200 host (docs/architecture.md §2, "Intake processes"; ``scripts/bench_http_path.py --socket``).
 """
 
 from __future__ import annotations
@@ -115,7 +114,7 @@ class HttpServer:
         self._thread = None
 
     def _run(self, sock: socket.socket) -> None:
-        loop = new_event_loop()
+        loop = asyncio.new_event_loop()
         asyncio.set_event_loop(loop)
         self._loop = loop
         if self._handoff is not None:
@@ -220,15 +219,6 @@ def reserve_port(host: str, port: int) -> socket.socket:
         hint = " (port already in use)" if exc.errno == errno.EADDRINUSE else ""
         raise OSError(exc.errno, f"cannot bind HTTP server to {host}:{port}{hint}: {exc.strerror}") from exc
     return sock
-
-
-def new_event_loop() -> asyncio.AbstractEventLoop:
-    """uvloop's event loop, or asyncio's where uvloop cannot be imported."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.new_event_loop()
-    return uvloop.new_event_loop()
 
 
 def _keep_protocol_factory(loop: asyncio.AbstractEventLoop, server: HttpServer) -> None:
