@@ -16,6 +16,13 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 h11_site() {  # /tmp/site_h11: /tmp/site without httptools (uvicorn then parses with h11, as before the fourteenth session)
   rm -rf /tmp/site_h11 && cp -a /tmp/site /tmp/site_h11 && rm -rf /tmp/site_h11/httptools*
 }
+export PYTHONPATH="/tmp/site:$PWD" MSTAR_TEST_WEIGHTS=/tmp/smol-rand PATH="/tmp/site/bin:$PATH"
+[ -f /tmp/smol-rand/model.safetensors ] || python3 scripts/make_random_checkpoint.py --like .ckpt/smol-shape \
+  --out /tmp/smol-rand --dtype bfloat16 >/dev/null 2>&1 || exit 1
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+# the host's CPUs: the rank, the front end, the intakes and the benchmark's clients share them
+lscpu 2>/dev/null | grep -E "^(CPU\(s\)|Thread\(s\) per core|Core\(s\) per socket|Socket\(s\)|Model name):" | tr -s " "
+python3 -c "import torch; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version(), 'gpus', torch.cuda.device_count())"
 intakes_config() {  # /tmp/smollm2_single_intakes.yaml: the single rank with $1 HTTP intake processes
   sed "s/server: {host: 127.0.0.1, port: 8000}/server: {host: 127.0.0.1, port: 8000, http_processes: $1}/" \
     launch/configs/smollm2_single.yaml > /tmp/smollm2_single_intakes.yaml
