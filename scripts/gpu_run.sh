@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU runs on the device machine (torch + NCCL preinstalled, no network). Usage, from the repo root there:
 #   bash scripts/gpu_run.sh STEP...      STEP: tests | gpu | tpstop | serving | pd | pace | pace2 | ttft | ttftrace | profile | edges | split |
-#                                        composite | speech | image | twohost | soak | h11 | parserab | intakes48 |
+#                                        composite | speech | image | twohost | soak | h11 | parserab | intakes48 | yieldab |
 #                                        prefillab | engine | ttftab | treeab | intakeab |
 #                                        overlap | streamab | clientab | intaketrace | prefillbench |
 #                                        inflightab | firstuse
@@ -169,6 +169,17 @@ for step in "$@"; do
                  --no-hf --no-eager-bare --streams 1 32 --config /tmp/smollm2_single_intakes.yaml:1 \
                  --out "$out/serving_h200_intakes8_async$tag.json" 2>&1 | grep -A3 '"median_tok_s"\|"ttft_median_s"'
              fi ;;
+    yieldab) # the single rank with ${INTAKES:-4} intakes, decode steps yielding to prefills on the GPU
+             # (model_kwargs.decode_yields) against not, side by side, ${ROUNDS:-2} rounds at ${STREAMS:-1 32 64}
+             # (REQUESTS_PER_STREAM=K: K requests per client stream)
+             intakes_config "${INTAKES:-4}"
+             { cat /tmp/smollm2_single_intakes.yaml; echo "model_kwargs: {decode_yields: true}"; } \
+               > /tmp/smollm2_single_intakes_yields.yaml
+             timeout 540 python3 scripts/bench_serving.py --device cuda --model llama --rounds "${ROUNDS:-2}" \
+               --max-tokens 256 --no-hf --no-eager-bare --streams ${STREAMS:-1 32 64} \
+               ${REQUESTS_PER_STREAM:+--requests-per-stream $REQUESTS_PER_STREAM} \
+               --config /tmp/smollm2_single_intakes_yields.yaml:1 --config /tmp/smollm2_single_intakes.yaml:1 \
+               --out "$out/serving_h200_decode_yields$tag.json" 2>&1 | grep -A8 '"median_tok_s"\|"ttft_median_s"' ;;
     intakes48) # the single rank with 4 against 8 HTTP intake processes, side by side, ${ROUNDS:-2} rounds at
              # ${STREAMS:-1 32 64} streams (REQUESTS_PER_STREAM=K: K requests per client stream)
              intakes_config 8 && mv /tmp/smollm2_single_intakes.yaml /tmp/smollm2_single_intakes8.yaml

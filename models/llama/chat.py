@@ -35,14 +35,16 @@ class LlamaChat(CompositeModel):
     ``prefill_stream`` (with lookahead, a prefill that finds a decode step in flight runs beside it on a second,
     higher-priority CUDA stream instead of behind it; default true), ``prefill_in_flight`` (CUDA, outside TP groups:
     the rank's loop goes on while a prefill is on the GPU, and prompts that arrive meanwhile go as one batch the moment
-    it ends; default true: on one H200 it lowered TTFT at 32 and 64 streams in every round, docs/architecture.md §8)."""
+    it ends; default true: on one H200 it lowered TTFT at 32 and 64 streams in every round, docs/architecture.md §8),
+    ``decode_yields`` (with ``prefill_in_flight``: no new decode step starts while a prefill is on the GPU, once per
+    prefill batch; default false)."""
 
     name = "llama"
     tp_nodes = frozenset({LLM})
 
     def __init__(self, weights_dir: str | None, **model_kwargs: Any):
         allowed = {"dtype", "max_seq_len", "max_batch", "cuda_graphs", "prefill_token_budget", "prefill_graphs",
-                   "lookahead", "prefill_stream", "prefill_in_flight"}
+                   "lookahead", "prefill_stream", "prefill_in_flight", "decode_yields"}
         if unknown := set(model_kwargs) - allowed:
             raise ValueError(f"model_kwargs: unknown keys {sorted(unknown)} (allowed: {', '.join(sorted(allowed))})")
         super().__init__(weights_dir, **model_kwargs)
@@ -117,7 +119,8 @@ class LlamaChat(CompositeModel):
                              prefill_token_budget=self.prefill_token_budget, lookahead=lookahead,
                              prefill_graphs=prefill_graphs,
                              prefill_stream=bool(self.model_kwargs.get("prefill_stream", True)),
-                             prefill_in_flight=in_flight)
+                             prefill_in_flight=in_flight,
+                             decode_yields=bool(self.model_kwargs.get("decode_yields", False)))
 
     def _load_model(self, device: str, dtype: torch.dtype, tp):
         """(model, config) of this rank's shard; the model has ``local_kv_heads`` and the KV-cache interface."""
