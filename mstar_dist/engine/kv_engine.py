@@ -94,9 +94,10 @@ class _Ahead:
     instead of in a forward of its own): its call, retried, is claimed by that tensor's identity."""
 
 
-@dataclass
+@dataclass(eq=False)
 class _Launched:
-    """A batched prefill queued on the device whose tokens are not on the host yet (``_launch_prefills``)."""
+    """A batched prefill queued on the device whose tokens are not on the host yet (``_launch_prefills``). Compared by
+    identity (``list.remove``, ``in``): two batches are never the same one."""
 
     calls: list[NodeCall]
     ctxs: list[WalkContext]
@@ -276,7 +277,7 @@ class KVCacheEngine(Component):
         if not on_gpu:
             self._yielded_to = None
             return False
-        if self._yielded_to is not None and self._yielded_to is not on_gpu[0] and self._yielded_to not in on_gpu:
+        if self._yielded_to is not None and self._yielded_to not in on_gpu:
             self._yielded_to = None  # held for the batch before this one: the step runs now, beside it
             return False
         if self._yielded_to is None:
