@@ -27,6 +27,7 @@ import gc
 import json
 import os
 import platform
+import select
 import socket
 import subprocess
 import statistics
@@ -89,6 +90,7 @@ async def measure(tokens: int, requests: int) -> dict:
             "cpu_us_per_request_median": round(statistics.median(cpu) * 1e6, 1), "response_bytes": size}
 
 
+SERVER_START_S = 60.0
 PARSERS = {"h11": ("httptools",), "httptools": ()}
 """uvicorn's HTTP parser -> the modules a ``--socket`` server child must not import to run it."""
 
@@ -115,10 +117,17 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
-def measure_socket(parser: str, requests: int) -> dict:
+def measure_socket(parser: str, requests: int, warm: int = 300) -> dict:
+    """One server child with ``parser``: its CPU and the client's wall time per request, over ``requests`` streamed
+    chat completions after ``warm`` untimed ones."""
     child = subprocess.Popen([sys.executable, __file__, "--serve", parser], stdout=subprocess.PIPE, text=True)
     try:
-        port = int(child.stdout.readline())
+        if not select.select([child.stdout], [], [], SERVER_START_S)[0]:
+            raise RuntimeError(f"the {parser} server child did not report its port within {SERVER_START_S:g} s")
+        line = child.stdout.readline()
+        if not line.strip().isdigit():
+            raise RuntimeError(f"the {parser} server child failed to start (exit code {child.poll()}): {line!r}")
+        port = int(line)
         body = json.dumps(BODY).encode()
         head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                 f"Content-Length: {len(body)}\r\n\r\n").encode()
@@ -136,7 +145,7 @@ def measure_socket(parser: str, requests: int) -> dict:
                 if not got.startswith(b"HTTP/1.1 200"):
                     raise RuntimeError(f"the server answered {got[:300]!r}")
 
-            for _ in range(300):  # the app's first requests build its validators and serialisers
+            for _ in range(warm):  # the app's first requests build its validators and serialisers
                 one()
             cpu0, t0 = _cpu_seconds(child.pid), time.perf_counter()
             for _ in range(requests):
