@@ -37,14 +37,15 @@ class LlamaChat(CompositeModel):
     the rank's loop goes on while a prefill is on the GPU, and prompts that arrive meanwhile go as one batch the moment
     it ends; default true: on one H200 it lowered TTFT at 32 and 64 streams in every round, docs/architecture.md §8),
     ``decode_yields`` (with ``prefill_in_flight``: no new decode step starts while a prefill is on the GPU, once per
-    prefill batch; default false)."""
+    prefill batch; default false), ``prefill_gather_ms`` (an idle engine holds prompts back while more keep coming at
+    most that many ms apart, so a burst goes as one forward; default 0)."""
 
     name = "llama"
     tp_nodes = frozenset({LLM})
 
     def __init__(self, weights_dir: str | None, **model_kwargs: Any):
         allowed = {"dtype", "max_seq_len", "max_batch", "cuda_graphs", "prefill_token_budget", "prefill_graphs",
-                   "lookahead", "prefill_stream", "prefill_in_flight", "decode_yields"}
+                   "lookahead", "prefill_stream", "prefill_in_flight", "decode_yields", "prefill_gather_ms"}
         if unknown := set(model_kwargs) - allowed:
             raise ValueError(f"model_kwargs: unknown keys {sorted(unknown)} (allowed: {', '.join(sorted(allowed))})")
         super().__init__(weights_dir, **model_kwargs)
@@ -120,7 +121,14 @@ class LlamaChat(CompositeModel):
                              prefill_graphs=prefill_graphs,
                              prefill_stream=bool(self.model_kwargs.get("prefill_stream", True)),
                              prefill_in_flight=in_flight,
-                             decode_yields=bool(self.model_kwargs.get("decode_yields", False)))
+                             decode_yields=bool(self.model_kwargs.get("decode_yields", False)),
+                             prefill_gather_s=self._gather_ms(device) / 1000)
+
+    def _gather_ms(self, device: str) -> float:
+        value = self.model_kwargs.get("prefill_gather_ms", 0.0)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise ValueError(f"model_kwargs.prefill_gather_ms must be a number of milliseconds >= 0, got {value!r}")
+        return float(value)
 
     def _load_model(self, device: str, dtype: torch.dtype, tp):
         """(model, config) of this rank's shard; the model has ``local_kv_heads`` and the KV-cache interface."""

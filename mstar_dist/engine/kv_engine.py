@@ -120,7 +120,8 @@ class KVCacheEngine(Component):
     def __init__(self, name: str, model: torch.nn.Module, cache: StaticKVCache, device: torch.device,
                  cuda_graphs: bool = False, logit_bias: torch.Tensor | None = None,
                  prefill_token_budget: int = 4096, lookahead: bool | None = None, prefill_graphs: bool = False,
-                 prefill_stream: bool = True, prefill_in_flight: bool = False, decode_yields: bool = False):
+                 prefill_stream: bool = True, prefill_in_flight: bool = False, decode_yields: bool = False,
+                 prefill_gather_s: float = 0.0):
         """With ``cuda_graphs`` (CUDA only) decode steps replay captured graphs; the cache must hold one slot
         more than the batch: it is kept as the padding rows' scratch slot. ``logit_bias`` (V,) is added to every
         row's logits before sampling (``-inf`` forbids a token: e.g. a speech LLM restricted to audio codes).
@@ -135,7 +136,8 @@ class KVCacheEngine(Component):
         GPU and finishes them in a later turn (see ``run_batch``); TP members must not use it (a leader and its
         followers would see a batch end in different turns and launch different batches). ``decode_yields`` (with
         ``prefill_in_flight``): no new decode step starts while a prefill is on the GPU, once per prefill batch
-        (``_yields_to_prefill``)."""
+        (``_yields_to_prefill``). ``prefill_gather_s``: an engine with nothing else to run holds prompts back while
+        more keep coming, up to that long apart (``_gathering``)."""
         self.name = name
         self.logit_bias = None if logit_bias is None else logit_bias.to(device, torch.float32)
         self.model = model
@@ -172,6 +174,11 @@ class KVCacheEngine(Component):
         self._yielded_to: _Launched | None = None
         """The prefill batch the decode rows were last held back for (``_yields_to_prefill``)."""
         self.decode_yields_count = 0
+        if prefill_gather_s < 0:
+            raise ValueError(f"prefill_gather_s must be >= 0, got {prefill_gather_s}")
+        self.prefill_gather_s = float(prefill_gather_s)
+        self._first_seen: dict[str, float] = {}
+        """Request id -> when a prompt held by ``_gathering`` was first handed over."""
         self._launched: list[_Launched] = []
         """Prefill batches launched in earlier turns whose tokens the host has not taken yet (``prefill_in_flight``)."""
         self._held: set[str] = set()
@@ -225,6 +232,8 @@ class KVCacheEngine(Component):
             for i, _ in prefill:
                 self._hold(calls[i].request_id)
             prefill = []
+        if prefill and self._gathering([calls[i].request_id for i, _ in prefill], busy=bool(decode)):
+            prefill = []
         groups = self._prefill_groups(prefill)
         launched = self._launch_prefills([[calls[i] for i, _ in g] for g in groups],
                                          [[p for _, p in g] for g in groups])
@@ -264,6 +273,21 @@ class KVCacheEngine(Component):
         ahead = self._ahead
         return self.prefill_in_flight and bool(self._launched) and ahead is not None and not _ended(ahead.ready)
 
+    def _gathering(self, request_ids: list[str], busy: bool) -> bool:
+        """With ``prefill_gather_s``: whether to hold this turn's prompts back (None) so that a burst arriving at an
+        idle engine goes as one forward: while the newest came less than ``prefill_gather_s`` ago, and the oldest
+        less than ten times that. Never while decode rows run (the engine is busy: prompts that come during a step
+        share the next turn's forward anyway) or a prefill is in flight (``prefill_in_flight`` holds them then). On a
+        CPU a prefill forward takes a tenth of a second or more: the first prompt of a burst went alone and the rest
+        in one or two more forwards, each of which the decode rank of a P/D pair shared the cores with."""
+        if self.prefill_gather_s <= 0:
+            return False
+        now = time.monotonic()
+        seen = [self._first_seen.setdefault(rid, now) for rid in request_ids]
+        if busy or self._launched:
+            return False
+        return now - max(seen) < self.prefill_gather_s and now - min(seen) < 10 * self.prefill_gather_s
+
     def _yields_to_prefill(self, launched: list) -> bool:
         """With ``decode_yields``: hold this turn's decode rows back (None) while a prefill batch is on the GPU, so it
         has the GPU to itself but for the step already in flight. Two latency-bound graphs share the GPU rather than
@@ -290,6 +314,7 @@ class KVCacheEngine(Component):
 
     def release(self, request_id: str) -> None:
         self._held.discard(request_id)
+        self._first_seen.pop(request_id, None)
         seq = self._seqs.pop(request_id, None)
         if seq is not None:
             self.cache.free(seq.slot)
@@ -394,6 +419,8 @@ class KVCacheEngine(Component):
             longest = max(lengths)
             ids = [c.request_id for c in group]
             self._held.difference_update(ids)
+            for rid in ids:
+                self._first_seen.pop(rid, None)
             if trace.ON:
                 trace.event("eng_prefill_start", rows=len(group), tokens=sum(lengths), padded=longest * len(group),
                             ids=ids, engine=self.name)

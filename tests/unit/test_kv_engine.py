@@ -520,6 +520,51 @@ def test_decode_steps_yield_to_each_prefill_batch_on_the_gpu_once_and_are_never_
         int(tok_a2[0].outputs["token"])
 
 
+def test_an_idle_engine_gathers_a_burst_of_prompts_into_one_forward(model: Llama, monkeypatch) -> None:
+    """With ``prefill_gather_s`` an engine with nothing else to run holds prompts back while more keep coming (on a CPU
+    the first of a burst went alone, the rest in one or two more forwards of a tenth of a second each): they go as one
+    forward once none came for that long, or the oldest has waited ten times it; never while decode rows run. Their
+    tokens are those of an engine that does not gather."""
+    import mstar_dist.engine.kv_engine as kv
+
+    now = [100.0]
+    monkeypatch.setattr(kv.time, "monotonic", lambda: now[0])
+    cache = StaticKVCache(n_layers=CFG.n_layers, n_kv_heads=CFG.n_kv_heads, head_dim=CFG.head_dim, max_slots=32,
+                          max_seq_len=64)
+    eng = KVCacheEngine("LLM", model, cache, torch.device("cpu"), prefill_gather_s=0.003)
+    a, b, c = (call(rid, {"input_ids": prompt(n, i)}) for i, (rid, n) in enumerate([("a", 7), ("b", 12), ("c", 3)]))
+    assert eng.run_batch([a]) == [None]
+    now[0] += 0.002
+    assert eng.run_batch([a, b]) == [None, None]  # b came 2 ms after a: more may follow
+    now[0] += 0.0031
+    first = eng.run_batch([a, b])  # nothing new for 3.1 ms: both go, in one forward
+    assert None not in first and eng.prefill_batches == 1
+    want = engine(model).run_batch([call(rid, {"input_ids": prompt(n, i)})
+                                    for i, (rid, n) in enumerate([("a", 7), ("b", 12)])])
+    assert [int(r.outputs["token"]) for r in first] == [int(r.outputs["token"]) for r in want]
+    # decoding rows: a new prompt is not held for company
+    steps = [call(x.request_id, {"token": r.outputs["token"]}) for x, r in zip((a, b), first)]
+    out = eng.run_batch([*steps, c])
+    assert out[2] is not None and eng.prefill_batches == 2
+    # prompts that keep coming 2.1 ms apart go once the oldest has waited 30 ms, in one forward
+    for rid in ("a", "b", "c"):
+        eng.release(rid)
+    burst = [call(f"r{k}", {"input_ids": prompt(4, 10 + k)}) for k in range(7)]
+    for k in range(7):
+        got = eng.run_batch(burst[: k + 1])
+        if None not in got:
+            break
+        now[0] += 0.0021 if k < 6 else 0.0
+    assert None in got  # 12.6 ms: still coming
+    for k in range(12):
+        now[0] += 0.0021
+        burst.append(call(f"s{k}", {"input_ids": prompt(4, 30 + k)}))
+        got = eng.run_batch(burst)
+        if None not in got:
+            break
+    assert k == 8 and len(got) == 16 and eng.prefill_batches == 3  # the oldest came 31.5 ms ago: all 16 go at once
+
+
 def test_a_request_released_while_its_prefill_is_on_the_gpu_gives_its_slot_back(model: Llama) -> None:
     eng, gpu = in_flight_engine(model, slots=4)
     a, b = call("a", {"input_ids": prompt(7, 1)}), call("b", {"input_ids": prompt(9, 2)})
