@@ -179,6 +179,8 @@ class KVCacheEngine(Component):
         self.prefill_gather_s = float(prefill_gather_s)
         self._first_seen: dict[str, float] = {}
         """Request id -> when a prompt held by ``_gathering`` was first handed over."""
+        self._gathered = False
+        """The last turn held prompts back to gather more (``pending``: the worker polls instead of sleeping)."""
         self._launched: list[_Launched] = []
         """Prefill batches launched in earlier turns whose tokens the host has not taken yet (``prefill_in_flight``)."""
         self._held: set[str] = set()
@@ -232,7 +234,8 @@ class KVCacheEngine(Component):
             for i, _ in prefill:
                 self._hold(calls[i].request_id)
             prefill = []
-        if prefill and self._gathering([calls[i].request_id for i, _ in prefill], busy=bool(decode)):
+        self._gathered = bool(prefill) and self._gathering([calls[i].request_id for i, _ in prefill], busy=bool(decode))
+        if self._gathered:
             prefill = []
         groups = self._prefill_groups(prefill)
         launched = self._launch_prefills([[calls[i] for i, _ in g] for g in groups],
@@ -310,7 +313,10 @@ class KVCacheEngine(Component):
         return True
 
     def pending(self) -> bool:
-        return any(len(batch.dropped) < len(batch.calls) for batch in self._launched)
+        # gathering: nothing wakes the worker when the burst is over, so it must hand the prompts over again soon (on
+        # its socket's idle wait, 20 ms, a lone prompt's TTFT rose ~60 ms on the CPU P/D pair)
+        return (self._gathered and bool(self._first_seen)) or \
+            any(len(batch.dropped) < len(batch.calls) for batch in self._launched)
 
     def release(self, request_id: str) -> None:
         self._held.discard(request_id)

@@ -533,12 +533,12 @@ def test_an_idle_engine_gathers_a_burst_of_prompts_into_one_forward(model: Llama
                           max_seq_len=64)
     eng = KVCacheEngine("LLM", model, cache, torch.device("cpu"), prefill_gather_s=0.003)
     a, b, c = (call(rid, {"input_ids": prompt(n, i)}) for i, (rid, n) in enumerate([("a", 7), ("b", 12), ("c", 3)]))
-    assert eng.run_batch([a]) == [None]
+    assert eng.run_batch([a]) == [None] and eng.pending()  # the worker hands it over again soon, not when woken
     now[0] += 0.002
     assert eng.run_batch([a, b]) == [None, None]  # b came 2 ms after a: more may follow
     now[0] += 0.0031
     first = eng.run_batch([a, b])  # nothing new for 3.1 ms: both go, in one forward
-    assert None not in first and eng.prefill_batches == 1
+    assert None not in first and eng.prefill_batches == 1 and not eng.pending()
     want = engine(model).run_batch([call(rid, {"input_ids": prompt(n, i)})
                                     for i, (rid, n) in enumerate([("a", 7), ("b", 12)])])
     assert [int(r.outputs["token"]) for r in first] == [int(r.outputs["token"]) for r in want]
