@@ -19,10 +19,6 @@ from mstar_dist.graph.model import CompositeModel, RequestState, WalkStep
 from mstar_dist.graph.nodes import EMIT_TO_CLIENT, Edge, GraphNode, Loop, Section
 
 LLM = "LLM"
-CPU_GATHER_MS = 5.0
-"""``prefill_gather_ms`` on a CPU: a prefill forward takes a tenth of a second or more there, so waiting 5 ms for the
-rest of a burst costs a lone prompt little and spares the burst a forward or two (docs/architecture.md §8). On a GPU
-a prefill takes ~2 ms: no gathering by default."""
 DECODE_LOOP = "decode"
 MAX_DECODE_ITERS = 1 << 20
 
@@ -42,7 +38,8 @@ class LlamaChat(CompositeModel):
     it ends; default true: on one H200 it lowered TTFT at 32 and 64 streams in every round, docs/architecture.md §8),
     ``decode_yields`` (with ``prefill_in_flight``: no new decode step starts while a prefill is on the GPU, once per
     prefill batch; default false), ``prefill_gather_ms`` (an idle engine holds prompts back while more keep coming at
-    most that many ms apart, so a burst goes as one forward; default ``CPU_GATHER_MS`` on a CPU, 0 on CUDA)."""
+    most that many ms apart, so a burst goes as one forward; default 0: on the 2-core VM's P/D pair 20 ms raised the
+    8-stream tok/s in every round but the 1-stream runs came out slower as often, docs/architecture.md §8)."""
 
     name = "llama"
     tp_nodes = frozenset({LLM})
@@ -129,7 +126,7 @@ class LlamaChat(CompositeModel):
                              prefill_gather_s=self._gather_ms(device) / 1000)
 
     def _gather_ms(self, device: str) -> float:
-        value = self.model_kwargs.get("prefill_gather_ms", 0.0 if device.startswith("cuda") else CPU_GATHER_MS)
+        value = self.model_kwargs.get("prefill_gather_ms", 0.0)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
             raise ValueError(f"model_kwargs.prefill_gather_ms must be a number of milliseconds >= 0, got {value!r}")
         return float(value)
