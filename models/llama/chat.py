@@ -123,9 +123,9 @@ class LlamaChat(CompositeModel):
                              prefill_stream=bool(self.model_kwargs.get("prefill_stream", True)),
                              prefill_in_flight=in_flight,
                              decode_yields=bool(self.model_kwargs.get("decode_yields", False)),
-                             prefill_gather_s=self._gather_ms(device) / 1000)
+                             prefill_gather_s=self._gather_ms() / 1000)
 
-    def _gather_ms(self, device: str) -> float:
+    def _gather_ms(self) -> float:
         value = self.model_kwargs.get("prefill_gather_ms", 0.0)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
             raise ValueError(f"model_kwargs.prefill_gather_ms must be a number of milliseconds >= 0, got {value!r}")

@@ -210,7 +210,7 @@ class PrefillGraphs:
                     logits = self._forward(ids, slots, last)
             self._captured[(rows, length)] = _CapturedPrefill(graph, inputs, ids, slots, last, logits)
         pad = torch.zeros(1, dtype=torch.long)
-        for bucket in self.buckets:  # each bucket's pinned staging buffer, and its first replay (``_replay_once``)
+        for bucket in self.buckets:  # each bucket's pinned staging buffer and first replay (why: ``_replay_once``)
             self.logits([pad], [self.scratch], bucket)
         torch.cuda.synchronize(device)
 
