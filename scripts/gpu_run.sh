@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # GPU runs on the device machine (torch + NCCL preinstalled, no network). Usage, from the repo root there:
 #   bash scripts/gpu_run.sh STEP...      STEP: tests | gpu | tpstop | serving | pd | pace | pace2 | ttft | ttftrace | profile | edges | split |
-#                                        composite | speech | image | twohost | soak | h11 | parserab | intakes48 | yieldab |
+#                                        composite | speech | image | twohost | soak | h11 | parserab | intakes48 |
 #                                        prefillab | engine | ttftab | treeab | intakeab |
 #                                        overlap | streamab | clientab | intaketrace | prefillbench |
-#                                        inflightab | firstuse
+#                                        knobab | firstuse
 # Needs, carried from the dev machine (bash scripts/gpu_prepare.sh makes both): .whl/ (wheels the GPU image lacks: fastapi, starlette, pydantic(-core),
 # annotated-types, typing-inspection, opentelemetry-api, uvicorn, httptools, pyzmq, msgspec, py-spy) and .ckpt/smol-shape (config +
 # tokenizer of SmolLM2-135M; a random same-shaped checkpoint is generated there). Results go to $OUT (or bench/results).
@@ -26,10 +26,6 @@ python3 -c "import torch; print('torch', torch.__version__, 'nccl', torch.cuda.n
 intakes_config() {  # /tmp/smollm2_single_intakes.yaml: the single rank with $1 HTTP intake processes
   sed "s/server: {host: 127.0.0.1, port: 8000}/server: {host: 127.0.0.1, port: 8000, http_processes: $1}/" \
     launch/configs/smollm2_single.yaml > /tmp/smollm2_single_intakes.yaml
-}
-in_flight_config() {  # /tmp/smollm2_single_intakes_in_flight.yaml: that one with model_kwargs.prefill_in_flight
-  { cat /tmp/smollm2_single_intakes.yaml; echo "model_kwargs: {prefill_in_flight: true}"; } \
-    > /tmp/smollm2_single_intakes_in_flight.yaml
 }
 tag=""  # appended to the result names of ttft, ttftrace and profile once the h11 step has run
 for step in "$@"; do
@@ -123,16 +119,22 @@ for step in "$@"; do
                --max-tokens 256 --no-hf --no-eager-bare --streams ${STREAMS:-1 32} \
                --config /tmp/smollm2_single_intakes.yaml:1 --config /tmp/smollm2_single_intakes_onestream.yaml:1 \
                --out "$out/serving_h200_prefill_stream$tag.json" 2>&1 | tail -45 ;;
-    inflightab) # the single rank with ${INTAKES:-4} intakes, prefills left in flight while the rank's loop goes on
-             # (model_kwargs.prefill_in_flight) against each turn waiting for its prefills (the default), side by side,
-             # ${ROUNDS:-3} rounds at ${STREAMS:-1 32 64}; REQUESTS_PER_STREAM=K: K requests per client stream
+    knobab)  # the single rank with ${INTAKES:-4} intakes and model_kwargs {$KNOB} (e.g. KNOB="decode_in_flight: true")
+             # against the defaults, side by side, ${ROUNDS:-3} rounds at ${STREAMS:-1 32 64} (REQUESTS_PER_STREAM=K: K
+             # requests per client stream), into serving_h200_knob_${NAME:-ab}.json; then (TRACE=1) the phase trace of
+             # the knob's deployment at 1 and 32 streams
              intakes_config "${INTAKES:-4}"
-             in_flight_config
+             { cat /tmp/smollm2_single_intakes.yaml; echo "model_kwargs: {${KNOB:?KNOB=\"key: value\"}}"; } \
+               > /tmp/smollm2_single_intakes_knob.yaml
              timeout 540 python3 scripts/bench_serving.py --device cuda --model llama --rounds "${ROUNDS:-3}" \
                --max-tokens 256 --no-hf --no-eager-bare --streams ${STREAMS:-1 32 64} \
                ${REQUESTS_PER_STREAM:+--requests-per-stream $REQUESTS_PER_STREAM} \
-               --config /tmp/smollm2_single_intakes_in_flight.yaml:1 --config /tmp/smollm2_single_intakes.yaml:1 \
-               --out "$out/serving_h200_prefill_in_flight$tag.json" 2>&1 | grep -A8 '"median_tok_s"\|"ttft_median_s"' ;;
+               --config /tmp/smollm2_single_intakes_knob.yaml:1 --config /tmp/smollm2_single_intakes.yaml:1 \
+               --out "$out/serving_h200_knob_${NAME:-ab}$tag.json" 2>&1 | grep -A8 '"median_tok_s"\|"ttft_median_s"'
+             [ "${TRACE:-0}" = 0 ] || timeout 150 python3 scripts/ttft_trace.py --device cuda --model llama --max-tokens 256 \
+               --streams 1 32 ${REQUESTS_PER_STREAM:+--requests-per-stream $REQUESTS_PER_STREAM} \
+               --config /tmp/smollm2_single_intakes_knob.yaml:1 --out "$out/ttft_trace_h200_knob_${NAME:-ab}$tag.json" 2>&1 \
+               | grep -v "^W1\|^  \|Traceback\|^torch\|File " | tail -45 ;;
     clientab) # the single rank with ${INTAKES:-4} intakes measured by bench_serving's asyncio client against its
              # thread-per-stream client (the one of earlier sessions), alternating, ${PAIRS:-2} pairs at ${STREAMS:-1 32};
              # then the phase trace with the asyncio client (TRACE=0 skips it)
@@ -149,19 +151,14 @@ for step in "$@"; do
                --streams 1 32 --config /tmp/smollm2_single_intakes.yaml:1 --out "$out/ttft_trace_h200_async_client$tag.json" \
                --events-out "$out/ttft_trace_h200_async_client$tag.events.jsonl" 2>&1 \
                | grep -v "^W1\|^  \|Traceback\|^torch\|File " | tail -45 ;;
-    intaketrace) # the phase trace of the single rank with ${INTAKES:-4} intakes at 1 and 32 streams (INFLIGHT=1:
-             # with model_kwargs.prefill_in_flight, the default since the fourteenth session; REQUESTS_PER_STREAM=K: K
-             # requests per client stream), then (with ALSO8=1) tok/s and TTFT with 8 intakes, one round
+    intaketrace) # the phase trace of the single rank with ${INTAKES:-4} intakes at 1 and 32 streams
+             # (REQUESTS_PER_STREAM=K: K requests per client stream), then (with ALSO8=1) tok/s and TTFT with 8 intakes,
+             # one round (knobab TRACE=1 traces a deployment with other model_kwargs)
              intakes_config "${INTAKES:-4}"
-             trace_cfg=/tmp/smollm2_single_intakes.yaml trace_tag=""
-             if [ "${INFLIGHT:-0}" = 1 ]; then
-               in_flight_config
-               trace_cfg=/tmp/smollm2_single_intakes_in_flight.yaml trace_tag=_in_flight
-             fi
              timeout 150 python3 scripts/ttft_trace.py --device cuda --model llama --max-tokens 256 --streams 1 32 \
                ${REQUESTS_PER_STREAM:+--requests-per-stream $REQUESTS_PER_STREAM} \
-               --config "$trace_cfg:1" --out "$out/ttft_trace_h200_intakes${INTAKES:-4}$trace_tag$tag.json" \
-               --events-out "$out/ttft_trace_h200_intakes${INTAKES:-4}$trace_tag$tag.events.jsonl" 2>&1 \
+               --config /tmp/smollm2_single_intakes.yaml:1 --out "$out/ttft_trace_h200_intakes${INTAKES:-4}$tag.json" \
+               --events-out "$out/ttft_trace_h200_intakes${INTAKES:-4}$tag.events.jsonl" 2>&1 \
                | grep -v "^W1\|^  \|Traceback\|^torch\|File " | tail -45
              if [ "${ALSO8:-0}" = 1 ]; then
                intakes_config 8
@@ -169,17 +166,6 @@ for step in "$@"; do
                  --no-hf --no-eager-bare --streams 1 32 --config /tmp/smollm2_single_intakes.yaml:1 \
                  --out "$out/serving_h200_intakes8_async$tag.json" 2>&1 | grep -A3 '"median_tok_s"\|"ttft_median_s"'
              fi ;;
-    yieldab) # the single rank with ${INTAKES:-4} intakes, decode steps yielding to prefills on the GPU
-             # (model_kwargs.decode_yields) against not, side by side, ${ROUNDS:-2} rounds at ${STREAMS:-1 32 64}
-             # (REQUESTS_PER_STREAM=K: K requests per client stream)
-             intakes_config "${INTAKES:-4}"
-             { cat /tmp/smollm2_single_intakes.yaml; echo "model_kwargs: {decode_yields: true}"; } \
-               > /tmp/smollm2_single_intakes_yields.yaml
-             timeout 540 python3 scripts/bench_serving.py --device cuda --model llama --rounds "${ROUNDS:-2}" \
-               --max-tokens 256 --no-hf --no-eager-bare --streams ${STREAMS:-1 32 64} \
-               ${REQUESTS_PER_STREAM:+--requests-per-stream $REQUESTS_PER_STREAM} \
-               --config /tmp/smollm2_single_intakes_yields.yaml:1 --config /tmp/smollm2_single_intakes.yaml:1 \
-               --out "$out/serving_h200_decode_yields$tag.json" 2>&1 | grep -A8 '"median_tok_s"\|"ttft_median_s"' ;;
     intakes48) # the single rank with 4 against 8 HTTP intake processes, side by side, ${ROUNDS:-2} rounds at
              # ${STREAMS:-1 32 64} streams (REQUESTS_PER_STREAM=K: K requests per client stream)
              intakes_config 8 && mv /tmp/smollm2_single_intakes.yaml /tmp/smollm2_single_intakes8.yaml

@@ -39,14 +39,17 @@ class LlamaChat(CompositeModel):
     ``decode_yields`` (with ``prefill_in_flight``: no new decode step starts while a prefill is on the GPU, once per
     prefill batch; default false), ``prefill_gather_ms`` (an idle engine holds prompts back while more keep coming at
     most that many ms apart, so a burst goes as one forward; default 0: on the 2-core VM's P/D pair 20 ms raised the
-    8-stream tok/s in every round but the 1-stream runs came out slower as often, docs/architecture.md §8)."""
+    8-stream tok/s in every round but the 1-stream runs came out slower as often, docs/architecture.md §8),
+    ``decode_in_flight`` (with ``prefill_in_flight``: the rank's loop does not wait for a decode step's tokens either,
+    and reads its socket while the step is on the GPU; default false)."""
 
     name = "llama"
     tp_nodes = frozenset({LLM})
 
     def __init__(self, weights_dir: str | None, **model_kwargs: Any):
         allowed = {"dtype", "max_seq_len", "max_batch", "cuda_graphs", "prefill_token_budget", "prefill_graphs",
-                   "lookahead", "prefill_stream", "prefill_in_flight", "decode_yields", "prefill_gather_ms"}
+                   "lookahead", "prefill_stream", "prefill_in_flight", "decode_yields", "prefill_gather_ms",
+                   "decode_in_flight"}
         if unknown := set(model_kwargs) - allowed:
             raise ValueError(f"model_kwargs: unknown keys {sorted(unknown)} (allowed: {', '.join(sorted(allowed))})")
         super().__init__(weights_dir, **model_kwargs)
@@ -61,6 +64,7 @@ class LlamaChat(CompositeModel):
             raise ValueError(
                 f"model_kwargs: max_seq_len must be >= 2 and max_batch >= 1, got {self.max_seq_len}, {self.max_batch}"
             )
+        self._gather_ms()  # a bad value is the config's error, before any rank starts
         self.tokenizer = None
 
     def graphs(self) -> dict[str, Section]:
@@ -123,6 +127,7 @@ class LlamaChat(CompositeModel):
                              prefill_stream=bool(self.model_kwargs.get("prefill_stream", True)),
                              prefill_in_flight=in_flight,
                              decode_yields=bool(self.model_kwargs.get("decode_yields", False)),
+                             decode_in_flight=bool(self.model_kwargs.get("decode_in_flight", False)),
                              prefill_gather_s=self._gather_ms() / 1000)
 
     def _gather_ms(self) -> float:
