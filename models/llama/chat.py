@@ -41,7 +41,8 @@ class LlamaChat(CompositeModel):
     most that many ms apart, so a burst goes as one forward; default 0: on the 2-core VM's P/D pair 20 ms raised the
     8-stream tok/s in every round but the 1-stream runs came out slower as often, docs/architecture.md §8),
     ``decode_in_flight`` (with ``prefill_in_flight``: the rank's loop does not wait for a decode step's tokens either,
-    and reads its socket while the step is on the GPU; default false)."""
+    and reads its socket while the step is on the GPU; default false), ``decode_yield_ms`` (with ``prefill_in_flight``:
+    no new decode step starts while a prefill is on the GPU, for up to that many ms in a row; default 0)."""
 
     name = "llama"
     tp_nodes = frozenset({LLM})
@@ -49,7 +50,7 @@ class LlamaChat(CompositeModel):
     def __init__(self, weights_dir: str | None, **model_kwargs: Any):
         allowed = {"dtype", "max_seq_len", "max_batch", "cuda_graphs", "prefill_token_budget", "prefill_graphs",
                    "lookahead", "prefill_stream", "prefill_in_flight", "decode_yields", "prefill_gather_ms",
-                   "decode_in_flight"}
+                   "decode_in_flight", "decode_yield_ms"}
         if unknown := set(model_kwargs) - allowed:
             raise ValueError(f"model_kwargs: unknown keys {sorted(unknown)} (allowed: {', '.join(sorted(allowed))})")
         super().__init__(weights_dir, **model_kwargs)
@@ -64,7 +65,8 @@ class LlamaChat(CompositeModel):
             raise ValueError(
                 f"model_kwargs: max_seq_len must be >= 2 and max_batch >= 1, got {self.max_seq_len}, {self.max_batch}"
             )
-        self._gather_ms()  # a bad value is the config's error, before any rank starts
+        for key in ("prefill_gather_ms", "decode_yield_ms"):  # a bad value is the config's error, before any rank starts
+            self._ms(key)
         self.tokenizer = None
 
     def graphs(self) -> dict[str, Section]:
@@ -128,12 +130,13 @@ class LlamaChat(CompositeModel):
                              prefill_in_flight=in_flight,
                              decode_yields=bool(self.model_kwargs.get("decode_yields", False)),
                              decode_in_flight=bool(self.model_kwargs.get("decode_in_flight", False)),
-                             prefill_gather_s=self._gather_ms() / 1000)
+                             decode_yield_s=self._ms("decode_yield_ms") / 1000,
+                             prefill_gather_s=self._ms("prefill_gather_ms") / 1000)
 
-    def _gather_ms(self) -> float:
-        value = self.model_kwargs.get("prefill_gather_ms", 0.0)
+    def _ms(self, key: str) -> float:
+        value = self.model_kwargs.get(key, 0.0)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-            raise ValueError(f"model_kwargs.prefill_gather_ms must be a number of milliseconds >= 0, got {value!r}")
+            raise ValueError(f"model_kwargs.{key} must be a number of milliseconds >= 0, got {value!r}")
         return float(value)
 
     def _load_model(self, device: str, dtype: torch.dtype, tp):

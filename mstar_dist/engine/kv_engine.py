@@ -138,7 +138,7 @@ class KVCacheEngine(Component):
                  cuda_graphs: bool = False, logit_bias: torch.Tensor | None = None,
                  prefill_token_budget: int = 4096, lookahead: bool | None = None, prefill_graphs: bool = False,
                  prefill_stream: bool = True, prefill_in_flight: bool = False, decode_yields: bool = False,
-                 prefill_gather_s: float = 0.0, decode_in_flight: bool = False):
+                 prefill_gather_s: float = 0.0, decode_in_flight: bool = False, decode_yield_s: float = 0.0):
         """With ``cuda_graphs`` (CUDA only) decode steps replay captured graphs; the cache must hold one slot
         more than the batch: it is kept as the padding rows' scratch slot. ``logit_bias`` (V,) is added to every
         row's logits before sampling (``-inf`` forbids a token: e.g. a speech LLM restricted to audio codes).
@@ -153,7 +153,7 @@ class KVCacheEngine(Component):
         GPU and finishes them in a later turn (see ``run_batch``); TP members must not use it (a leader and its
         followers would see a batch end in different turns and launch different batches). ``decode_yields`` (with
         ``prefill_in_flight``): no new decode step starts while a prefill is on the GPU, once per prefill batch
-        (``_yields_to_prefill``). ``prefill_gather_s``: an engine with nothing else to run holds prompts back while
+        (``_yields_to_prefill``); with ``decode_yield_s`` > 0 instead for up to that long in a row. ``prefill_gather_s``: an engine with nothing else to run holds prompts back while
         more keep coming, up to that long apart (``_gathering``). ``decode_in_flight`` (with ``prefill_in_flight`` and
         lookahead): a turn does not wait for a decode step's tokens either (``_defer_take``)."""
         self.name = name
@@ -188,7 +188,12 @@ class KVCacheEngine(Component):
         self._side = torch.cuda.Stream(device, priority=-1) \
             if self.lookahead and prefill_stream and device.type == "cuda" else None
         self.prefill_in_flight = bool(prefill_in_flight)
-        self.decode_yields = bool(decode_yields) and self.prefill_in_flight
+        if decode_yield_s < 0:
+            raise ValueError(f"decode_yield_s must be >= 0, got {decode_yield_s}")
+        self.decode_yield_s = float(decode_yield_s)
+        self.decode_yields = (bool(decode_yields) or self.decode_yield_s > 0) and self.prefill_in_flight
+        self._yield_since: float | None = None
+        """When the decode rows were first held back in the current run of turns (``decode_yield_s``)."""
         self._yielded_to: _Launched | None = None
         """The prefill batch the decode rows were last held back for (``_yields_to_prefill``)."""
         self.decode_yields_count = 0
@@ -329,7 +334,17 @@ class KVCacheEngine(Component):
             return False
         on_gpu = [b for b in (*self._launched, *launched) if isinstance(b, _Launched) and not _ended(b.ready)]
         if not on_gpu:
-            self._yielded_to = None
+            self._yielded_to = self._yield_since = None
+            return False
+        if self.decode_yield_s > 0:  # held for up to decode_yield_s in a row, then one step runs and a new hold begins
+            now = time.monotonic()
+            if self._yield_since is None:
+                self._yield_since = now
+                self.decode_yields_count += 1
+                return True
+            if now - self._yield_since < self.decode_yield_s:
+                return True
+            self._yield_since = None
             return False
         if self._yielded_to is not None and self._yielded_to not in on_gpu:
             self._yielded_to = None  # held for the batch before this one: the step runs now, beside it

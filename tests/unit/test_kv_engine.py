@@ -8,6 +8,7 @@ slot is lost instead of retried, or one bad prompt fails the others in its batch
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -520,6 +521,42 @@ def test_decode_steps_yield_to_each_prefill_batch_on_the_gpu_once_and_are_never_
         int(tok_a2[0].outputs["token"])
 
 
+def test_decode_steps_yield_to_prefills_on_the_gpu_for_at_most_decode_yield_s_in_a_row(model: Llama,
+                                                                                        monkeypatch) -> None:
+    """With ``decode_yield_s`` decode rows are held back while any prefill is on the GPU, across batches, but never
+    longer than that in a row: then one step runs beside the prefills and a new hold begins. Their tokens are those of
+    an engine that never holds them."""
+    import mstar_dist.engine.kv_engine as kv
+
+    now = [100.0]
+    monkeypatch.setattr(kv.time, "monotonic", lambda: now[0])
+    cache = StaticKVCache(n_layers=CFG.n_layers, n_kv_heads=CFG.n_kv_heads, head_dim=CFG.head_dim, max_slots=8,
+                          max_seq_len=64)
+    eng = KVCacheEngine("LLM", model, cache, torch.device("cpu"), prefill_in_flight=True, decode_yield_s=0.010)
+    gpu = GpuClock(eng)
+    step_a, b, tok_a = decoding_a_and_prompt_b(eng, gpu)
+    assert eng.run_batch([step_a, b]) == [None, None] and eng.steps == 0  # b on the GPU: a's step is held
+    gpu.end(1)
+    c = call("c", {"input_ids": prompt(4, 3)})
+    out = eng.run_batch([step_a, b, c])  # b's token; c launched; a still held (c is on the GPU now)
+    assert out[0] is None and out[1] is not None and out[2] is None and eng.steps == 0
+    now[0] += 0.009
+    assert eng.run_batch([step_a, c]) == [None, None] and eng.steps == 0  # 9 ms held: still within the 10
+    now[0] += 0.002
+    ran = eng.run_batch([step_a, c])  # 11 ms: a's step runs beside c's prefill
+    assert ran[0] is not None and ran[1] is None and eng.steps == 1
+    step_a2 = call("a", {"token": ran[0].outputs["token"]})
+    assert eng.run_batch([step_a2, c]) == [None, None]  # and a new hold begins
+    gpu.end(2)  # c's prefill
+    assert eng.run_batch([step_a2, c])[1] is not None
+    assert eng.run_batch([step_a2])[0] is not None and eng.steps == 2 and eng.stats()["decode_yields_total"] == 2
+    ref = engine(model)
+    want = generate(ref, [call("a", {"input_ids": prompt(7, 1)})], steps=1)["a"]
+    assert [int(tok_a), int(ran[0].outputs["token"])] == want
+    with pytest.raises(ValueError, match="decode_yield_s must be >= 0"):
+        KVCacheEngine("LLM", model, cache, torch.device("cpu"), prefill_in_flight=True, decode_yield_s=-1)
+
+
 def test_a_turn_does_not_wait_for_a_decode_step_and_launches_a_prompt_that_comes_meanwhile(model: Llama) -> None:
     """With ``decode_in_flight`` a turn that launches the next decode step returns without waiting for this one's
     tokens (its rows answered None, the engine pending), so a prompt that reaches the rank while the step is on the GPU
@@ -683,8 +720,8 @@ def test_on_cuda_turns_that_do_not_wait_for_decode_steps_give_the_tokens_of_turn
     def run(eng: KVCacheEngine, stall: bool) -> dict[str, list[int]]:
         out: dict[str, list[int]] = {}
         waiting = [call("a", {"input_ids": prompt(9, 1)}), call("b", {"input_ids": prompt(4, 2)})]
-        turns = 0
-        while waiting and turns < 10_000:  # the worker's loop: unanswered calls are handed over again
+        turns, deadline = 0, time.monotonic() + 60
+        while waiting and time.monotonic() < deadline:  # the worker's loop: unanswered calls are handed over again
             turns += 1
             if stall and turns in (4, 9):
                 torch.cuda._sleep(100_000_000)  # the GPU is busy: the step launched next is not done by the next turn
@@ -701,7 +738,7 @@ def test_on_cuda_turns_that_do_not_wait_for_decode_steps_give_the_tokens_of_turn
                 if len(toks) < 6:
                     later.append(call(c.request_id, {"token": r.outputs["token"]}))
             waiting = later
-        assert not waiting, "the engine never answered"
+        assert not waiting, f"the engine answered nothing to {waiting} in 60 s ({turns} turns)"
         return out
 
     want = run(cuda_engine(gpu, lookahead=True, prefill_graphs=True, prefill_in_flight=True), stall=False)

@@ -74,12 +74,13 @@ def test_smollm2_prepares_only_its_default_path(tmp_path):
 def test_bad_llama_knobs_are_errors_naming_the_key_before_any_rank_builds_an_engine(tmp_path):
     """The family checks its model_kwargs when it is made (every rank makes it before loading weights), so a typo or
     a negative wait is one error naming the key, not a traceback from each rank's engine after its weights loaded."""
-    for bad in (-1, "5", True):
-        with pytest.raises(ValueError, match=rf"model_kwargs.prefill_gather_ms .*got {bad!r}"):
-            SmolLM2Chat(str(tmp_path), prefill_gather_ms=bad)
+    for key in ("prefill_gather_ms", "decode_yield_ms"):
+        for bad in (-1, "5", True):
+            with pytest.raises(ValueError, match=rf"model_kwargs.{key} .*got {bad!r}"):
+                SmolLM2Chat(str(tmp_path), **{key: bad})
     with pytest.raises(ValueError, match=r"model_kwargs: unknown keys \['prefill_gather_s'\]"):
         SmolLM2Chat(str(tmp_path), prefill_gather_s=5)
-    assert SmolLM2Chat(str(tmp_path), prefill_gather_ms=5, decode_in_flight=True)._gather_ms() == 5.0
+    assert SmolLM2Chat(str(tmp_path), prefill_gather_ms=5, decode_in_flight=True)._ms("prefill_gather_ms") == 5.0
 
 
 def test_a_port_in_use_is_an_error_naming_it_and_a_reserved_port_serves():
