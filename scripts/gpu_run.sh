@@ -121,14 +121,15 @@ for step in "$@"; do
                --out "$out/serving_h200_prefill_stream$tag.json" 2>&1 | tail -45 ;;
     knobab)  # the single rank with ${INTAKES:-4} intakes and model_kwargs {$KNOB} (e.g. KNOB="decode_in_flight: true")
              # against the defaults, side by side, ${ROUNDS:-3} rounds at ${STREAMS:-1 32 64} (REQUESTS_PER_STREAM=K: K
-             # requests per client stream), into serving_h200_knob_${NAME:-ab}.json; then (TRACE=1) the phase trace of
-             # the knob's deployment at 1 and 32 streams
+             # requests per client stream; SPP=N: N client streams per client process), into
+             # serving_h200_knob_${NAME:-ab}.json; then (TRACE=1) the phase trace of the knob's deployment at 1 and 32
+             # streams
              intakes_config "${INTAKES:-4}"
              { cat /tmp/smollm2_single_intakes.yaml; echo "model_kwargs: {${KNOB:?KNOB=\"key: value\"}}"; } \
                > /tmp/smollm2_single_intakes_knob.yaml
              timeout 540 python3 scripts/bench_serving.py --device cuda --model llama --rounds "${ROUNDS:-3}" \
                --max-tokens 256 --no-hf --no-eager-bare --streams ${STREAMS:-1 32 64} \
-               ${REQUESTS_PER_STREAM:+--requests-per-stream $REQUESTS_PER_STREAM} \
+               ${REQUESTS_PER_STREAM:+--requests-per-stream $REQUESTS_PER_STREAM} ${SPP:+--streams-per-process $SPP} \
                --config /tmp/smollm2_single_intakes_knob.yaml:1 --config /tmp/smollm2_single_intakes.yaml:1 \
                --out "$out/serving_h200_knob_${NAME:-ab}$tag.json" 2>&1 | grep -A8 '"median_tok_s"\|"ttft_median_s"'
              [ "${TRACE:-0}" = 0 ] || timeout 150 python3 scripts/ttft_trace.py --device cuda --model llama --max-tokens 256 \

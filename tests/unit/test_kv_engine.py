@@ -720,14 +720,16 @@ def test_on_cuda_turns_that_do_not_wait_for_decode_steps_give_the_tokens_of_turn
     def run(eng: KVCacheEngine, stall: bool) -> dict[str, list[int]]:
         out: dict[str, list[int]] = {}
         waiting = [call("a", {"input_ids": prompt(9, 1)}), call("b", {"input_ids": prompt(4, 2)})]
-        turns, deadline = 0, time.monotonic() + 60
+        turns, stalls, stepped, deadline = 0, 0, False, time.monotonic() + 60
         while waiting and time.monotonic() < deadline:  # the worker's loop: unanswered calls are handed over again
             turns += 1
-            if stall and turns in (4, 9):
-                torch.cuda._sleep(100_000_000)  # the GPU is busy: the step launched next is not done by the next turn
+            if stall and stepped and stalls < 3:  # the GPU is busy: the step this turn launches is not done by the next
+                torch.cuda._sleep(100_000_000)
+                stalls += 1
             if turns == 6:
                 waiting.append(call("c", {"input_ids": prompt(6, 3)}))
             results = eng.run_batch(waiting)
+            stepped = any(r is not None and "input_ids" not in c.inputs for c, r in zip(waiting, results))
             later = []
             for c, r in zip(waiting, results):
                 if r is None:
