@@ -137,8 +137,8 @@ class KVCacheEngine(Component):
     def __init__(self, name: str, model: torch.nn.Module, cache: StaticKVCache, device: torch.device,
                  cuda_graphs: bool = False, logit_bias: torch.Tensor | None = None,
                  prefill_token_budget: int = 4096, lookahead: bool | None = None, prefill_graphs: bool = False,
-                 prefill_stream: bool = True, prefill_in_flight: bool = False, decode_yields: bool = False,
-                 prefill_gather_s: float = 0.0, decode_in_flight: bool = False, decode_yield_s: float = 0.0):
+                 prefill_stream: bool = True, prefill_in_flight: bool = False, prefill_gather_s: float = 0.0,
+                 decode_in_flight: bool = False, decode_yield_s: float = 0.0):
         """With ``cuda_graphs`` (CUDA only) decode steps replay captured graphs; the cache must hold one slot
         more than the batch: it is kept as the padding rows' scratch slot. ``logit_bias`` (V,) is added to every
         row's logits before sampling (``-inf`` forbids a token: e.g. a speech LLM restricted to audio codes).
@@ -151,11 +151,11 @@ class KVCacheEngine(Component):
         in flight runs on a second, higher-priority CUDA stream beside it instead of queueing behind it (see
         ``_prefill_stream``). ``prefill_in_flight`` returns from a turn while its prefills are on the
         GPU and finishes them in a later turn (see ``run_batch``); TP members must not use it (a leader and its
-        followers would see a batch end in different turns and launch different batches). ``decode_yields`` (with
-        ``prefill_in_flight``): no new decode step starts while a prefill is on the GPU, once per prefill batch
-        (``_yields_to_prefill``); with ``decode_yield_s`` > 0 instead for up to that long in a row. ``prefill_gather_s``: an engine with nothing else to run holds prompts back while
+        followers would see a batch end in different turns and launch different batches). ``decode_yield_s`` (with
+        ``prefill_in_flight``): no new decode step starts while a prefill is on the GPU, for up to that long in a row
+        (``_yields_to_prefill``). ``prefill_gather_s``: an engine with nothing else to run holds prompts back while
         more keep coming, up to that long apart (``_gathering``). ``decode_in_flight`` (with ``prefill_in_flight`` and
-        lookahead): a turn does not wait for a decode step's tokens either (``_defer_take``)."""
+        lookahead): a turn does not wait for a decode step's tokens either (``_take``)."""
         self.name = name
         self.logit_bias = None if logit_bias is None else logit_bias.to(device, torch.float32)
         self.model = model
@@ -191,11 +191,9 @@ class KVCacheEngine(Component):
         if decode_yield_s < 0:
             raise ValueError(f"decode_yield_s must be >= 0, got {decode_yield_s}")
         self.decode_yield_s = float(decode_yield_s)
-        self.decode_yields = (bool(decode_yields) or self.decode_yield_s > 0) and self.prefill_in_flight
+        self.decode_yields = self.decode_yield_s > 0 and self.prefill_in_flight
         self._yield_since: float | None = None
-        """When the decode rows were first held back in the current run of turns (``decode_yield_s``)."""
-        self._yielded_to: _Launched | None = None
-        """The prefill batch the decode rows were last held back for (``_yields_to_prefill``)."""
+        """When the decode rows were first held back in the current run of turns (``_yields_to_prefill``)."""
         self.decode_yields_count = 0
         self.decode_in_flight = bool(decode_in_flight) and self.prefill_in_flight and self.lookahead
         self._untaken: _Untaken | None = None
@@ -324,35 +322,27 @@ class KVCacheEngine(Component):
         return now - max(seen) < self.prefill_gather_s and now - min(seen) < 10 * self.prefill_gather_s
 
     def _yields_to_prefill(self, launched: list) -> bool:
-        """With ``decode_yields``: hold this turn's decode rows back (None) while a prefill batch is on the GPU, so it
-        has the GPU to itself but for the step already in flight. Two latency-bound graphs share the GPU rather than
-        overlap: at 32 streams on one H200 a prefill in flight took 4.8 ms (median) from launch to tokens, sharing it
-        with decode steps launched meanwhile, against 2.1 ms alone. Once per batch: a decode step that was held for one
-        batch runs beside the next, so a train of prefills during a burst of arrivals cannot starve the decoding rows
-        (their step waits at most one prefill at a time)."""
+        """With ``decode_yield_s``: hold this turn's decode rows back (None) while a prefill batch is on the GPU, so the
+        prefills share the GPU only with the step already in flight, but never longer than ``decode_yield_s`` in a row:
+        then one step runs beside them and a new hold begins, so a train of prefills during a burst of arrivals slows
+        the decoding requests without stopping them. Two latency-bound graphs share the GPU rather than overlap: at 32
+        streams on one H200 a prefill took 4.8 ms (median) from launch to tokens beside the decode steps launched
+        meanwhile, against 2.1 ms alone, and 3.7 ms with decode rows held up to 8 ms
+        (bench/results/ttft_trace_h200_intakes4_s14.json, ttft_trace_h200_knob_yield8_in_flight_s15.json)."""
         if not self.decode_yields:
             return False
-        on_gpu = [b for b in (*self._launched, *launched) if isinstance(b, _Launched) and not _ended(b.ready)]
-        if not on_gpu:
-            self._yielded_to = self._yield_since = None
-            return False
-        if self.decode_yield_s > 0:  # held for up to decode_yield_s in a row, then one step runs and a new hold begins
-            now = time.monotonic()
-            if self._yield_since is None:
-                self._yield_since = now
-                self.decode_yields_count += 1
-                return True
-            if now - self._yield_since < self.decode_yield_s:
-                return True
+        if not any(isinstance(b, _Launched) and not _ended(b.ready) for b in (*self._launched, *launched)):
             self._yield_since = None
             return False
-        if self._yielded_to is not None and self._yielded_to not in on_gpu:
-            self._yielded_to = None  # held for the batch before this one: the step runs now, beside it
-            return False
-        if self._yielded_to is None:
+        now = time.monotonic()
+        if self._yield_since is None:
+            self._yield_since = now
             self.decode_yields_count += 1
-        self._yielded_to = on_gpu[0]
-        return True
+            return True
+        if now - self._yield_since < self.decode_yield_s:
+            return True
+        self._yield_since = None
+        return False
 
     def pending(self) -> bool:
         # gathering: nothing wakes the worker when the burst is over, so it must hand the prompts over again soon (on

@@ -399,12 +399,12 @@ class GpuClock:
         self.events[k].ended = True
 
 
-def in_flight_engine(model: Llama, slots: int = 8, lookahead: bool = False, decode_yields: bool = False,
+def in_flight_engine(model: Llama, slots: int = 8, lookahead: bool = False,
                      decode_in_flight: bool = False) -> tuple[KVCacheEngine, GpuClock]:
     cache = StaticKVCache(n_layers=CFG.n_layers, n_kv_heads=CFG.n_kv_heads, head_dim=CFG.head_dim, max_slots=slots,
                           max_seq_len=64)
     eng = KVCacheEngine("LLM", model, cache, torch.device("cpu"), prefill_in_flight=True, lookahead=lookahead,
-                        decode_yields=decode_yields, decode_in_flight=decode_in_flight)
+                        decode_in_flight=decode_in_flight)
     return eng, GpuClock(eng)
 
 
@@ -490,35 +490,6 @@ def test_a_lookahead_step_queued_behind_a_prefill_in_flight_is_not_waited_for(mo
     assert int(ref.run_batch([call("a", {"token": ref_a})])[0].outputs["token"]) == int(tok_a2)
     assert int(ref.run_batch([call("b", {"input_ids": prompt(5, 2)})])[0].outputs["token"]) == \
         int(out[1].outputs["token"])
-
-
-def test_decode_steps_yield_to_each_prefill_batch_on_the_gpu_once_and_are_never_held_for_two_in_a_row(
-        model: Llama) -> None:
-    """With ``decode_yields`` no decode step starts while a prefill is on the GPU (it would share the GPU and slow the
-    first tokens down), but a step held for one batch runs beside the next one: a train of prefills during a burst of
-    arrivals cannot stop the decoding requests. Their tokens are those of an engine that never holds them."""
-    eng, gpu = in_flight_engine(model, decode_yields=True)
-    step_a, b, tok_a = decoding_a_and_prompt_b(eng, gpu)
-    assert eng.run_batch([step_a, b]) == [None, None] and eng.steps == 0  # b on the GPU: a's step waits for it
-    assert eng.run_batch([step_a, b]) == [None, None] and eng.steps == 0
-    c = call("c", {"input_ids": prompt(4, 3)})
-    assert eng.run_batch([step_a, b, c]) == [None, None, None]  # c is held until b's batch ends
-    gpu.end(1)
-    out = eng.run_batch([step_a, b, c])  # b's token out, c launched; a's step waits this turn (first tokens first)
-    assert out[0] is None and out[1] is not None and out[2] is None and eng.steps == 0
-    tok_a2 = eng.run_batch([step_a, c])  # held once already: a's step runs beside c's batch
-    assert tok_a2[0] is not None and tok_a2[1] is None and eng.steps == 1
-    step_a2 = call("a", {"token": tok_a2[0].outputs["token"]})
-    assert eng.run_batch([step_a2, c]) == [None, None] and eng.steps == 1  # and then yields to c's batch
-    gpu.end(2)
-    assert eng.run_batch([step_a2, c])[1] is not None
-    assert eng.run_batch([step_a2])[0] is not None and eng.steps == 2
-    assert eng.stats()["decode_yields_total"] == 2
-    ref = engine(model)
-    ref_a = ref.run_batch([call("a", {"input_ids": prompt(7, 1)})])[0].outputs["token"]
-    assert int(ref_a) == int(tok_a)
-    assert int(ref.run_batch([call("a", {"token": ref_a})])[0].outputs["token"]) == \
-        int(tok_a2[0].outputs["token"])
 
 
 def test_decode_steps_yield_to_prefills_on_the_gpu_for_at_most_decode_yield_s_in_a_row(model: Llama,
