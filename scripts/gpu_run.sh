@@ -119,7 +119,7 @@ for step in "$@"; do
                --max-tokens 256 --no-hf --no-eager-bare --streams ${STREAMS:-1 32} \
                --config /tmp/smollm2_single_intakes.yaml:1 --config /tmp/smollm2_single_intakes_onestream.yaml:1 \
                --out "$out/serving_h200_prefill_stream$tag.json" 2>&1 | tail -45 ;;
-    knobab)  # the single rank with ${INTAKES:-4} intakes and model_kwargs {$KNOB} (e.g. KNOB="decode_in_flight: true")
+    knobab)  # the single rank with ${INTAKES:-4} intakes and model_kwargs {$KNOB} (e.g. KNOB="decode_yield_ms: 0")
              # against the defaults, side by side, ${ROUNDS:-3} rounds at ${STREAMS:-1 32 64} (REQUESTS_PER_STREAM=K: K
              # requests per client stream; SPP=N: N client streams per client process), into
              # serving_h200_knob_${NAME:-ab}.json; then (TRACE=1) the phase trace of the knob's deployment at 1 and 32

@@ -42,11 +42,9 @@ class LlamaChat(CompositeModel):
     ``prefill_gather_ms`` (an idle engine holds prompts back while more keep coming at
     most that many ms apart, so a burst goes as one forward; default 0: on the 2-core VM's P/D pair 20 ms raised the
     8-stream tok/s in every round but the 1-stream runs came out slower as often, docs/architecture.md §8),
-    ``decode_in_flight`` (with ``prefill_in_flight``: the rank's loop does not wait for a decode step's tokens either,
-    and reads its socket while the step is on the GPU; default true), ``decode_yield_ms`` (with ``prefill_in_flight``:
-    no new decode step starts while a prefill is on the GPU, for up to that many ms in a row; default
-    ``DECODE_YIELD_MS``; 0 turns it off). With both, on one H200 the conductor's TTFT at 32 and 64 streams was lower
-    in every round (docs/architecture.md §8, "Decode in flight")."""
+    ``decode_yield_ms`` (with ``prefill_in_flight``: no new decode step starts while a prefill is on the GPU, for up to
+    that many ms in a row; default ``DECODE_YIELD_MS``, 0 turns it off: on one H200 the conductor's TTFT at 32 and 64
+    streams was lower with it in every round, docs/architecture.md §8, "Decode yields")."""
 
     name = "llama"
     tp_nodes = frozenset({LLM})
@@ -54,7 +52,7 @@ class LlamaChat(CompositeModel):
     def __init__(self, weights_dir: str | None, **model_kwargs: Any):
         allowed = {"dtype", "max_seq_len", "max_batch", "cuda_graphs", "prefill_token_budget", "prefill_graphs",
                    "lookahead", "prefill_stream", "prefill_in_flight", "prefill_gather_ms",
-                   "decode_in_flight", "decode_yield_ms"}
+                   "decode_yield_ms"}
         if unknown := set(model_kwargs) - allowed:
             raise ValueError(f"model_kwargs: unknown keys {sorted(unknown)} (allowed: {', '.join(sorted(allowed))})")
         super().__init__(weights_dir, **model_kwargs)
@@ -132,7 +130,6 @@ class LlamaChat(CompositeModel):
                              prefill_graphs=prefill_graphs,
                              prefill_stream=bool(self.model_kwargs.get("prefill_stream", True)),
                              prefill_in_flight=in_flight,
-                             decode_in_flight=bool(self.model_kwargs.get("decode_in_flight", True)),
                              decode_yield_s=self._ms("decode_yield_ms", DECODE_YIELD_MS) / 1000,
                              prefill_gather_s=self._ms("prefill_gather_ms") / 1000)
 

@@ -95,23 +95,6 @@ class _Ahead:
 
 
 @dataclass(eq=False)
-class _Untaken:
-    """A decode step whose rows have advanced, and whose next step is launched, but whose tokens the host has not
-    taken yet (``decode_in_flight``)."""
-
-    calls: list[NodeCall]
-    """The step's calls, each answered by its row of ``step``."""
-    rows: list[int]
-    """Each call's row in ``step``."""
-    step: _Ahead
-    """The step whose host copy holds the tokens."""
-    launched: _Ahead | None
-    """The step launched from them, whose ``inputs`` the tokens become."""
-    joined: int
-    """Rows that joined ``launched`` (after the step's own rows)."""
-
-
-@dataclass(eq=False)
 class _Launched:
     """A batched prefill queued on the device whose tokens are not on the host yet (``_launch_prefills``). Compared by
     identity (``list.remove``, ``in``): two batches are never the same one."""
@@ -138,7 +121,7 @@ class KVCacheEngine(Component):
                  cuda_graphs: bool = False, logit_bias: torch.Tensor | None = None,
                  prefill_token_budget: int = 4096, lookahead: bool | None = None, prefill_graphs: bool = False,
                  prefill_stream: bool = True, prefill_in_flight: bool = False, prefill_gather_s: float = 0.0,
-                 decode_in_flight: bool = False, decode_yield_s: float = 0.0):
+                 decode_yield_s: float = 0.0):
         """With ``cuda_graphs`` (CUDA only) decode steps replay captured graphs; the cache must hold one slot
         more than the batch: it is kept as the padding rows' scratch slot. ``logit_bias`` (V,) is added to every
         row's logits before sampling (``-inf`` forbids a token: e.g. a speech LLM restricted to audio codes).
@@ -154,8 +137,7 @@ class KVCacheEngine(Component):
         followers would see a batch end in different turns and launch different batches). ``decode_yield_s`` (with
         ``prefill_in_flight``): no new decode step starts while a prefill is on the GPU, for up to that long in a row
         (``_yields_to_prefill``). ``prefill_gather_s``: an engine with nothing else to run holds prompts back while
-        more keep coming, up to that long apart (``_gathering``). ``decode_in_flight`` (with ``prefill_in_flight`` and
-        lookahead): a turn does not wait for a decode step's tokens either (``_take``)."""
+        more keep coming, up to that long apart (``_gathering``)."""
         self.name = name
         self.logit_bias = None if logit_bias is None else logit_bias.to(device, torch.float32)
         self.model = model
@@ -195,10 +177,6 @@ class KVCacheEngine(Component):
         self._yield_since: float | None = None
         """When the decode rows were first held back in the current run of turns (``_yields_to_prefill``)."""
         self.decode_yields_count = 0
-        self.decode_in_flight = bool(decode_in_flight) and self.prefill_in_flight and self.lookahead
-        self._untaken: _Untaken | None = None
-        """The decode step launched in an earlier turn whose tokens the host has not taken yet (``decode_in_flight``)."""
-        self.decode_takes_deferred = 0
         if prefill_gather_s < 0:
             raise ValueError(f"prefill_gather_s must be >= 0, got {prefill_gather_s}")
         self.prefill_gather_s = float(prefill_gather_s)
@@ -236,8 +214,6 @@ class KVCacheEngine(Component):
         results: list[NodeResult | BaseException | None] = [None] * len(calls)
         at = {call: i for i, call in enumerate(calls)}
         on_gpu = {call for batch in self._launched for call in batch.calls}
-        if self._untaken is not None:
-            on_gpu.update(self._untaken.calls)
         prefilling = {rid for batch in self._launched for rid in batch.ids}
         decode: list[int] = []
         prefill: list[tuple[int, torch.Tensor]] = []
@@ -267,9 +243,6 @@ class KVCacheEngine(Component):
         groups = self._prefill_groups(prefill)
         launched = self._launch_prefills([[calls[i] for i, _ in g] for g in groups],
                                          [[p for _, p in g] for g in groups])
-        if self._untaken is not None:  # the decode rows come again with its tokens, or wait for them (None)
-            self._take(at, results)
-            decode = []
         # first tokens leave before this turn's decode step (the worker sends them as run_batch returns): a new
         # request's TTFT does not include the step; decode rows wait one turn, never two in a row, and when they do not
         # wait their step's host work runs while the prefills are on the GPU
@@ -327,8 +300,8 @@ class KVCacheEngine(Component):
         then one step runs beside them and a new hold begins, so a train of prefills during a burst of arrivals slows
         the decoding requests without stopping them. Two latency-bound graphs share the GPU rather than overlap: at 32
         streams on one H200 a prefill took 4.8 ms (median) from launch to tokens beside the decode steps launched
-        meanwhile, against 2.1 ms alone, and 3.7 ms with decode rows held up to 8 ms
-        (bench/results/ttft_trace_h200_intakes4_s14.json, ttft_trace_h200_knob_yield8_in_flight_s15.json)."""
+        meanwhile, against 2.1 ms alone, and 3.7 ms with decode rows held up to 8 ms (docs/architecture.md §8,
+        "Decode yields")."""
         if not self.decode_yields:
             return False
         if not any(isinstance(b, _Launched) and not _ended(b.ready) for b in (*self._launched, *launched)):
@@ -347,7 +320,7 @@ class KVCacheEngine(Component):
     def pending(self) -> bool:
         # gathering: nothing wakes the worker when the burst is over, so it must hand the prompts over again soon (on
         # its socket's idle wait, 20 ms, a lone prompt's TTFT rose ~60 ms on the CPU P/D pair)
-        return (self._gathered and bool(self._first_seen)) or self._untaken is not None or \
+        return (self._gathered and bool(self._first_seen)) or \
             any(len(batch.dropped) < len(batch.calls) for batch in self._launched)
 
     def release(self, request_id: str) -> None:
@@ -356,12 +329,6 @@ class KVCacheEngine(Component):
         seq = self._seqs.pop(request_id, None)
         if seq is not None:
             self.cache.free(seq.slot)
-        untaken = self._untaken
-        if untaken is not None and not any(c.request_id in self._seqs for c in untaken.calls):
-            # nobody takes its tokens now, and no turn may come to notice its end (``pending`` would keep the worker
-            # polling): it is over once it has stopped writing into the slots just freed
-            self._untaken = None
-            _wait_quietly(untaken.step.ready)
         for batch in self._launched:
             if request_id in batch.ids:  # on the GPU: its slot goes back when the batch is finished
                 batch.dropped.add(request_id)
@@ -381,17 +348,12 @@ class KVCacheEngine(Component):
                 "decode_rows_total": self.decode_rows, "decode_ms_total": int(self.decode_seconds * 1000),
                 "lookahead_rows_used_total": self.ahead_rows_used,
                 "lookahead_rows_dropped_total": self.ahead_rows_dropped,
-                "decode_rows_joined_total": self.joined_rows, "decode_yields_total": self.decode_yields_count,
-                "decode_takes_deferred_total": self.decode_takes_deferred}
+                "decode_rows_joined_total": self.joined_rows, "decode_yields_total": self.decode_yields_count}
 
     def close(self) -> None:
         for batch in self._launched:  # nothing may still write into the cache or the graphs' pool
             _wait_quietly(batch.ready)
         self._launched.clear()
-        for ahead in (self._ahead, self._untaken.step if self._untaken is not None else None):
-            if ahead is not None:
-                _wait_quietly(ahead.ready)
-        self._untaken = None
         if self.prefill_graphs is not None:
             self.prefill_graphs.close()
             self.prefill_graphs = None
@@ -551,12 +513,10 @@ class KVCacheEngine(Component):
 
     def _busy_slots(self) -> set[int]:
         """The slots the decode step still in flight writes (empty when none is, or it has ended)."""
-        busy: set[int] = set()
-        # a step whose tokens were not taken yet may still write the slots of rows its successor dropped
-        for ahead in (self._ahead, self._untaken.step if self._untaken is not None else None):
-            if ahead is not None and not _ended(ahead.ready):
-                busy.update(seq.slot for seq in ahead.seqs)
-        return busy
+        ahead = self._ahead
+        if ahead is None or _ended(ahead.ready):
+            return set()
+        return {seq.slot for seq in ahead.seqs}
 
     def _prefill_stream(self, busy: set[int], slots: list[int], prompts: list[torch.Tensor]
                         ) -> torch.cuda.Stream | None:
@@ -674,14 +634,6 @@ class KVCacheEngine(Component):
             tokens = step_tokens if given is None else given if step_tokens is None else torch.cat([step_tokens, given])
             self._launch_ahead([calls[i] for i in launch], [seqs[i] for i in launch], [ctxs[i] for i in launch],
                                tokens, given={len(run) + k: calls[i].inputs["token"] for k, i in enumerate(join)})
-        self.steps += bool(run)  # a launch of joining rows only is counted when they claim it
-        self.decode_rows += len(run)
-        self.joined_rows += len(join)
-        if self.decode_in_flight and claimed and not fresh and not _ended(ahead.ready):
-            self._untaken = _Untaken(calls=[calls[i] for i in run], rows=[claimed[i] for i in run], step=ahead,
-                                     launched=self._ahead, joined=len(join))
-            self.decode_takes_deferred += 1
-            return [None] * len(calls)
         # the step's device-to-host copies (the lookahead, if any, is already queued behind them)
         ids = [0] * len(calls)
         if claimed:
@@ -697,40 +649,13 @@ class KVCacheEngine(Component):
             started = [ids[i] for i in run] + [None] * len(join)
             self._ahead.inputs = [started[k] for k in self._ahead.rows]
         sampled = torch.tensor(ids, dtype=torch.long)
+        self.steps += bool(run)  # a launch of joining rows only is counted when they claim it
+        self.decode_rows += len(run)
+        self.joined_rows += len(join)
         results: list[NodeResult | BaseException | None] = [None] * len(calls)  # joining rows: retried
         for i in run:
             results[i] = NodeResult(outputs={"token": sampled[i : i + 1]}, stop=ids[i] in ctxs[i].stop_token_ids)
         return results
-
-    def _take(self, at: dict[NodeCall, int], results: list) -> None:
-        """With ``decode_in_flight``: the results of the decode step whose tokens were not taken, put where its calls
-        are in this turn's ``results``, once its copy has ended (until then its calls stay None).
-
-        A turn that waited for a decode step's tokens held the rank's loop for most of the step: at 32 streams on one
-        H200 a RunWalk sat on the rank's socket 0.96 ms (median) before the rank read it, and so before its prefill
-        could start (bench/results/ttft_trace_h200_intakes4_s14.json). The step after it is already queued on the GPU
-        (lookahead), so the GPU does not wait while the host polls: the worker keeps its loop turning while this engine
-        is ``pending``, reads the socket every turn, and launches a prompt that came the turn it comes."""
-        untaken = self._untaken
-        if not _ended(untaken.step.ready):
-            return
-        self._untaken = None
-        try:
-            ids = untaken.step.host.tolist()
-            tokens = [ids[row] for row in untaken.rows]
-        except Exception as exc:  # a failed step fails exactly its requests
-            for call in untaken.calls:
-                if call in at:
-                    results[at[call]] = exc
-            return
-        if untaken.launched is not None and untaken.launched is self._ahead:
-            started = tokens + [None] * untaken.joined
-            self._ahead.inputs = [started[k] for k in self._ahead.rows]
-        sampled = torch.tensor(tokens, dtype=torch.long)
-        for k, (call, token) in enumerate(zip(untaken.calls, tokens)):
-            i = at.get(call)
-            if i is not None:  # else its request left meanwhile
-                results[i] = NodeResult(outputs={"token": sampled[k : k + 1]}, stop=token in call.ctx.stop_token_ids)
 
     def _given_on_device(self, calls: list[NodeCall]) -> torch.Tensor:
         """The calls' input tokens as one (n,) long tensor on the device, without a stream sync. Tokens this engine

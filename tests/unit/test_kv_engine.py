@@ -8,7 +8,6 @@ slot is lost instead of retried, or one bad prompt fails the others in its batch
 
 from __future__ import annotations
 
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -399,12 +398,10 @@ class GpuClock:
         self.events[k].ended = True
 
 
-def in_flight_engine(model: Llama, slots: int = 8, lookahead: bool = False,
-                     decode_in_flight: bool = False) -> tuple[KVCacheEngine, GpuClock]:
+def in_flight_engine(model: Llama, slots: int = 8, lookahead: bool = False) -> tuple[KVCacheEngine, GpuClock]:
     cache = StaticKVCache(n_layers=CFG.n_layers, n_kv_heads=CFG.n_kv_heads, head_dim=CFG.head_dim, max_slots=slots,
                           max_seq_len=64)
-    eng = KVCacheEngine("LLM", model, cache, torch.device("cpu"), prefill_in_flight=True, lookahead=lookahead,
-                        decode_in_flight=decode_in_flight)
+    eng = KVCacheEngine("LLM", model, cache, torch.device("cpu"), prefill_in_flight=True, lookahead=lookahead)
     return eng, GpuClock(eng)
 
 
@@ -528,69 +525,6 @@ def test_decode_steps_yield_to_prefills_on_the_gpu_for_at_most_decode_yield_s_in
         KVCacheEngine("LLM", model, cache, torch.device("cpu"), prefill_in_flight=True, decode_yield_s=-1)
 
 
-def test_a_turn_does_not_wait_for_a_decode_step_and_launches_a_prompt_that_comes_meanwhile(model: Llama) -> None:
-    """With ``decode_in_flight`` a turn that launches the next decode step returns without waiting for this one's
-    tokens (its rows answered None, the engine pending), so a prompt that reaches the rank while the step is on the GPU
-    is launched at once rather than after the step; the step's tokens go out in the first turn that finds them copied.
-    Every token is that of an engine that waits for each step."""
-    eng, gpu = in_flight_engine(model, lookahead=True, decode_in_flight=True)
-    step_a, b, tok_a = decoding_a_and_prompt_b(eng, gpu)
-    first = eng.run_batch([step_a])[0]  # no lookahead step yet: this one runs at once, and its successor is launched
-    assert first is not None and eng._ahead is not None
-    step_a2 = call("a", {"token": first.outputs["token"]})
-    ahead = len(gpu.events) - 1
-    assert eng.run_batch([step_a2]) == [None] and eng.pending()  # claims the launched step, launches the next one
-    assert not gpu.events[ahead].ended  # nobody waited for it
-    assert eng.run_batch([step_a2, b]) == [None, None] and len(gpu.events) == ahead + 3  # b launched beside the step
-    assert not gpu.events[ahead].ended and eng.stats()["decode_takes_deferred_total"] == 1
-    gpu.end(ahead)
-    out = eng.run_batch([step_a2, b])
-    assert out[0] is not None and out[1] is None  # the step's token; b still on the GPU
-    gpu.end(ahead + 2)
-    got_b = eng.run_batch([b])[0]
-    step_a3 = call("a", {"token": out[0].outputs["token"]})
-    gpu.end(ahead + 1)  # a step that has ended by the turn that claims it is taken in that turn
-    tok_a4 = eng.run_batch([step_a3])[0]
-    assert tok_a4 is not None and eng.stats()["decode_takes_deferred_total"] == 1
-    ref = engine(model)
-    want = generate(ref, [call("a", {"input_ids": prompt(7, 1)})], steps=3)["a"]
-    assert [int(tok_a), int(first.outputs["token"]), int(out[0].outputs["token"]), int(tok_a4.outputs["token"])] == want
-    assert int(got_b.outputs["token"]) == int(ref.run_batch([call("b", {"input_ids": prompt(5, 2)})])[0]
-                                              .outputs["token"])
-
-
-def test_a_decode_step_not_taken_yet_neither_trips_the_context_limit_nor_outlives_its_requests(model: Llama) -> None:
-    """The rows of a step whose tokens were not taken have already advanced: their retried calls must not count that
-    position twice (a request one position short of the context would fail a step it already ran). A step whose every
-    request left is let go at once (no turn may come to take it, and the worker polls while the engine is pending),
-    and nothing of its requests is left behind."""
-    eng, gpu = in_flight_engine(model, lookahead=True, decode_in_flight=True)
-    a = call("a", {"input_ids": prompt(61, 1)})
-    eng.run_batch([a])
-    gpu.end(0)
-    token = eng.run_batch([a])[0].outputs["token"]
-    for _ in range(2):  # positions 61 and 62; the lookahead step of 63 ends up the one not taken
-        gpu.end(len(gpu.events) - 1)
-        token = eng.run_batch([call("a", {"token": token})])[0].outputs["token"]
-    last = call("a", {"token": token})
-    assert eng.run_batch([last]) == [None] and eng.pending()
-    assert eng.run_batch([last]) == [None]  # retried while on the GPU: no context-limit error
-    gpu.end(len(gpu.events) - 1)
-    assert eng.run_batch([last])[0] is not None  # position 63, the last one
-    over = eng.run_batch([call("a", {"token": token})])[0]
-    assert isinstance(over, RuntimeError) and "context limit" in str(over)
-    eng.release("a")
-    b = call("b", {"input_ids": prompt(5, 2)})
-    gpu.end(len(gpu.events) - 1)
-    eng.run_batch([b])
-    gpu.end(len(gpu.events) - 1)
-    step_b = call("b", {"token": eng.run_batch([b])[0].outputs["token"]})
-    step_b2 = call("b", {"token": eng.run_batch([step_b])[0].outputs["token"]})
-    assert eng.run_batch([step_b2]) == [None] and eng.pending()
-    eng.release("b")  # its step is still on the GPU: nobody will take it
-    assert not eng.pending() and eng.cache.num_free == 8 and eng._untaken is None
-
-
 def test_an_idle_engine_gathers_a_burst_of_prompts_into_one_forward(model: Llama, monkeypatch) -> None:
     """With ``prefill_gather_s`` an engine with nothing else to run holds prompts back while more keep coming (on a CPU
     the first of a burst went alone, the rest in one or two more forwards of a tenth of a second each): they go as one
@@ -679,42 +613,3 @@ def test_on_cuda_a_turn_returns_while_its_prefill_replays_and_the_next_prompts_s
     assert got == want
     assert eng.prefill_batches == 2 and eng.stats()["prefills_held_total"] == 3  # r1..r3 waited, then went together
     assert not eng.pending()
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_on_cuda_turns_that_do_not_wait_for_decode_steps_give_the_tokens_of_turns_that_do(model: Llama) -> None:
-    """``decode_in_flight`` on the GPU: with a stall queued ahead of the work the turns return before the steps' tokens
-    are copied, the worker's loop hands the same calls over until they are answered, and each request's tokens, a
-    prompt that came mid-decode included, are those of an engine whose every turn waits."""
-    gpu = on_cuda(model)
-
-    def run(eng: KVCacheEngine, stall: bool) -> dict[str, list[int]]:
-        out: dict[str, list[int]] = {}
-        waiting = [call("a", {"input_ids": prompt(9, 1)}), call("b", {"input_ids": prompt(4, 2)})]
-        turns, stalls, stepped, deadline = 0, 0, False, time.monotonic() + 60
-        while waiting and time.monotonic() < deadline:  # the worker's loop: unanswered calls are handed over again
-            turns += 1
-            if stall and stepped and stalls < 3:  # the GPU is busy: the step this turn launches is not done by the next
-                torch.cuda._sleep(100_000_000)
-                stalls += 1
-            if turns == 6:
-                waiting.append(call("c", {"input_ids": prompt(6, 3)}))
-            results = eng.run_batch(waiting)
-            stepped = any(r is not None and "input_ids" not in c.inputs for c, r in zip(waiting, results))
-            later = []
-            for c, r in zip(waiting, results):
-                if r is None:
-                    later.append(c)
-                    continue
-                toks = out.setdefault(c.request_id, [])
-                toks.append(int(r.outputs["token"]))
-                if len(toks) < 6:
-                    later.append(call(c.request_id, {"token": r.outputs["token"]}))
-            waiting = later
-        assert not waiting, f"the engine answered nothing to {waiting} in 60 s ({turns} turns)"
-        return out
-
-    want = run(cuda_engine(gpu, lookahead=True, prefill_graphs=True, prefill_in_flight=True), stall=False)
-    eng = cuda_engine(gpu, lookahead=True, prefill_graphs=True, prefill_in_flight=True, decode_in_flight=True)
-    assert run(eng, stall=True) == want and len(want) == 3
-    assert eng.stats()["decode_takes_deferred_total"] >= 2 and not eng.pending()

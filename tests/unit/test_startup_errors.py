@@ -80,7 +80,7 @@ def test_bad_llama_knobs_are_errors_naming_the_key_before_any_rank_builds_an_eng
                 SmolLM2Chat(str(tmp_path), **{key: bad})
     with pytest.raises(ValueError, match=r"model_kwargs: unknown keys \['prefill_gather_s'\]"):
         SmolLM2Chat(str(tmp_path), prefill_gather_s=5)
-    assert SmolLM2Chat(str(tmp_path), prefill_gather_ms=5, decode_in_flight=True)._ms("prefill_gather_ms") == 5.0
+    assert SmolLM2Chat(str(tmp_path), prefill_gather_ms=5)._ms("prefill_gather_ms") == 5.0
 
 
 def test_a_port_in_use_is_an_error_naming_it_and_a_reserved_port_serves():
