@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import collections
 import concurrent.futures as cf
+import itertools
 import json
 import multiprocessing
 import os
@@ -65,10 +66,12 @@ def request_body(prompt: str, max_tokens: int) -> dict:
 
 class _Tally:
     """What a client keeps of one streamed /generate response: the time of its first line with tokens and the
-    completion tokens its last line reports."""
+    completion tokens its last line reports. Times are ``time.monotonic()``, the clock of the server's phase trace on
+    the same host (``ttft_trace`` lines the client's send and first read up with the server's events by ``rid``, the
+    request's ``X-Request-Id``)."""
 
-    def __init__(self, t0: float) -> None:
-        self.t0, self.ttft, self.tokens = t0, None, 0
+    def __init__(self, rid: str) -> None:
+        self.rid, self.t0, self.ttft, self.tokens = rid, time.monotonic(), None, 0
 
     def line(self, line: bytes | str) -> None:
         if not line.strip():
@@ -78,20 +81,29 @@ class _Tally:
         if item["modality"] == "error":
             raise RuntimeError(meta)
         if self.ttft is None and meta.get("n_tokens"):
-            self.ttft = time.perf_counter() - self.t0
+            self.ttft = time.monotonic() - self.t0
         if "usage" in meta:
             self.tokens = meta["usage"]["completion_tokens"]
 
-    def result(self) -> tuple[float, float, int]:
-        return self.ttft or 0.0, time.perf_counter() - self.t0, self.tokens
+    def result(self) -> tuple[float, float, int, str, float]:
+        """(ttft s, total s, completion tokens, request id, monotonic send time)."""
+        return self.ttft or 0.0, time.monotonic() - self.t0, self.tokens, self.rid, self.t0
 
 
-def stream_one(base_url: str, prompt: str, max_tokens: int) -> tuple[float, float, int]:
-    """One streaming /generate request on this thread's httpx client: (ttft seconds, total seconds, completion
-    tokens)."""
+_request_ids = itertools.count()
+
+
+def request_id() -> str:
+    """A request id no other client process of this run uses (``X-Request-Id``)."""
+    return f"bench-{os.getpid()}-{next(_request_ids)}"
+
+
+def stream_one(base_url: str, prompt: str, max_tokens: int) -> tuple[float, float, int, str, float]:
+    """One streaming /generate request on this thread's httpx client: ``_Tally.result``."""
     client = _local.client  # made before the clock starts: a new httpx client costs ~25 ms (its TLS context)
-    tally = _Tally(time.perf_counter())
-    with client.stream("POST", f"{base_url}/generate", json=request_body(prompt, max_tokens)) as r:
+    tally = _Tally(request_id())
+    with client.stream("POST", f"{base_url}/generate", json=request_body(prompt, max_tokens),
+                       headers={"X-Request-Id": tally.rid}) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             tally.line(line)
@@ -132,11 +144,12 @@ class _Connection:
         writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return cls(reader, writer, url.netloc)
 
-    async def generate(self, prompt: str, max_tokens: int) -> tuple[float, float, int]:
+    async def generate(self, prompt: str, max_tokens: int) -> tuple[float, float, int, str, float]:
         body = json.dumps(request_body(prompt, max_tokens)).encode()
+        rid = request_id()
         head = (f"POST /generate HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(body)}\r\n\r\n").encode()
-        tally = _Tally(time.perf_counter())
+                f"X-Request-Id: {rid}\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+        tally = _Tally(rid)
         self.writer.write(head + body)
         status = await self.reader.readline()
         headers = {}

@@ -22,8 +22,10 @@ run's time window (every process of the host reads one CLOCK_MONOTONIC, so their
   rank_emits_sent (the turn's Emits handed to the socket: after every forward of that turn of the rank's loop, so
   on a rank that also decodes, after the decode step that follows the prefill) -> cond_first_emit (conductor
   handled the Emit, detokenised) -> cond_first_delta (handed to the HTTP loop) -> http_first_event (the response's
-  generator has it) -> http_first_chunk (written to the socket); plus the totals ``http_arrived ->
-  http_first_chunk`` (the server's TTFT), ``cond_admitted -> cond_first_emit`` (what
+  generator has it) -> http_first_chunk (written to the socket), framed by the client's own stamps: client_sent
+  (the request about to be written, before http_arrived: the way in, and any wait before an intake's handler runs)
+  and client_first_line (its first line with tokens read, after http_first_chunk); plus the totals ``client_sent ->
+  client_first_line`` (the client's TTFT), ``http_arrived -> http_first_chunk`` (the server's TTFT), ``cond_admitted -> cond_first_emit`` (what
   ``mstar_dist_time_to_first_token_seconds`` measures) and a few longer stretches;
 - ``prefill``: prefill forwards run in the window, rows (and prompt tokens) per forward, mean forward ms, and the
   rows of the forward each request's prefill ran in;
@@ -69,16 +71,16 @@ from tests.e2e.server import WEIGHTS, Server  # noqa: E402
 
 TRACE_ENV = "MSTAR_DIST_TRACE_DIR"  # mstar_dist.trace.ENV (not imported: this process must not trace itself)
 
-PATH = ["http_arrived", "http_prepared", "http_submitted", "cond_received", "cond_preprocessed", "cond_admitted",
+PATH = ["client_sent", "http_arrived", "http_prepared", "http_submitted", "cond_received", "cond_preprocessed", "cond_admitted",
         "cond_dispatch", "rank_runwalk", "eng_prefill_start", "eng_prefill_end", "rank_emits_sent",
-        "cond_first_emit", "cond_first_delta", "http_first_event", "http_first_chunk"]
+        "cond_first_emit", "cond_first_delta", "http_first_event", "http_first_chunk", "client_first_line"]
 WAVE_PHASES = ["http_arrived", "http_submitted", "cond_received", "cond_dispatch", "rank_runwalk", "eng_prefill_start",
                "rank_emits_sent", "http_first_chunk"]
 """Where ``waves`` measures how far apart a burst's requests are: a burst that reaches the intakes over several ms
 cannot get its first tokens together however the rank batches it."""
 WAVE_GAP_S = 0.03
 """Arrivals further apart than this start a new wave (a 32-stream phase's waves are ~0.5 s apart)."""
-TOTALS = [("http_arrived", "http_first_chunk"), ("cond_admitted", "cond_first_emit"),
+TOTALS = [("client_sent", "client_first_line"), ("http_arrived", "http_first_chunk"), ("cond_admitted", "cond_first_emit"),
           ("cond_dispatch", "eng_prefill_start"), ("http_arrived", "cond_dispatch"),
           ("eng_prefill_end", "http_first_chunk"),
           # with intake processes: the submit's wait for the intake's link thread, then the way to the conductor
@@ -96,6 +98,18 @@ def run_clients(base_url: str, streams: int, per_stream: int, max_tokens: int,
     t0 = time.monotonic()  # the servers' clock: the window selects their trace events
     results = run_streams(base_url, prompts, streams, max_tokens, pool, client)[0]
     return results, t0, time.monotonic()
+
+
+def client_events(results: list[tuple]) -> list[dict]:
+    """The clients' side of each request as trace events (``bench_serving._Tally``: one host, one CLOCK_MONOTONIC):
+    ``client_sent`` (the request about to be written) and ``client_first_line`` (its first line with tokens read),
+    under its ``X-Request-Id``, the id the server's HTTP events carry."""
+    out = []
+    for ttft, _total, _tokens, rid, sent in results:
+        out.append({"t": sent, "phase": "client_sent", "rid": rid, "proc": "client", "extra": {}})
+        if ttft:
+            out.append({"t": sent + ttft, "phase": "client_first_line", "rid": rid, "proc": "client", "extra": {}})
+    return out
 
 
 def warm(base_url: str) -> None:
@@ -162,8 +176,8 @@ def requests_of(events: list[dict]) -> dict[str, dict]:
         elif phase.startswith("eng_decode"):
             continue
         elif rid:
-            wire = wire_of.get(rid, rid) if phase.startswith("http_") or phase in ("cond_received",
-                                                                                  "cond_preprocessed") else rid
+            wire = wire_of.get(rid, rid) if phase.startswith(("http_", "client_")) or phase in (
+                "cond_received", "cond_preprocessed") else rid
             put(wire, e)
     return reqs
 
@@ -411,7 +425,8 @@ def main() -> None:
     files = sorted(x.name for x in trace_dir.glob("trace.*.jsonl"))
     if not any(".frontend." in f for f in files) or not any(".rank" in f for f in files):
         sys.exit(f"ttft_trace: missing trace files in {trace_dir} (got {files}); server log tail:\n{log[-4000:]}")
-    events = load(trace_dir)
+    events = sorted(load(trace_dir) + [e for results, _, _ in windows.values() for e in client_events(results)],
+                    key=lambda e: e["t"])
     runs = {}
     for n, (results, t0, t1) in windows.items():
         report = analyse(events, t0, t1)

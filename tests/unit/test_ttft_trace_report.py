@@ -2,7 +2,7 @@
 batching, the decode steps a prefill waited behind (before it, and between its end and its first Emits), and the
 garbage collectors' pauses per process kind."""
 
-from scripts.ttft_trace import analyse
+from scripts.ttft_trace import analyse, client_events
 
 
 def _e(t: float, phase: str, rid: str = "", proc: str = "frontend", **extra) -> dict:
@@ -80,3 +80,18 @@ def test_waves_measure_how_far_apart_a_bursts_requests_travel():
     assert report["spread_ms"]["eng_prefill_start"]["median"] == 1.5  # 0 (one forward) and 3 ms
     assert report["prefill_forwards_per_wave"]["median"] == 1.5  # 1 and 2
     assert report["spread_ms"]["http_first_chunk"]["n"] == 1  # only the first wave got its first chunks
+
+
+def test_the_clients_stamps_frame_the_servers_by_request_id():
+    """The client's send and first read (``bench_serving``'s results, same clock) join the server's HTTP events by
+    the X-Request-Id: the way in before the route handler ran and the way out after the first chunk was written are
+    segments of their own, and the client's TTFT is a total. A request whose first line never came has no read."""
+    ms = 1e-3
+    results = [(45.5 * ms, 0.3, 7, "c1", -1.5 * ms), (44.5 * ms, 0.3, 7, "c2", 1 * ms), (0.0, 0.0, 0, "gone", 0.0)]
+    events = sorted(_trace() + client_events(results), key=lambda e: e["t"])
+    report = analyse(events, -1.0, 1.0)
+    seg, totals = report["segments_ms"], report["totals_ms"]
+    assert seg["client_sent -> http_arrived"]["median"] == 0.75  # 1.5 ms for c1, none for c2
+    assert seg["http_first_chunk -> client_first_line"]["median"] == 1.25  # 1 ms for c1, 1.5 for c2
+    assert totals["client_sent -> client_first_line"]["median"] == 45.0
+    assert [e["phase"] for e in client_events(results[2:])] == ["client_sent"]
