@@ -36,7 +36,7 @@ def pinned(base_url: str) -> list[str]:
 def test_the_llama_engine_on_cuda_leaves_prefills_in_flight_and_decode_yields_to_them_unless_told_not_to():
     """The family's CUDA defaults (docs/architecture.md §8, "Prefill in flight", "Decode yields"): without them the rank
     waits for each prefill, and decode steps start beside prefills on the GPU; on one H200 a 32-request wave's TTFT rose
-    ~1.5 ms without the first, and the conductor's ~1 ms without the second."""
+    ~1.5 ms without the first, and the conductor's 0.4-1.3 ms without the second."""
     from models.llama.chat import LLM, LlamaChat
 
     def engine(**kwargs):
