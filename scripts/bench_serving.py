@@ -221,7 +221,7 @@ def client_processes(streams: int) -> cf.ProcessPoolExecutor:
 def run_streams(base_url: str, prompts: list[str], streams: int, max_tokens: int,
                 pool: cf.ProcessPoolExecutor | None, client: str = "async") -> tuple[list, float, float]:
     """``streams`` concurrent streaming clients (``CLIENTS[client]``) working through ``prompts``, in this process
-    or, above ``CLIENT_STREAMS_PER_PROCESS`` streams, spread over ``pool``: (per-request (ttft, total, tokens),
+    or, above ``CLIENT_STREAMS_PER_PROCESS`` streams, spread over ``pool``: (per-request ``_Tally.result``,
     wall-clock start, end)."""
     run = CLIENTS[client]
     procs = -(-streams // CLIENT_STREAMS_PER_PROCESS)

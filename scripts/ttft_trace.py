@@ -25,8 +25,9 @@ run's time window (every process of the host reads one CLOCK_MONOTONIC, so their
   generator has it) -> http_first_chunk (written to the socket), framed by the client's own stamps: client_sent
   (the request about to be written, before http_arrived: the way in, and any wait before an intake's handler runs)
   and client_first_line (its first line with tokens read, after http_first_chunk); plus the totals ``client_sent ->
-  client_first_line`` (the client's TTFT), ``http_arrived -> http_first_chunk`` (the server's TTFT), ``cond_admitted -> cond_first_emit`` (what
-  ``mstar_dist_time_to_first_token_seconds`` measures) and a few longer stretches;
+  client_first_line`` (the client's TTFT), ``http_arrived -> http_first_chunk`` (the server's TTFT),
+  ``cond_admitted -> cond_first_emit`` (what ``mstar_dist_time_to_first_token_seconds`` measures) and a few longer
+  stretches;
 - ``prefill``: prefill forwards run in the window, rows (and prompt tokens) per forward, mean forward ms, and the
   rows of the forward each request's prefill ran in;
 - ``decode``: decode steps in the window, mean step ms and rows;
@@ -71,8 +72,8 @@ from tests.e2e.server import WEIGHTS, Server  # noqa: E402
 
 TRACE_ENV = "MSTAR_DIST_TRACE_DIR"  # mstar_dist.trace.ENV (not imported: this process must not trace itself)
 
-PATH = ["client_sent", "http_arrived", "http_prepared", "http_submitted", "cond_received", "cond_preprocessed", "cond_admitted",
-        "cond_dispatch", "rank_runwalk", "eng_prefill_start", "eng_prefill_end", "rank_emits_sent",
+PATH = ["client_sent", "http_arrived", "http_prepared", "http_submitted", "cond_received", "cond_preprocessed",
+        "cond_admitted", "cond_dispatch", "rank_runwalk", "eng_prefill_start", "eng_prefill_end", "rank_emits_sent",
         "cond_first_emit", "cond_first_delta", "http_first_event", "http_first_chunk", "client_first_line"]
 WAVE_PHASES = ["http_arrived", "http_submitted", "cond_received", "cond_dispatch", "rank_runwalk", "eng_prefill_start",
                "rank_emits_sent", "http_first_chunk"]
@@ -80,9 +81,9 @@ WAVE_PHASES = ["http_arrived", "http_submitted", "cond_received", "cond_dispatch
 cannot get its first tokens together however the rank batches it."""
 WAVE_GAP_S = 0.03
 """Arrivals further apart than this start a new wave (a 32-stream phase's waves are ~0.5 s apart)."""
-TOTALS = [("client_sent", "client_first_line"), ("http_arrived", "http_first_chunk"), ("cond_admitted", "cond_first_emit"),
-          ("cond_dispatch", "eng_prefill_start"), ("http_arrived", "cond_dispatch"),
-          ("eng_prefill_end", "http_first_chunk"),
+TOTALS = [("client_sent", "client_first_line"), ("http_arrived", "http_first_chunk"),
+          ("cond_admitted", "cond_first_emit"), ("cond_dispatch", "eng_prefill_start"),
+          ("http_arrived", "cond_dispatch"), ("eng_prefill_end", "http_first_chunk"),
           # with intake processes: the submit's wait for the intake's link thread, then the way to the conductor
           ("http_submitted", "intake_sent"), ("intake_sent", "cond_received")]
 
@@ -91,9 +92,9 @@ TOTALS = [("client_sent", "client_first_line"), ("http_arrived", "http_first_chu
 
 
 def run_clients(base_url: str, streams: int, per_stream: int, max_tokens: int,
-                pool: cf.ProcessPoolExecutor | None, client: str) -> tuple[list[tuple[float, float, int]], float, float]:
+                pool: cf.ProcessPoolExecutor | None, client: str) -> tuple[list[tuple], float, float]:
     """``streams`` concurrent streaming clients, ``per_stream`` requests each one after another: (per-request
-    (ttft s, total s, tokens), monotonic start, monotonic end)."""
+    ``bench_serving._Tally.result``, monotonic start, monotonic end)."""
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(streams * per_stream)]
     t0 = time.monotonic()  # the servers' clock: the window selects their trace events
     results = run_streams(base_url, prompts, streams, max_tokens, pool, client)[0]

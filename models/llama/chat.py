@@ -51,8 +51,7 @@ class LlamaChat(CompositeModel):
 
     def __init__(self, weights_dir: str | None, **model_kwargs: Any):
         allowed = {"dtype", "max_seq_len", "max_batch", "cuda_graphs", "prefill_token_budget", "prefill_graphs",
-                   "lookahead", "prefill_stream", "prefill_in_flight", "prefill_gather_ms",
-                   "decode_yield_ms"}
+                   "lookahead", "prefill_stream", "prefill_in_flight", "prefill_gather_ms", "decode_yield_ms"}
         if unknown := set(model_kwargs) - allowed:
             raise ValueError(f"model_kwargs: unknown keys {sorted(unknown)} (allowed: {', '.join(sorted(allowed))})")
         super().__init__(weights_dir, **model_kwargs)
@@ -67,7 +66,7 @@ class LlamaChat(CompositeModel):
             raise ValueError(
                 f"model_kwargs: max_seq_len must be >= 2 and max_batch >= 1, got {self.max_seq_len}, {self.max_batch}"
             )
-        for key in ("prefill_gather_ms", "decode_yield_ms"):  # a bad value is the config's error, before any rank starts
+        for key in ("prefill_gather_ms", "decode_yield_ms"):  # a bad value is the config's error before a rank starts
             self._ms(key)
         self.tokenizer = None
 
