@@ -473,7 +473,7 @@ class Worker:
         while len(self._removed) > 100_000:
             self._removed.popitem(last=False)
         for key in [k for k in self._runs if k[0] == request_id]:
-            del self._runs[key]
+            self._runs.pop(key).close()
         for key in [k for k in self._waiting if k[0] == request_id]:
             del self._waiting[key]
         self._emits.pop(request_id, None)
@@ -775,12 +775,14 @@ class Worker:
                 outputs[signal] = encode_tensor(value.detach().to("cpu"))
         self._done_out.append(m.WalkDone(request_id=run.request_id, walk=run.walk, rank=self.global_rank,
                                          outputs=outputs, finish_reason=run.finish_reason))
+        run.close()
 
     def _fail_run(self, run: WalkRun, exc: BaseException) -> None:
         status = 503 if isinstance(exc, TPPeerLost) else 500
         log.error("%s: request %s failed in walk %s:\n%s", self.name, run.request_id, run.walk,
                   "".join(traceback.format_exception(exc)))
         self._runs.pop((run.request_id, run.walk), None)
+        run.close()
         self._spans.pop((run.request_id, run.walk), None)
         self._emits.pop(run.request_id, None)
         for component in self.components.values():
