@@ -163,10 +163,12 @@ def test_prefill_buckets_hold_the_batch_within_the_token_budget():
 
     cache = StaticKVCache(CFG.n_layers, CFG.n_kv_heads, CFG.head_dim, max_slots=9, max_seq_len=100)
     graphs = PrefillGraphs(model=None, cache=cache, scratch_slot=8, max_rows=6, max_tokens=256)
-    assert sorted({length for _, length in graphs.buckets}) == [16, 32, 64, 100]  # the last: the cache's length
+    # half steps between powers of two (a batch pads by at most a third); the last: the cache's length
+    assert sorted({length for _, length in graphs.buckets}) == [16, 24, 32, 48, 64, 96, 100]
     assert sorted({rows for rows, _ in graphs.buckets}) == [1, 2, 4, 6]
     assert all(rows * length <= 256 for rows, length in graphs.buckets)
-    assert graphs.bucket_for(1, 44) == (1, 64)
+    assert graphs.bucket_for(1, 44) == (1, 48)
+    assert graphs.bucket_for(5, 20) == (6, 24)
     assert graphs.bucket_for(3, 10) == (4, 16)
     assert graphs.bucket_for(2, 100) == (2, 100)
-    assert graphs.bucket_for(5, 40) is None  # 6 x 64 padded tokens: past the budget, the batch runs eagerly
+    assert graphs.bucket_for(5, 40) is None  # 6 x 48 padded tokens: past the budget, the batch runs eagerly

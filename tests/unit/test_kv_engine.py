@@ -294,14 +294,14 @@ def test_with_prefill_graphs_every_batch_fits_a_bucket_and_an_overlong_prompt_ru
 
     eng = engine(model, slots=8, budget=128, max_seq_len=200)
     eng.prefill_graphs = PrefillGraphs(model, eng.cache, scratch_slot=7, max_rows=4, max_tokens=128)
-    assert sorted({length for _, length in eng.prefill_graphs.buckets}) == [16, 32, 64, 128]
+    assert sorted({length for _, length in eng.prefill_graphs.buckets}) == [16, 24, 32, 48, 64, 96, 128]
     lengths = [5, 12, 20, 150, 30, 3, 9]
     groups = eng._prefill_groups([(i, prompt(n, i)) for i, n in enumerate(lengths)])
     # first fit in arrival order: 3 does not fit the first batch (4 rows at most) nor join the overlong prompt
     assert [[lengths[i] for i, _ in g] for g in groups] == [[5, 12, 20, 30], [150], [3, 9]]
     buckets = [eng.prefill_graphs.bucket_for(len(g), max(lengths[i] for i, _ in g)) for g in groups]
     assert buckets == [(4, 32), None, (2, 16)]  # what the forwards replay, each within the budget
-    # three 35-token prompts: 105 tokens fit the budget unpadded, but their bucket would be (4, 64), 256 tokens
+    # three 35-token prompts: 105 tokens fit the budget unpadded, but their bucket would be (4, 48), 192 tokens
     three = [(i, prompt(35, i)) for i in range(3)]
     assert [len(g) for g in eng._prefill_groups(three)] == [2, 1]
     eng.prefill_graphs = None
