@@ -236,22 +236,28 @@ class _ChatReply:
     async def sse(self, stream, first, *, include_usage: bool) -> AsyncIterator[bytes]:
         """``data: {chunk}`` events: role, content deltas, finish_reason, [usage], then ``data: [DONE]``.
         Media deltas (which a text model does not produce) are left out."""
+        # events that are ready together leave in one body chunk, one socket write (an intake takes a burst's
+        # requests one after another, so each write it saves shortens the queue: docs/architecture.md §2): the role
+        # with the first content delta, and the finish with the usage and [DONE]
+        out = self._fill(_chunk_template(self.model, include_usage, "role"))
         try:
-            yield self._fill(_chunk_template(self.model, include_usage, "role"))
             head, tail = self._content_framing(include_usage)
             event = first
             while not isinstance(event, Finished):
                 if isinstance(event, TextDelta):
-                    yield head + _json(event.text) + tail
+                    out += head + _json(event.text) + tail
+                if out:
+                    yield out
+                    out = b""
                 event = await stream.__anext__()
-            yield self._fill(_chunk_template(self.model, include_usage, "finish", event.finish_reason))
+            out += self._fill(_chunk_template(self.model, include_usage, "finish", event.finish_reason))
             if include_usage:
-                yield self._chunk([], Usage.of(event.prompt_tokens, event.completion_tokens), True)
+                out += self._chunk([], Usage.of(event.prompt_tokens, event.completion_tokens), True)
         except ApiError as exc:
-            yield _sse(_openai_error(exc).model_dump())
+            out += _sse(_openai_error(exc).model_dump())
         finally:
             await stream.aclose()
-        yield b"data: [DONE]\n\n"
+        yield out + b"data: [DONE]\n\n"
 
 
 async def _ndjson_body(stream, first, request_id: str) -> AsyncIterator[bytes]:

@@ -5,6 +5,8 @@ end (``conductor/process.py``, docs/architecture.md §2 "Threads"). The conducto
 uvicorn parses HTTP with httptools (a dependency; h11 where it cannot be imported): an intake takes a burst's requests
 one after another, and over a loopback socket a streamed request cost the server 0.78 ms of CPU with h11 against 0.47
 with httptools on the H200 host (docs/architecture.md §2, "Intake processes"; ``scripts/bench_http_path.py --socket``).
+For the same reason a response's headers wait for its first body chunk and leave with it in one socket write
+(``_HeadersWithBody``, on every connection).
 """
 
 from __future__ import annotations
@@ -117,8 +119,7 @@ class HttpServer:
         loop = asyncio.new_event_loop()
         asyncio.set_event_loop(loop)
         self._loop = loop
-        if self._handoff is not None:
-            _keep_protocol_factory(loop, self)
+        _keep_protocol_factory(loop, self)
         try:
             loop.run_until_complete(self._server.serve(sockets=[sock]))
         except BaseException as exc:  # noqa: BLE001 -- reported by start() / logged; the thread must end cleanly
@@ -173,7 +174,7 @@ class HttpServer:
                     self._handoff.send(CLOSED)
 
         def protocol():
-            p = factory()
+            p = factory()  # already holds its headers for the first body chunk (_keep_protocol_factory)
             lost = p.connection_lost
 
             def connection_lost(exc):
@@ -222,16 +223,76 @@ def reserve_port(host: str, port: int) -> socket.socket:
 
 
 def _keep_protocol_factory(loop: asyncio.AbstractEventLoop, server: HttpServer) -> None:
-    """Keep the protocol factory uvicorn passes to ``loop.create_server`` on ``server``: passed connections get
-    the same protocols (and so uvicorn's connection tracking and graceful shutdown) through asyncio's public
-    ``connect_accepted_socket``, without reaching into uvicorn."""
+    """Keep the protocol factory uvicorn passes to ``loop.create_server`` on ``server``, with every protocol it makes
+    writing through a :class:`_HeadersWithBody` transport: passed connections get the same protocols (and so
+    uvicorn's connection tracking and graceful shutdown) through asyncio's public ``connect_accepted_socket``, without
+    reaching into uvicorn."""
     create_server = loop.create_server
 
+    def holding(protocol_factory):
+        def factory():
+            protocol = protocol_factory()
+            made = protocol.connection_made
+            protocol.connection_made = lambda transport: made(_HeadersWithBody(transport, loop))
+            return protocol
+        return factory
+
     async def keeping(protocol_factory, *args, **kwargs):
-        server._protocol_factory = protocol_factory
-        return await create_server(protocol_factory, *args, **kwargs)
+        server._protocol_factory = holding(protocol_factory)
+        return await create_server(server._protocol_factory, *args, **kwargs)
 
     loop.create_server = keeping
+
+
+class _HeadersWithBody:
+    """A connection's transport that sends a response's status line and headers with what is written next in the same
+    turn of the event loop, in one socket write. uvicorn writes the headers when the app starts its response and
+    each body chunk when the app sends it; the headers alone are of no use to the client, and every write is a
+    system call on the intake's one thread (asyncio's ``write`` was a quarter of a server's time per streamed
+    request: docs/architecture.md §2). A write that starts a response (``HTTP/1.``) waits until the next write or,
+    at the latest, the end of this turn of the loop; every other write goes straight through. Everything else is
+    the transport's own."""
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._held = b""
+
+    def write(self, data) -> None:
+        if self._held:
+            data, self._held = self._held + bytes(data), b""
+        elif data[:7] == b"HTTP/1.":
+            self._held = bytes(data)
+            self._loop.call_soon(self._flush)
+            return
+        self._transport.write(data)
+
+    def writelines(self, chunks) -> None:
+        self.write(b"".join(chunks))
+
+    def _flush(self) -> None:
+        if self._held:
+            data, self._held = self._held, b""
+            if not self._transport.is_closing():
+                self._transport.write(data)
+
+    def write_eof(self) -> None:
+        self._flush()
+        self._transport.write_eof()
+
+    def close(self) -> None:
+        self._flush()
+        self._transport.close()
+
+    def abort(self) -> None:
+        self._held = b""
+        self._transport.abort()
+
+    def get_write_buffer_size(self) -> int:
+        return len(self._held) + self._transport.get_write_buffer_size()
+
+    def __getattr__(self, name: str):
+        return getattr(self._transport, name)
 
 
 def _cancel_remaining(loop: asyncio.AbstractEventLoop) -> None:
