@@ -146,9 +146,10 @@ def _pow2_buckets(limit: int) -> list[int]:
 
 
 def _half_steps(start: int, limit: int) -> list[int]:
-    """``start``, 1.5 x ``start``, 2 x ``start``, 3 x ``start``, 4 x ``start``, ... up to ``limit``: the prefill buckets,
-    so that a batch pads by at most a third (15 prompts of 46 tokens fill 16 x 48, not 16 x 64; 17 fill 24 rows, not
-    32: bench/results/prefill_graphs_h200_rowslength.json has a 32 x 64 replay at 4.2 ms against 3.0 for 16 x 64)."""
+    """``start``, 1.5 x ``start``, 2 x ``start``, 3 x ``start``, 4 x ``start``, ... up to ``limit``: the prefill
+    buckets, so that a batch pads by at most a third (15 prompts of 46 tokens fill 16 x 48, not 16 x 64; 17 fill 24
+    rows, not 32: bench/results/prefill_graphs_h200_rowslength.json has a 32 x 64 replay at 4.2 ms against 3.0 for
+    16 x 64)."""
     out, n = [], start
     while n <= limit:
         out.append(n)

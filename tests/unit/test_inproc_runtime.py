@@ -97,9 +97,10 @@ def test_kept_tensor_serves_every_consumer_then_is_freed(use_rank, peek_rank):
 
 
 def test_served_requests_leave_no_reference_cycles():
-    """What a request's walks leave behind is freed by reference counting as it ends (its tensors with it), not by the
-    cyclic collector, whose pauses stop a rank's GPU loop mid-wave (1.5 ms pauses at 32 streams when every finished
-    walk was a cycle of its frames): served requests, successful and failed, leave no garbage the collector must find."""
+    """What a request's walks leave behind is freed by reference counting as it ends (its tensors with it), not by
+    the cyclic collector, whose pauses stop a rank's GPU loop mid-wave (1.5 ms pauses at 32 streams when every
+    finished walk was a cycle of its frames): served requests, successful and failed, leave no garbage the collector
+    must find."""
     import gc
 
     cfg = yaml.safe_load((REPO_TESTS / "toy_deploy.yaml").read_text())
