@@ -366,9 +366,8 @@ class WalkRun:
         cost it 1.5 ms pauses in the middle of a 32-stream wave)."""
         for frame in self._positions.values():
             frame.__dict__.clear()
-        for held in (self._positions, self._nodes, self._named_loops, self._outstanding, self._inbox):
+        for held in (self._positions, self._nodes, self._named_loops, self._outstanding, self._inbox, self._fresh):
             held.clear()
-        self._fresh.clear()
         self.on_emit = self.on_stream = _ignore
 
     # ---- building ----
