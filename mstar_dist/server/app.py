@@ -33,6 +33,7 @@ from mstar_dist.server.backend import BackendError, Finished, GenerationBackend,
 from mstar_dist.server.checks import (
     REQUEST_ID_HEADER, ApiError, check_modality, check_model, error_body, header_request_id, max_tokens, parse_body,
 )
+from mstar_dist.server.direct import DirectRoutes
 from mstar_dist.server.guard import GuardMiddleware
 from mstar_dist.server.openapi import body_doc, install_openapi
 from mstar_dist.server.http_metrics import HttpStats, StatsMiddleware
@@ -72,6 +73,9 @@ SSE_MEDIA_TYPE = "text/event-stream; charset=utf-8"
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 
+GENERATION_PATHS = ("/generate", "/v1/chat/completions", "/v1/audio/speech", "/v1/images/generations")
+"""The POST routes ``DirectRoutes`` serves without FastAPI's routing (each handler takes the ``Request`` alone)."""
+
 
 def build_app(backend: GenerationBackend, *, api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, stats: HttpStats | None = None) -> FastAPI:
@@ -83,6 +87,8 @@ def build_app(backend: GenerationBackend, *, api_key: str | None = None,
     app = FastAPI(title="mstar_dist", version="0.1.0")
     stats = stats if stats is not None else HttpStats()
     merged = getattr(backend, "http_stats_merged", False)
+    # innermost first: the generation routes skip FastAPI's router and request layers (server/direct.py)
+    app.add_middleware(DirectRoutes, fastapi_app=app, paths=GENERATION_PATHS)
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
     app.add_middleware(StatsMiddleware, stats=stats)  # added last: outermost, so it counts 401s and 413s too
     created = int(time.time())

@@ -355,6 +355,43 @@ def test_unknown_route_uses_the_route_family_error_format(client):
     assert client.get("/generate").status_code == 405
 
 
+def test_generation_routes_skip_fastapis_router_and_the_rest_still_use_it(fake):
+    """The POST generation routes are served directly (server/direct.py: an intake's per-request cost); a change
+    that sent them back through the router would go unnoticed by every other test."""
+    app = build_app(fake)
+    routed: list[str] = []
+    inner = app.router.middleware_stack
+
+    async def counting(scope, receive, send):
+        if scope["type"] == "http":
+            routed.append(f"{scope['method']} {scope['path']}")
+        await inner(scope, receive, send)
+
+    app.router.middleware_stack = counting
+    with TestClient(app, raise_server_exceptions=False) as c:
+        assert c.post("/generate", json={"prompt": "a"}).json()["text"] == UNICODE_TEXT
+        assert c.post(CHAT, json={"messages": MSGS, "stream": True}).text.endswith("data: [DONE]\n\n")
+        assert c.post("/generate", content=b"{not json").status_code == 400
+        assert c.get("/generate").status_code == 405
+        assert c.get("/health").status_code == 200
+    assert routed == ["GET /generate", "GET /health"]
+
+
+def test_a_handler_that_raises_gives_the_route_familys_500(fake):
+    """An unexpected exception in a directly served handler is rendered by the app's own handler (a JSON error in
+    the route family's format naming it), not Starlette's plain-text one."""
+    class Broken(FakeBackend):
+        @property
+        def model_name(self):
+            raise RuntimeError("no model card")
+
+    with TestClient(build_app(Broken()), raise_server_exceptions=False) as c:
+        native = c.post("/generate", json={"prompt": "a", "model": "x"})
+        chat = c.post(CHAT, json={"messages": MSGS, "model": "x"})
+    assert native.status_code == 500 and "RuntimeError: no model card" in native.json()["error"]
+    assert chat.status_code == 500 and "RuntimeError: no model card" in chat.json()["error"]["message"]
+
+
 # ------------------------------------------------------------------------------------- backend failures
 
 
