@@ -2,6 +2,7 @@
 
     python scripts/bench_http_path.py [--tokens 1 16] [--requests 400] [--out FILE]
     python scripts/bench_http_path.py --socket [--parsers h11 httptools] [--rounds 3] [--out FILE]
+    python scripts/bench_http_path.py --intake WEIGHTS_DIR [--requests 2000] [--out FILE]
 
 An intake process takes its connections' requests one after another, so what one request costs it (the app's
 middleware and routing, the body's validation, the response's events) decides how far apart a burst of requests
@@ -11,6 +12,11 @@ deltas at once (tests/fakes.py's FakeBackend), and reports the median time per r
 time (a VM's stolen time does not count in the latter). Not included: the HTTP
 parser, the chat template and tokenizer, the link to the conductor. Run it from another tree (for
 example a `git archive` of an older commit) to compare.
+
+``--intake WEIGHTS_DIR`` puts an intake process's own backend under the app instead (``conductor/intake.py``'s
+``IntakeBackend``: the chat template and tokenizer of WEIGHTS_DIR, the ``Submit`` encoded as for the wire), over a
+link that answers every request at once with two text deltas, and sends a streamed ``/generate`` (what
+``bench_serving.py``'s clients send) whose prompt differs on every request, so no cache sees a prompt twice.
 
 ``--socket`` adds the server around the app: a child process serves it with ``HttpServer`` (uvicorn) on a loopback
 port, and one keep-alive client connection sends ``--requests`` streamed requests one after another; it reports the
@@ -45,10 +51,10 @@ BODY = {"model": "fake-model", "messages": [{"role": "user", "content": "Write a
         "max_tokens": 16, "stream": True}
 
 
-async def one_request(app, body: bytes) -> int:
-    """One POST /v1/chat/completions through ``app``; the bytes of its streamed body."""
+async def one_request(app, body: bytes, path: str = "/v1/chat/completions") -> int:
+    """One POST to ``path`` through ``app``; the bytes of its streamed body."""
     scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-             "method": "POST", "scheme": "http", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
+             "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(),
              "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 8000),
              "headers": [(b"host", b"x"), (b"content-type", b"application/json"),
                          (b"content-length", str(len(body)).encode())], "state": {}}
@@ -87,6 +93,56 @@ async def measure(tokens: int, requests: int) -> dict:
         times.append(time.perf_counter() - t0)
     return {"tokens": tokens, "requests": requests, "us_per_request_median": round(statistics.median(times) * 1e6, 1),
             "us_per_request_p90": round(sorted(times)[int(0.9 * len(times))] * 1e6, 1),
+            "cpu_us_per_request_median": round(statistics.median(cpu) * 1e6, 1), "response_bytes": size}
+
+
+class _AnsweringLink:
+    """An intake's link to the conductor that encodes what it is given as for the wire and answers each ``Submit``
+    at once (``ConductorLink``'s place in ``--intake``)."""
+
+    health = (True, "")
+
+    def __init__(self) -> None:
+        self.backend = None
+
+    def send(self, body) -> None:
+        from mstar_dist.control import messages as m
+
+        m.encode("t" * 32, "intake0", body)
+        if isinstance(body, m.Submit):
+            rid = body.params.request_id
+            self.backend.deliver([m.OutText(rid, "hi", 1), m.OutText(rid, " there", 1),
+                                  m.OutFinished(rid, "length", 40, 2)])
+
+
+async def measure_intake(weights: str, requests: int) -> dict:
+    from models.llama.tokenizer import ChatTokenizer
+    from mstar_dist.conductor.intake import IntakeBackend
+    from mstar_dist.server.http_metrics import HttpStats
+
+    link, stats = _AnsweringLink(), HttpStats()
+    backend = IntakeBackend(link, stats, model_name="bench", max_context_tokens=2048, max_tokens_limit=256,
+                            output_modality="text", encoder=ChatTokenizer(weights))
+    link.backend = backend
+    app = build_app(backend, stats=stats)
+    content = "Write a long story about a lighthouse keeper who finds a message in a bottle, in detail. "
+
+    def body(i: int) -> bytes:
+        return json.dumps({"messages": [{"role": "user", "content": f"{content}{i}"}], "stream": True,
+                           "model_kwargs": {"max_tokens": 256}}).encode()
+
+    for i in range(300):
+        await one_request(app, body(-i), "/generate")
+    gc.collect()
+    gc.freeze()
+    times, cpu = [], []
+    for i in range(requests):
+        data = body(i)
+        t0, c0 = time.perf_counter(), time.thread_time()
+        size = await one_request(app, data, "/generate")
+        cpu.append(time.thread_time() - c0)
+        times.append(time.perf_counter() - t0)
+    return {"route": "/generate", "requests": requests, "us_per_request_median": round(statistics.median(times) * 1e6, 1),
             "cpu_us_per_request_median": round(statistics.median(cpu) * 1e6, 1), "response_bytes": size}
 
 
@@ -166,12 +222,17 @@ def main() -> None:
     p.add_argument("--socket", action="store_true", help="through a server child on a loopback socket")
     p.add_argument("--parsers", nargs="+", choices=sorted(PARSERS), default=["h11", "httptools"])
     p.add_argument("--rounds", type=int, default=3, help="--socket: rounds, the parsers alternated in each")
+    p.add_argument("--intake", metavar="WEIGHTS_DIR", help="an intake's backend with this tokenizer under the app")
     p.add_argument("--serve", choices=sorted(PARSERS), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve:
         serve(args.serve)
         return
-    if args.socket:
+    if args.intake:
+        results = asyncio.run(measure_intake(args.intake, args.requests))
+        print(f"intake /generate: {results['us_per_request_median']:.1f} us per request (CPU "
+              f"{results['cpu_us_per_request_median']:.1f})", flush=True)
+    elif args.socket:
         results = []
         for _ in range(args.rounds):
             for parser in args.parsers:

@@ -248,3 +248,35 @@ def test_an_intake_encodes_prompts_as_the_conductor_would_without_importing_torc
 
     assert Shaped(str(weights)).prompt_encoder() is None and load_prompt_encoder(None) is None
     assert OrpheusSpeech.preprocess is not SmolLM2Chat.preprocess
+
+
+def test_prompt_ids_encoded_piece_by_piece_are_the_whole_texts(weights, tmp_path):
+    """``encode_prompt`` cuts the text at the added tokens and remembers each piece's ids: for any text, including
+    added tokens a client wrote, adjacent ones and the whitespace beside them, the ids must be those of the whole
+    text, the second time as the first; and a tokenizer whose added tokens take in the whitespace around them must
+    get the whole text's ids too (it encodes whole)."""
+    smol = ChatTokenizer(weights)
+    added = sorted(t.content for t in smol._tok.get_added_tokens_decoder().values())
+    texts = [
+        "plain text, no added token",
+        " ".join(added) + "".join(added),
+        f"{added[1]}{added[2]} x {added[0]}\n\n  {added[-1]}digits 12345 and 3.14",
+        MULTILINGUAL,
+        "<|im_start|user <|im_end> |im_start|>",  # near misses
+    ]
+    for text in texts:
+        messages = [{"role": "system", "content": text}, {"role": "user", "content": text + " ?"}]
+        whole = smol.encode(smol.apply_chat_template(messages))
+        assert smol.encode_prompt(None, messages) == whole == smol.encode_prompt(None, messages)
+        assert smol.encode_prompt(text, None) == smol.encode(text)
+
+    config = json.loads((weights / "tokenizer.json").read_text())
+    for token in config["added_tokens"]:
+        token["lstrip"] = token["rstrip"] = True
+    (tmp_path / "tokenizer.json").write_text(json.dumps(config))
+    for name in ("tokenizer_config.json", "generation_config.json"):
+        if (weights / name).is_file():
+            shutil.copy(weights / name, tmp_path / name)
+    stripping = ChatTokenizer(tmp_path)
+    text = f"a {added[1]} b\n{added[2]}\n c"
+    assert stripping.encode_prompt(text, None) == stripping.encode(text) != smol.encode(text)
