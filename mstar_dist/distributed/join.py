@@ -11,15 +11,20 @@ Node 0 hosts a TCPStore on HEAD:PORT (the launch scripts use torchrun's master p
 node rank and host name; node 0 waits up to T seconds for all of them and publishes the verdict. On a missing host
 node 0 exits 1 with ``host 'node-b' (node rank 1 of 2, global ranks 1..1) never joined within 60 s`` and the
 others, once they read that verdict, exit 1 too (a node that cannot reach node 0 at all exits 1 after T seconds
-plus a few, naming node 0). Exit 0: every host is there, go on to torchrun.
+plus a few, naming node 0). Exit 0: every host is there, go on to torchrun. The whole check is bounded
+(``bound_s``): a store client whose connection some other service on that port accepted waits for an answer until
+that service closes the connection (seen: a join of 9 s that took 39), so past the bound the node exits 1 saying
+so.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import socket
 import sys
+import threading
 import time
 
 from mstar_dist.config.cluster import ClusterSpec
@@ -27,6 +32,12 @@ from mstar_dist.config.deployment import load_config
 
 GRACE_S = 5.0
 """How long past the timeout other nodes wait for node 0's verdict, and node 0 for them to read it."""
+
+
+def bound_s(timeout_s: float) -> float:
+    """The longest a join may take: a node other than 0 waits up to ``timeout_s + GRACE_S`` for node 0's store and
+    as long again for its verdict; then one more grace."""
+    return 2 * (timeout_s + GRACE_S) + GRACE_S
 
 
 def missing_hosts(spec: ClusterSpec, joined: set[int], timeout_s: float) -> str:
@@ -103,8 +114,20 @@ def main(argv: list[str] | None = None) -> int:
     if config.cluster is None:
         return 0  # one host: nothing to wait for
     t0 = time.monotonic()
-    error = join(config.cluster, args.node_rank, args.master_addr, args.port, args.timeout)
+    outcome: list[str | None] = []
+    checking = threading.Thread(target=lambda: outcome.append(join(config.cluster, args.node_rank, args.master_addr,
+                                                                   args.port, args.timeout)),
+                                name="join", daemon=True)
+    checking.start()
+    checking.join(bound_s(args.timeout))
     me = config.cluster.hosts[args.node_rank].name if 0 <= args.node_rank < len(config.cluster.hosts) else "?"
+    if not outcome:  # the store client still waits, maybe for a service that is not the join store: do not wait on
+        print(f"mstar-dist: host {me!r} (node rank {args.node_rank}): the join check with "
+              f"{config.cluster.hosts[0].name!r} (node rank 0) at {args.master_addr}:{args.port} did not finish within "
+              f"{bound_s(args.timeout):g} s; if another service listens on that port (the launch scripts use "
+              "MASTER_PORT + 1), choose another MASTER_PORT", file=sys.stderr, flush=True)
+        os._exit(1)  # the stuck client thread would hold up the interpreter's exit
+    error = outcome[0]
     if error:
         print(f"mstar-dist: host {me!r} (node rank {args.node_rank}): {error}", file=sys.stderr, flush=True)
         return 1

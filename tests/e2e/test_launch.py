@@ -78,7 +78,31 @@ def test_a_host_that_never_joins_is_named_within_the_startup_timeout(node_rank, 
     out = subprocess.run(["bash", str(REPO / "launch/serve_node.sh"), str(REPO / "launch/configs/smollm2_pd_2host.yaml")],
                          cwd=REPO, capture_output=True, text=True, timeout=60,
                          env={**os.environ, "NODE_RANK": str(node_rank), "MASTER_ADDR": "127.0.0.1",
-                              "MASTER_PORT": str(free_port()), "STARTUP_TIMEOUT": "4", "PYTHON": sys.executable})
+                              "MASTER_PORT": str(free_port(span=2)), "STARTUP_TIMEOUT": "4", "PYTHON": sys.executable})
     elapsed = time.monotonic() - t0
     assert out.returncode != 0 and words in out.stderr, out.stderr
     assert elapsed < 4 + 5 + 8, f"took {elapsed:.1f} s: the startup timeout plus a few seconds"
+
+
+def test_a_join_whose_port_another_service_holds_ends_within_its_bound():
+    """A node's join check connects to node 0's port + 1; when some other service holds that port, the store client
+    waits for an answer that never comes (until the service closes the connection). The check must end on its own,
+    exit 1 and say which port to change, within its bound (the grace shortened here to keep the test short)."""
+    import socket
+    import time
+
+    from tests.e2e.server import free_port
+
+    port = free_port()
+    with socket.socket() as other:  # accepts connections (the kernel's backlog) and never answers
+        other.bind(("127.0.0.1", port))
+        other.listen(8)
+        code = ("import sys; import mstar_dist.distributed.join as j; j.GRACE_S = 0.5; sys.exit(j.main(sys.argv[1:]))")
+        t0 = time.monotonic()
+        out = subprocess.run([sys.executable, "-c", code, str(REPO / "launch/configs/smollm2_pd_2host.yaml"),
+                              "--node-rank", "1", "--master-addr", "127.0.0.1", "--port", str(port), "--timeout", "0.5"],
+                             cwd=REPO, capture_output=True, text=True, timeout=60)
+        elapsed = time.monotonic() - t0
+    assert out.returncode == 1, out.stderr
+    assert f"127.0.0.1:{port} did not finish within 2.5 s" in out.stderr and "MASTER_PORT" in out.stderr, out.stderr
+    assert elapsed < 2.5 + 15, f"took {elapsed:.1f} s"  # the bound, plus starting Python and importing torch

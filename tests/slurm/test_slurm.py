@@ -56,7 +56,7 @@ def test_sbatch_serves_a_two_node_deployment_and_scancel_leaves_nothing(slurm, t
     config.write_text(yaml.safe_dump(data))
     port = free_port()
     env = {**slurm, "PYTHON": sys.executable, "MSTAR_JOB_DIR": str(tmp_path), "STARTUP_TIMEOUT": "240",
-           "MASTER_PORT": str(free_port())}
+           "MASTER_PORT": str(free_port(span=2))}
     out = subprocess.run(["sbatch", "--parsable", "-N", "2", f"--output={tmp_path}/job-%j.log",
                           str(REPO / "launch/slurm/serve.sbatch"), str(config), "--port", str(port)],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
