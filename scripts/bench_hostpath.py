@@ -2,6 +2,7 @@
 whose forward costs (almost) nothing.
 
     python scripts/bench_hostpath.py [--rows 1 8 32 64] [--steps 200] [--profile 32] [--out FILE]
+    python scripts/bench_hostpath.py --prefill [--rows 1 16 25] [--steps 200] [--out FILE]
 
 On a GPU the forward of a small model is one CUDA-graph replay of a few milliseconds; everything else a decode
 step does (the walk state machine per request, the engine's bookkeeping, sampling, the emitted tokens'
@@ -9,6 +10,11 @@ message) is Python on the thread that feeds the GPU. This measures exactly that 
 Llama chat walks (prefill, decode loop) and a real ``KVCacheEngine`` whose model returns constant logits over a
 64-token vocabulary, ``rows`` requests decoding together, every control message encoded as it would be sent.
 ``--profile N`` adds a cProfile of N rows (the functions where the step's time goes) to the JSON.
+
+``--prefill`` measures instead what the rank spends on a batch of ``rows`` new prompts (44 tokens each) from their
+``RunWalk``s to the ``Emits`` with their first tokens and the prefill walks' ends, beside 32 requests that decode:
+the host's share of a burst's first tokens, which leave the rank in one message once every row of the batch is
+through (``--steps`` batches, a new worker for each).
 """
 
 from __future__ import annotations
@@ -134,14 +140,62 @@ def run(rows: int, steps: int, profile: bool = False) -> dict:
     return out
 
 
+def run_prefill(rows: int, batches: int, decoding: int = 32) -> dict:
+    times = []
+    for _ in range(batches):
+        worker, channel, engine = make_worker(rows + decoding)
+        for i in range(decoding):  # requests in their decode walk: the runs a real rank holds beside a burst
+            deliver(worker, m.RunWalk(request_id=f"d{i}", walk="prefill", walk_index=0, seed=i,
+                                      inputs={"input_ids": encode_tensor(torch.arange(2, 12))},
+                                      sampling=m.Sampling(temperature=0.0)))
+        for _ in range(100):
+            if len(channel.done) >= decoding:
+                break
+            worker._step()
+        for done in channel.done:
+            deliver(worker, m.RunWalk(request_id=done.request_id, walk="decode", walk_index=1, seed=0,
+                                      inputs={"token": encode_tensor(decode_tensor(done.outputs["token"]))},
+                                      sampling=m.Sampling(temperature=0.0), loop_limits={"decode": 10 ** 6}))
+        for _ in range(3):  # not on the clock: the decode rows' first steps
+            worker._step()
+        channel.done.clear()
+        t0 = time.perf_counter()
+        for i in range(rows):
+            deliver(worker, m.RunWalk(request_id=f"r{i}", walk="prefill", walk_index=0, seed=i,
+                                      inputs={"input_ids": encode_tensor(torch.arange(2, 46))},
+                                      sampling=m.Sampling(temperature=0.0)))
+        for _ in range(10):
+            worker._step()
+            if len(channel.done) >= rows:
+                break
+        else:
+            raise RuntimeError(f"{rows - len(channel.done)} of {rows} prefill walks did not end in 10 turns")
+        times.append(time.perf_counter() - t0)
+        assert engine.decode_rows > 0 and len(worker._runs) == decoding, "the decode rows ran beside the prompts"
+    per = statistics.median(times)
+    return {"rows": rows, "decoding": decoding, "batch_us_median": per * 1e6, "per_row_us": per * 1e6 / rows}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64])
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--profile", type=int, default=None, help="also profile a run with this many rows")
+    p.add_argument("--prefill", action="store_true", help="a batch of new prompts' turn instead of decode steps")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     torch.set_num_threads(1)
+    if args.prefill:
+        results = [run_prefill(n, args.steps) for n in args.rows]
+        for r in results:
+            print(f"{r['rows']:3d} prompts beside {r['decoding']} decoding: {r['batch_us_median']:8.0f} us to their "
+                  f"Emits, {r['per_row_us']:6.1f} us/prompt", flush=True)
+        result = {"command": " ".join([sys.executable, *sys.argv]), "machine": {
+            "platform": platform.platform(), "torch": torch.__version__, "python": platform.python_version()},
+            "results": results}
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=2))
+        return
     results = [run(n, args.steps) for n in args.rows]
     for r in results:
         print(f"{r['rows']:3d} rows: {r['step_us_median']:8.0f} us/step, {r['per_row_us']:6.1f} us/row, "

@@ -70,6 +70,8 @@ async def one_request(app, body: bytes, path: str = "/v1/chat/completions") -> i
 
     async def send(message):
         nonlocal sent
+        if message["type"] == "http.response.start" and message["status"] != 200:
+            raise RuntimeError(f"{path} answered {message['status']}: the benchmark times only served requests")
         sent += len(message.get("body", b""))
 
     await app(scope, receive, send)
@@ -142,7 +144,8 @@ async def measure_intake(weights: str, requests: int) -> dict:
         size = await one_request(app, data, "/generate")
         cpu.append(time.thread_time() - c0)
         times.append(time.perf_counter() - t0)
-    return {"route": "/generate", "requests": requests, "us_per_request_median": round(statistics.median(times) * 1e6, 1),
+    return {"route": "/generate", "requests": requests,
+            "us_per_request_median": round(statistics.median(times) * 1e6, 1),
             "cpu_us_per_request_median": round(statistics.median(cpu) * 1e6, 1), "response_bytes": size}
 
 

@@ -400,15 +400,17 @@ class KVCacheEngine(Component):
         wait (answered None) for a free slot."""
         admitted = prefill[: self.cache.num_free]
         groups: list[list[tuple[int, torch.Tensor]]] = []
+        longest: list[int] = []  # of each group's prompts
         for item in admitted:
             n = item[1].numel()
-            for group in groups:
-                longest = max(n, *(ids.numel() for _, ids in group))
-                if (self.ragged_prefill or group[0][1].numel() == n) and self._fits(len(group) + 1, longest):
+            for g, group in enumerate(groups):
+                if (self.ragged_prefill or group[0][1].numel() == n) and self._fits(len(group) + 1, max(n, longest[g])):
                     group.append(item)
+                    longest[g] = max(n, longest[g])
                     break
             else:
                 groups.append([item])
+                longest.append(n)
         return groups
 
     def _fits(self, rows: int, longest: int) -> bool:
@@ -446,8 +448,7 @@ class KVCacheEngine(Component):
                     if trace.ON:
                         trace.event("eng_prefill_replayed", rows=len(group), engine=self.name)
                     ctxs: list[WalkContext] = [c.ctx for c in group]
-                    tokens = sample(self._biased(logits[:, -1]), [x.sampling for x in ctxs],
-                                    [x.generator("cpu") for x in ctxs])
+                    tokens = sample(self._biased(logits[:, -1]), [x.sampling for x in ctxs], _generators(ctxs))
                     host, ready = self._copy_to_host(tokens)
                     if trace.ON:
                         trace.event("eng_prefill_launched", rows=len(group), engine=self.name)
@@ -678,7 +679,7 @@ class KVCacheEngine(Component):
             logits = self.model(tokens[:, None], to_device(positions, self.device)[:, None], self.cache,
                                 last_only=True)
         params: list[SamplingParams] = [x.sampling for x in ctxs]
-        generators = [x.generator("cpu") for x in ctxs]
+        generators = _generators(ctxs)
         states = {row: (generators[row], generators[row].get_state())
                   for row, p in enumerate(params) if keep_states and not p.greedy}
         return sample(self._biased(logits[:, -1]), params, generators), states
@@ -742,6 +743,12 @@ class KVCacheEngine(Component):
 def _wait(event: object) -> None:
     if event is not None:
         event.synchronize()
+
+
+def _generators(ctxs: list[WalkContext]) -> list[torch.Generator | None]:
+    """The rows' sampling generators, made only for rows that draw (a greedy row never does: no generator to build
+    for each greedy request's prefill)."""
+    return [None if x.sampling.greedy else x.generator("cpu") for x in ctxs]
 
 
 def _ended(event: object) -> bool:

@@ -113,6 +113,7 @@ class Worker:
         self.name = rank_name(global_rank)
         self._stash: list[tuple[str, bytes]] = []  # messages set aside while a send waited for arena room
         self._runs: dict[tuple[str, str], WalkRun] = {}  # (request, walk): partitions may share a rank
+        self._walks_of: dict[str, dict[str, WalkRun]] = {}  # request -> walk -> run: _runs by request, for _runs_of
         self._waiting: dict[str, _Waiting] = {}
         self._incoming: dict[str, Any] = {}  # uuid -> Transfer (posted in descriptor order)
         self._incoming_req: dict[str, str] = {}  # uuid -> request id
@@ -472,8 +473,8 @@ class Worker:
         self._removed[request_id] = None
         while len(self._removed) > 100_000:
             self._removed.popitem(last=False)
-        for key in [k for k in self._runs if k[0] == request_id]:
-            self._runs.pop(key).close()
+        for run in self._runs_of(request_id):
+            self._drop_run(run).close()
         for key in [k for k in self._waiting if k[0] == request_id]:
             del self._waiting[key]
         self._emits.pop(request_id, None)
@@ -608,6 +609,7 @@ class Worker:
             return
         run.inputs = dict.fromkeys(run.inputs)  # delivered at construction; keep names only, free big tensors
         self._runs[key] = run
+        self._walks_of.setdefault(msg.request_id, {})[msg.walk] = run
         if span is not None:
             self._spans[key] = span
         for loop in self._early_stops.pop(msg.request_id, ()):
@@ -747,7 +749,7 @@ class Worker:
 
     def _finish(self, run: WalkRun) -> None:
         """Report the walk's end with this turn's emits (its own come first in that message: ``_flush_emits``)."""
-        del self._runs[(run.request_id, run.walk)]
+        self._drop_run(run)
         if not self._runs_of(run.request_id):
             self._ended.add(run.request_id)
         self._drop_streams(run.request_id, consumer=run)
@@ -781,7 +783,7 @@ class Worker:
         status = 503 if isinstance(exc, TPPeerLost) else 500
         log.error("%s: request %s failed in walk %s:\n%s", self.name, run.request_id, run.walk,
                   "".join(traceback.format_exception(exc)))
-        self._runs.pop((run.request_id, run.walk), None)
+        self._drop_run(run)
         run.close()
         self._spans.pop((run.request_id, run.walk), None)
         self._emits.pop(run.request_id, None)
@@ -976,7 +978,21 @@ class Worker:
         return next(n.optional_inputs for n in iter_nodes(run.section) if n.name == node)
 
     def _runs_of(self, request_id: str) -> list[WalkRun]:
-        return [run for (rid, _), run in self._runs.items() if rid == request_id]
+        """The request's walks on this rank (an index: a scan of every run, twice for each walk that ends, made a
+        25-row prefill's end quadratic in the runs on the rank)."""
+        walks = self._walks_of.get(request_id)
+        return list(walks.values()) if walks else []
+
+    def _drop_run(self, run: WalkRun) -> WalkRun:
+        """Forget ``run`` (if it is still the one this rank runs for its request and walk)."""
+        key = (run.request_id, run.walk)
+        if self._runs.get(key) is run:
+            del self._runs[key]
+            walks = self._walks_of[run.request_id]
+            del walks[run.walk]
+            if not walks:
+                del self._walks_of[run.request_id]
+        return run
 
     def _drop_streams(self, request_id: str, consumer: WalkRun | None = None) -> None:
         """Forget a request's consumer-side buffers (only those feeding ``consumer`` when given)."""

@@ -19,3 +19,31 @@ def test_the_http_path_benchmark_serves_through_either_parser_over_a_socket():
     for parser in ("h11", "httptools"):
         out = measure_socket(parser, requests=40, warm=10)
         assert out["parser"] == parser and out["wall_us_per_request"] > 0
+
+
+def test_a_burst_of_prompts_beside_decoding_requests_reaches_its_emits():
+    """``bench_hostpath.py --prefill``: a batch of new prompts beside requests that keep decoding must end its prefill
+    walks (the benchmark raises otherwise) with the decode walks still running (asserted inside)."""
+    from scripts.bench_hostpath import run_prefill
+
+    out = run_prefill(rows=5, batches=2, decoding=3)
+    assert out["rows"] == 5 and out["batch_us_median"] > 0
+
+
+def test_the_intake_benchmark_drives_an_intakes_own_backend_with_its_tokenizer():
+    """``bench_http_path.py --intake``: the app over ``IntakeBackend`` (chat template, tokenizer, ``Submit`` encoded)
+    must answer every streamed /generate with a 200 and both deltas."""
+    import asyncio
+
+    import pytest
+
+    from models.llama.gguf_import import DEFAULT_SMOLLM2_DIR, default_smollm2_gguf, ensure_smollm2_weights
+    from scripts.bench_http_path import measure_intake
+
+    try:
+        default_smollm2_gguf()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    weights = ensure_smollm2_weights(DEFAULT_SMOLLM2_DIR, progress=lambda _: None)
+    out = asyncio.run(measure_intake(str(weights), requests=20))  # raises on any answer but a 200
+    assert out["requests"] == 20 and out["response_bytes"] > 100
