@@ -190,20 +190,15 @@ def main() -> None:
         for r in results:
             print(f"{r['rows']:3d} prompts beside {r['decoding']} decoding: {r['batch_us_median']:8.0f} us to their "
                   f"Emits, {r['per_row_us']:6.1f} us/prompt", flush=True)
-        result = {"command": " ".join([sys.executable, *sys.argv]), "machine": {
-            "platform": platform.platform(), "torch": torch.__version__, "python": platform.python_version()},
-            "results": results}
-        if args.out:
-            Path(args.out).write_text(json.dumps(result, indent=2))
-        return
-    results = [run(n, args.steps) for n in args.rows]
-    for r in results:
-        print(f"{r['rows']:3d} rows: {r['step_us_median']:8.0f} us/step, {r['per_row_us']:6.1f} us/row, "
-              f"{r['messages_per_step']:.1f} msg/step", flush=True)
+    else:
+        results = [run(n, args.steps) for n in args.rows]
+        for r in results:
+            print(f"{r['rows']:3d} rows: {r['step_us_median']:8.0f} us/step, {r['per_row_us']:6.1f} us/row, "
+                  f"{r['messages_per_step']:.1f} msg/step", flush=True)
     result = {"command": " ".join([sys.executable, *sys.argv]), "machine": {
         "platform": platform.platform(), "torch": torch.__version__, "python": platform.python_version()},
         "results": results}
-    if args.profile:
+    if args.profile and not args.prefill:
         prof = run(args.profile, args.steps, profile=True)
         result["profile"] = prof
         print("\n".join(prof["profile_tottime_top25"][:45]))
