@@ -97,11 +97,11 @@ def test_a_join_whose_port_another_service_holds_ends_within_its_bound():
     with socket.socket() as other:  # accepts connections (the kernel's backlog) and never answers
         other.bind(("127.0.0.1", port))
         other.listen(8)
-        code = ("import sys; import mstar_dist.distributed.join as j; j.GRACE_S = 0.5; sys.exit(j.main(sys.argv[1:]))")
+        code = "import sys; import mstar_dist.distributed.join as j; j.GRACE_S = 0.5; sys.exit(j.main(sys.argv[1:]))"
         t0 = time.monotonic()
-        out = subprocess.run([sys.executable, "-c", code, str(REPO / "launch/configs/smollm2_pd_2host.yaml"),
-                              "--node-rank", "1", "--master-addr", "127.0.0.1", "--port", str(port), "--timeout", "0.5"],
-                             cwd=REPO, capture_output=True, text=True, timeout=60)
+        argv = [str(REPO / "launch/configs/smollm2_pd_2host.yaml"), "--node-rank", "1", "--master-addr", "127.0.0.1",
+                "--port", str(port), "--timeout", "0.5"]
+        out = subprocess.run([sys.executable, "-c", code, *argv], cwd=REPO, capture_output=True, text=True, timeout=60)
         elapsed = time.monotonic() - t0
     assert out.returncode == 1, out.stderr
     assert f"127.0.0.1:{port} did not finish within 2.5 s" in out.stderr and "MASTER_PORT" in out.stderr, out.stderr
