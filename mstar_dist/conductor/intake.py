@@ -4,13 +4,11 @@
 The front end spawns N of them (``python -m mstar_dist.conductor.intake --index k``) so that a burst of arrivals
 is parsed, validated and framed by N interpreters instead of the one HTTP thread that shares the conductor's GIL.
 The front end accepts the connections on ``server.host:port`` and passes each to the intake with the fewest open
-ones (``server/handoff.py``: a client keeps its connection, so that is where its requests are parsed); each runs
-two threads:
-
-* the HTTP thread: uvicorn and the app (``server/app.py``), with :class:`IntakeBackend` as its backend;
-* the link thread: receives on this process's control channel (``intake<k>``) and delivers what comes back
-  (``Outputs``, ``Health``, ``MetricsText``) to the HTTP loop, one ``call_soon_threadsafe`` per batch of messages.
-  ``Submit`` / ``Cancel`` / ``MetricsAsk`` leave from the HTTP thread itself (``ConductorLink.send``).
+ones (``server/handoff.py``: a client keeps its connection, so that is where its requests are parsed). Its HTTP thread
+runs uvicorn and the app (``server/app.py``) with :class:`IntakeBackend` as its backend, and on the same loop receives
+on this process's control channel (``intake<k>``, :class:`ConductorLink`: the channel's descriptors watched with
+``add_reader``) what comes back (``Outputs``, ``Health``, ``MetricsText``); until uvicorn runs, a link thread receives
+(the first ``Health``). ``Submit`` / ``Cancel`` / ``MetricsAsk`` leave from the HTTP thread itself.
 
 Startup, as JSON lines with the front end (no pickle): it binds its channel and writes ``{"endpoint"}``; reads the
 handover (the launch's secret, the conductor's endpoint, what the app serves) on stdin; connects, waits for the
@@ -72,66 +70,139 @@ class IntakeProcess(ChildProcess):
 
 
 class ConductorLink:
-    """The link thread, the only receiver on this intake's control channel, and the channel's senders' lock."""
+    """The receiver on this intake's control channel, and the channel's senders' lock. It receives on the link
+    thread until the HTTP loop runs (startup: the conductor's first ``Health``), then on the HTTP loop itself
+    (``attach``): the conductor's ``Outputs`` reach the waiting handlers in the loop's own turn, with no thread
+    between (a hand-off from a receiving thread cost every delivery a second wake-up: docs/architecture.md §2)."""
 
     def __init__(self, channel, token: str, name: str) -> None:
         self.channel, self.token, self.name = channel, token, name
         self._send_lock = threading.Lock()
         self._stop = threading.Event()
+        self._handover = threading.Event()
         self.health: tuple[bool, str] | None = None
         """The conductor's last word on whether the deployment serves (None until its first ``Health``)."""
         self.backend: IntakeBackend | None = None
         self.thread = threading.Thread(target=self._run, name="conductor-link", daemon=True)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._readers: set[int] = set()
+        self.failed: str | None = None
+        """Why receiving on the HTTP loop stopped (an error there), or None."""
+        self._last_counts: Any = None
+        self._counted_at = 0.0
+
+    @property
+    def alive(self) -> bool:
+        """Whether something receives the conductor's messages (the thread, or the HTTP loop once attached)."""
+        if self._loop is not None:
+            return self.failed is None
+        return self.thread.is_alive()
 
     def send(self, body: m.Message) -> None:
-        """Send ``body`` to the conductor now, from the calling thread (the HTTP loop's or this one). A lock orders
-        the two senders on the channel's sending side, which its receives do not touch (``ControlChannel.send``
-        never blocks). Handing the message to this thread instead would cost a request a GIL hand-off while the
-        HTTP thread parses the rest of a burst."""
+        """Send ``body`` to the conductor now, from the calling thread (the HTTP loop's or the link thread). A lock
+        orders the senders on the channel's sending side, which its receives do not touch (``ControlChannel.send``
+        never blocks)."""
         with self._send_lock:
             self._send(body)
+
+    def attach(self, loop: asyncio.AbstractEventLoop, timeout_s: float = 5.0) -> None:
+        """From the main thread, once uvicorn runs ``loop``: end the link thread, then receive on the loop."""
+        self._handover.set()
+        self.channel.wake()
+        self.thread.join(timeout_s)
+        if self.thread.is_alive():
+            raise RuntimeError(f"the link thread did not hand the channel over within {timeout_s:g} s")
+        asyncio.run_coroutine_threadsafe(self._attach_here(), loop).result(timeout_s)
 
     def stop(self) -> None:
         self._stop.set()
         self.channel.wake()
-        self.thread.join(5)
+        if self.thread.is_alive():
+            self.thread.join(5)
 
     def _run(self) -> None:
         try:
-            self._serve()
+            while not self._stop.is_set() and not self._handover.is_set():
+                self._take(self.channel.recv(100), self._deliver_from_thread)
+                self._count()
         except Exception:
             log.exception("%s: the link thread to the conductor failed", self.name)
 
-    def _serve(self) -> None:
-        last_counts: Any = None
-        counted_at = 0.0
-        while not self._stop.is_set():
-            items: list = []
-            for sender, payload in self.channel.recv(100):
-                try:
-                    env = m.decode(payload)
-                except Exception as exc:
-                    log.warning("%s: dropped an undecodable message from %r: %s", self.name, sender, exc)
-                    continue
-                if env.token != self.token or sender != "conductor" or env.sender != sender:
-                    log.warning("%s: rejected a message from %r (not this launch's conductor)", self.name, sender)
-                    continue
-                body = env.body
-                if isinstance(body, m.Outputs):
-                    items.extend(body.items)
-                elif isinstance(body, m.Health):
-                    self.health = (body.serving, body.reason)
-                elif isinstance(body, m.MetricsText):
-                    items.append(body)
-            if items and self.backend is not None:
-                self.backend.deliver(items)
-            now = time.monotonic()
-            if self.backend is not None and now - counted_at >= COUNTS_EVERY_S:
-                counted_at = now
-                counts = self.backend.counts()
-                if counts != last_counts:
-                    last_counts = counts
-                    self.send(counts)
+    async def _attach_here(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        if self.backend is not None:
+            self.backend.loop = self._loop
+        self._readable()  # what came while the thread handed over (ZMQ's descriptor signals only new arrivals)
+        self._loop.call_later(COUNTS_EVERY_S, self._count_on_loop)
+
+    def _readable(self) -> None:
+        """HTTP loop: a descriptor of the channel is ready. Drain it, deliver, and watch the channel's descriptors
+        as they are now (a local link accepted meanwhile is one more)."""
+        if self.failed is not None:
+            return
+        try:
+            while not self._stop.is_set():
+                messages = self.channel.recv(0)
+                if not messages:
+                    break
+                self._take(messages, self._deliver_here)
+            fds = self.channel.fds()
+        except Exception as exc:
+            log.exception("%s: receiving from the conductor failed", self.name)
+            self.failed = f"{type(exc).__name__}: {exc}"
+            fds = set()
+        for fd in self._readers - fds:
+            self._loop.remove_reader(fd)
+        for fd in fds - self._readers:
+            self._loop.add_reader(fd, self._readable)
+        self._readers = fds
+
+    def _count_on_loop(self) -> None:
+        if self._stop.is_set() or self.failed is not None:
+            return
+        try:
+            self._count()
+        finally:
+            self._loop.call_later(COUNTS_EVERY_S, self._count_on_loop)
+
+    def _deliver_from_thread(self, items: list) -> None:
+        self.backend.deliver(items)
+
+    def _deliver_here(self, items: list) -> None:
+        self.backend.loop = self._loop
+        self.backend._deliver(items)
+
+    def _take(self, messages: list[tuple[str, bytes]], deliver) -> None:
+        items: list = []
+        for sender, payload in messages:
+            try:
+                env = m.decode(payload)
+            except Exception as exc:
+                log.warning("%s: dropped an undecodable message from %r: %s", self.name, sender, exc)
+                continue
+            if env.token != self.token or sender != "conductor" or env.sender != sender:
+                log.warning("%s: rejected a message from %r (not this launch's conductor)", self.name, sender)
+                continue
+            body = env.body
+            if isinstance(body, m.Outputs):
+                items.extend(body.items)
+            elif isinstance(body, m.Health):
+                self.health = (body.serving, body.reason)
+            elif isinstance(body, m.MetricsText):
+                items.append(body)
+        if items and self.backend is not None:
+            deliver(items)
+
+    def _count(self) -> None:
+        """Report this intake's HTTP counts when they changed, at most every ``COUNTS_EVERY_S``."""
+        now = time.monotonic()
+        if self.backend is None or now - self._counted_at < COUNTS_EVERY_S:
+            return
+        self._counted_at = now
+        counts = self.backend.counts()
+        if counts != self._last_counts:
+            self._last_counts = counts
+            self.send(counts)
 
     def _send(self, body: m.Message) -> None:
         try:
@@ -163,7 +234,7 @@ class IntakeBackend:
         self.max_tokens_limit = max_tokens_limit
         self.output_modality = output_modality
         self.loop: asyncio.AbstractEventLoop | None = None
-        """uvicorn's loop, where ``deliver`` hands the link thread's items; taken by the first request that needs it
+        """uvicorn's loop, where ``deliver`` hands items from another thread; taken by the first request that needs it
         (``generate``, ``metrics_text``), so nothing is delivered to a loop no request runs on."""
         self._queues: dict[str, asyncio.Queue] = {}
         self._asks: dict[int, asyncio.Future] = {}
@@ -175,7 +246,7 @@ class IntakeBackend:
         return self.link.health or (False, "starting: no word from the conductor yet")
 
     def counts(self) -> m.HttpCounts:
-        """This intake's HTTP counts (the link thread reads them; prometheus_client locks its values)."""
+        """This intake's HTTP counts (reported by ``ConductorLink``; prometheus_client locks its values)."""
         requests, in_flight, disconnects = self.stats.counts()
         return m.HttpCounts(requests=requests, in_flight=in_flight, disconnects=disconnects)
 
@@ -372,13 +443,14 @@ def main(argv: list[str] | None = None) -> int:
         # the app, its warmed routes and what uvicorn imported as it started leave the collector (heap.py); before
         # the front end hears that this intake listens, so before any request can come
         freeze_startup_heap()
+        link.attach(http.loop)
         report({"listening": http.port})
         threading.Thread(target=watch_parent, args=(stop, "the front end"), name="parent-watch", daemon=True).start()
         while not stop.wait(0.2):
             if not http.running:
                 raise RuntimeError("the HTTP thread ended")
-            if not link.thread.is_alive():  # nothing would reach the conductor: stop, and the front end says so
-                raise RuntimeError("the link thread to the conductor ended; see the error above")
+            if not link.alive:  # nothing would come from the conductor: stop, and the front end says so
+                raise RuntimeError("receiving from the conductor stopped; see the error above")
     except Exception as exc:
         log.error("%s failed: %s", name, exc, exc_info=not isinstance(exc, (TimeoutError, RuntimeError)))
         rc = 1

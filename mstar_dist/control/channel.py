@@ -314,6 +314,18 @@ class ControlChannel:
             if len(packet) >= _HEADER.size:
                 self._arrived(entry[1], packet[:_HEADER.size], packet[_HEADER.size:], out)
 
+    def fds(self) -> set[int]:
+        """The file descriptors whose readiness means ``recv(0)`` may have something: for a caller that waits in an
+        event loop instead of in ``recv`` (``loop.add_reader``). The set changes as local links are accepted (ask
+        again after each ``recv``); ZMQ's own descriptor is edge-triggered, so on its readiness drain with ``recv(0)``
+        until it returns nothing."""
+        if self._closed:
+            self._check_open()
+        out = {self._router.getsockopt(zmq.FD), self._wake_r, *self._accepted}
+        if self._listener_fd >= 0:
+            out.add(self._listener_fd)
+        return out
+
     def wake(self) -> None:
         """End the wait of a ``recv`` running on another thread now (it returns what it has, maybe nothing).
         Thread-safe; for a thread that handed the receiving thread work outside the channel."""

@@ -215,3 +215,59 @@ def test_a_spinning_recv_takes_a_message_that_comes_while_it_spins_and_then_bloc
         t0 = time.perf_counter()
         assert a.recv(timeout_ms=200, spin_s=0.1) == []  # nothing comes: spins, then blocks for the timeout
         assert time.perf_counter() - t0 >= 0.29
+
+
+def test_an_event_loop_watching_the_channels_descriptors_gets_every_message_in_order(ctx):
+    """An intake receives on its HTTP loop (``ControlChannel.fds`` with ``add_reader``, draining ``recv(0)``): small
+    messages on the local link (accepted after the loop started watching), big ones through ZMQ, from two senders,
+    must all arrive in each sender's order without a blocking ``recv``."""
+    import asyncio
+
+    from mstar_dist.control.channel import LOCAL_MAX_BYTES
+
+    async def main(a, b, c) -> list[tuple[str, bytes]]:
+        loop = asyncio.get_running_loop()
+        got: list[tuple[str, bytes]] = []
+        watched: set[int] = set()
+        done = loop.create_future()
+
+        def readable() -> None:
+            nonlocal watched
+            while batch := a.recv(0):
+                got.extend(batch)
+            fds = a.fds()
+            for fd in watched - fds:
+                loop.remove_reader(fd)
+            for fd in fds - watched:
+                loop.add_reader(fd, readable)
+            watched = fds
+            if len(got) >= 402 and not done.done():
+                done.set_result(None)
+
+        readable()
+        big = b"x" * (LOCAL_MAX_BYTES + 1)
+        for i in range(200):
+            b.send("intake0", b"b%d" % i)
+            c.send("intake0", b"c%d" % i)
+            if i == 100:
+                b.send("intake0", big)
+                c.send("intake0", big)
+            if i % 50 == 0:
+                await asyncio.sleep(0)
+        try:
+            await asyncio.wait_for(done, 10)
+        finally:
+            for fd in watched:
+                loop.remove_reader(fd)
+        return got
+
+    with ControlChannel("intake0", "127.0.0.1", ctx) as a, ControlChannel("conductor", "127.0.0.1", ctx) as b, \
+            ControlChannel("rank0", "127.0.0.1", ctx) as c:
+        b.connect("intake0", a.endpoint)
+        c.connect("intake0", a.endpoint)
+        got = asyncio.run(main(a, b, c))
+        assert b.sent_local > 0 and b.sent_zmq > 0  # both ways were taken
+        for sender, tag in (("conductor", b"b"), ("rank0", b"c")):
+            mine = [p for s, p in got if s == sender]
+            small = [tag + b"%d" % i for i in range(200)]
+            assert mine == small[:101] + [b"x" * (LOCAL_MAX_BYTES + 1)] + small[101:]
