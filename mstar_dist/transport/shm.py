@@ -25,7 +25,8 @@ bigger than the whole arena is a ValueError at once (raise ``transport.arena_byt
 Cleanup: ``close`` (called on every exit path, SIGTERM included) unlinks the segment. The owner holds a shared
 ``flock`` on its segment for its whole life, so a segment nobody holds a lock on belongs to a dead process:
 ``sweep_orphans`` (run at start) unlinks those, whichever launch or pid namespace they came from. Segments are
-created under a temporary name and renamed once locked, so a sweep never catches one half-made.
+created under a temporary name and renamed once locked, and a temporary one is swept only once it is older than
+``TMP_GRACE_S``, so a sweep never catches one half-made.
 
 Ranks are global ranks; the transport is used from the rank's worker thread (wrapped tensors may be released on
 any thread: that only queues an acknowledgement).
@@ -39,6 +40,7 @@ import logging
 import mmap
 import os
 import re
+import time
 import uuid
 from pathlib import Path
 
@@ -63,6 +65,9 @@ SEGMENT_PREFIX = "mstar_dist."
 _SEGMENT_NAME = re.compile(r"mstar_dist\.[0-9A-Za-z_-]+\.r\d+\.p\d+")
 _SWEEPABLE = re.compile(r"mstar_dist\.[0-9A-Za-z_-]+\.r\d+\.p\d+|\.mstar_dist\.tmp\.[0-9a-f]+")
 """Segments, and segments that a process died creating (before it renamed them)."""
+TMP_GRACE_S = 60.0
+"""A half-made segment younger than this is never swept: its creator opens it before it can lock it, and a sweep of
+another rank starting on the host in that moment unlinked it (the creator's rename then failed: seen in CI)."""
 
 
 def sweep_orphans(directory: Path = SHM_DIR) -> list[str]:
@@ -77,6 +82,8 @@ def sweep_orphans(directory: Path = SHM_DIR) -> list[str]:
     for name in names:
         path = directory / name
         try:
+            if name.startswith(".") and time.time() - path.stat().st_mtime < TMP_GRACE_S:
+                continue  # maybe still being made: not yet locked by its creator
             fd = os.open(path, os.O_RDONLY)
         except OSError:
             continue  # gone meanwhile

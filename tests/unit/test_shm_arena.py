@@ -14,6 +14,7 @@ import random
 import subprocess
 import sys
 import threading
+import time
 import uuid
 
 import pytest
@@ -263,3 +264,17 @@ def test_a_segment_that_does_not_fit_is_an_error_naming_the_space(tmp_path):
         assert list(small.iterdir()) == []  # nothing half-made is left
     finally:
         subprocess.run(["umount", str(small)], capture_output=True)
+
+
+def test_a_segment_being_made_is_not_swept_by_a_rank_starting_beside_it(tmp_path):
+    """A rank creates its segment under a temporary name and locks it only once it is open; a sweep by another rank
+    starting on the host in that moment must leave it (it unlinked it once, and the creator's start failed), while a
+    temporary one left long ago by a dead creator is still swept."""
+    fresh = tmp_path / ".mstar_dist.tmp.0123abcd"
+    stale = tmp_path / ".mstar_dist.tmp.4567ef01"
+    fresh.write_bytes(b"")
+    stale.write_bytes(b"")
+    old = time.time() - 3600
+    os.utime(stale, (old, old))
+    assert sweep_orphans(tmp_path) == [stale.name]
+    assert fresh.exists() and not stale.exists()
