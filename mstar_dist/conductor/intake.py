@@ -169,7 +169,6 @@ class ConductorLink:
         self.backend.deliver(items)
 
     def _deliver_here(self, items: list) -> None:
-        self.backend.loop = self._loop
         self.backend._deliver(items)
 
     def _take(self, messages: list[tuple[str, bytes]], deliver) -> None:
