@@ -98,10 +98,10 @@ def deliver(worker: Worker, body: m.Message) -> None:
     worker._handle("conductor", m.encode(TOKEN, "conductor", body))
 
 
-def run(rows: int, steps: int, profile: bool = False) -> dict:
-    worker, channel, engine = make_worker(rows)
+def start_decoding(worker: Worker, channel: CountingChannel, rows: int, limit: int, prefix: str = "r") -> None:
+    """``rows`` requests through their prefill walk and into their decode walk (``limit`` steps at most)."""
     for i in range(rows):
-        deliver(worker, m.RunWalk(request_id=f"r{i}", walk="prefill", walk_index=0, seed=i,
+        deliver(worker, m.RunWalk(request_id=f"{prefix}{i}", walk="prefill", walk_index=0, seed=i,
                                   inputs={"input_ids": encode_tensor(torch.arange(2, 12))}, sampling=m.Sampling(
                                       temperature=0.0)))
     for _ in range(1000):
@@ -114,7 +114,13 @@ def run(rows: int, steps: int, profile: bool = False) -> dict:
         token = decode_tensor(done.outputs["token"])
         deliver(worker, m.RunWalk(request_id=done.request_id, walk="decode", walk_index=1, seed=0,
                                   inputs={"token": encode_tensor(token)}, sampling=m.Sampling(temperature=0.0),
-                                  loop_limits={"decode": steps + 10}))
+                                  loop_limits={"decode": limit}))
+    channel.done.clear()
+
+
+def run(rows: int, steps: int, profile: bool = False) -> dict:
+    worker, channel, engine = make_worker(rows)
+    start_decoding(worker, channel, rows, steps + 10)
     for _ in range(5):  # warm
         worker._step()
     prof = cProfile.Profile() if profile else None
@@ -144,21 +150,9 @@ def run_prefill(rows: int, batches: int, decoding: int = 32) -> dict:
     times = []
     for _ in range(batches):
         worker, channel, engine = make_worker(rows + decoding)
-        for i in range(decoding):  # requests in their decode walk: the runs a real rank holds beside a burst
-            deliver(worker, m.RunWalk(request_id=f"d{i}", walk="prefill", walk_index=0, seed=i,
-                                      inputs={"input_ids": encode_tensor(torch.arange(2, 12))},
-                                      sampling=m.Sampling(temperature=0.0)))
-        for _ in range(100):
-            if len(channel.done) >= decoding:
-                break
-            worker._step()
-        for done in channel.done:
-            deliver(worker, m.RunWalk(request_id=done.request_id, walk="decode", walk_index=1, seed=0,
-                                      inputs={"token": encode_tensor(decode_tensor(done.outputs["token"]))},
-                                      sampling=m.Sampling(temperature=0.0), loop_limits={"decode": 10 ** 6}))
+        start_decoding(worker, channel, decoding, 10 ** 6, prefix="d")  # the runs a real rank holds beside a burst
         for _ in range(3):  # not on the clock: the decode rows' first steps
             worker._step()
-        channel.done.clear()
         t0 = time.perf_counter()
         for i in range(rows):
             deliver(worker, m.RunWalk(request_id=f"r{i}", walk="prefill", walk_index=0, seed=i,

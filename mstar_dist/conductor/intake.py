@@ -123,7 +123,9 @@ class ConductorLink:
     def _run(self) -> None:
         try:
             while not self._stop.is_set() and not self._handover.is_set():
-                self._take(self.channel.recv(100), self._deliver_from_thread)
+                items = self._take(self.channel.recv(100))
+                if items:
+                    self.backend.deliver(items)
                 self._count()
         except Exception:
             log.exception("%s: the link thread to the conductor failed", self.name)
@@ -145,7 +147,9 @@ class ConductorLink:
                 messages = self.channel.recv(0)
                 if not messages:
                     break
-                self._take(messages, self._deliver_here)
+                items = self._take(messages)
+                if items:
+                    self.backend._deliver(items)
             fds = self.channel.fds()
         except Exception as exc:
             log.exception("%s: receiving from the conductor failed", self.name)
@@ -165,13 +169,9 @@ class ConductorLink:
         finally:
             self._loop.call_later(COUNTS_EVERY_S, self._count_on_loop)
 
-    def _deliver_from_thread(self, items: list) -> None:
-        self.backend.deliver(items)
-
-    def _deliver_here(self, items: list) -> None:
-        self.backend._deliver(items)
-
-    def _take(self, messages: list[tuple[str, bytes]], deliver) -> None:
+    def _take(self, messages: list[tuple[str, bytes]]) -> list:
+        """The items of the conductor's messages to deliver (``Health`` is kept here); none before there is a
+        backend."""
         items: list = []
         for sender, payload in messages:
             try:
@@ -189,8 +189,7 @@ class ConductorLink:
                 self.health = (body.serving, body.reason)
             elif isinstance(body, m.MetricsText):
                 items.append(body)
-        if items and self.backend is not None:
-            deliver(items)
+        return items if self.backend is not None else []
 
     def _count(self) -> None:
         """Report this intake's HTTP counts when they changed, at most every ``COUNTS_EVERY_S``."""
