@@ -394,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     trace.set_process(name)
     host_name, addr = os.environ[_WHERE].split(" ", 1)
     configure_logging(args.log_level, rank=0, host=host_name, fmt=args.log_format, progress="off")
-    if (os.cpu_count() or 1) >= 8:  # the link thread and uvicorn's hand each request over, as in the front end
+    if (os.cpu_count() or 1) >= 8:  # threads hand work over (the link thread until uvicorn runs), as in the front end
         sys.setswitchinterval(SWITCH_INTERVAL_S)
     out = os.fdopen(int(os.environ[_OUT_FD]), "wb")
     stop = threading.Event()
