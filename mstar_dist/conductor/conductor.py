@@ -82,6 +82,8 @@ class _Request:
     """(walk, node) -> every rank of the chosen replica (its TP group; the first one leads and is in ``nodes``)."""
     pieces: dict[str, tuple[set[int], dict[str, Any]]] = field(default_factory=dict)
     """Walk -> (ranks whose ``WalkDone`` is still due, outputs gathered so far) for a walk that spans ranks."""
+    routes: dict[str, "_Route"] = field(default_factory=dict)
+    """Walk -> what its dispatch sends where (``Conductor._route``); shared by every request of one ``_Choice``."""
 
     def walk_ranks(self, walk: str) -> list[int]:
         """Global ranks running some node of ``walk`` for this request, sorted."""
@@ -89,6 +91,35 @@ class _Request:
 
     def rank_of(self, walk: str, node: str) -> int:
         return self.nodes[(walk, node)]
+
+
+@dataclass(frozen=True)
+class _Route:
+    """What dispatching one walk of a request sends where, given the request's ranks (``Conductor._route``): the same
+    for every request that got the same replicas, so computed once per walk for them (a 32-request burst reaches the
+    conductor at once and it dispatches one request after another)."""
+
+    ranks: list[int]
+    """The ranks running some node of the walk, sorted."""
+    consumers: dict[str, list[int]]
+    """Walk input -> the ranks whose nodes take it."""
+    export: list[str]
+    """The walk's persisted outputs to materialise for another rank (``_exports``), sorted."""
+    node_ranks: dict[str, int]
+    """Node -> rank, for a walk across ranks (empty otherwise)."""
+    stream_routes: dict[str, int]
+    """Streaming signal produced in the walk's partition -> the rank consuming it."""
+    touched: frozenset[int]
+    """Every rank of the replicas the walk uses (TP followers included)."""
+
+
+@dataclass
+class _Choice:
+    """The replicas chosen for a request (``_choose_ranks``), with the routes of its walks as they are computed."""
+
+    replicas: dict[tuple[str, str], tuple[int, ...]]
+    nodes: dict[tuple[str, str], int]
+    routes: dict[str, _Route] = field(default_factory=dict)
 
 
 @dataclass
@@ -174,8 +205,11 @@ class Conductor:
         self._incarnation = 0
         self._queue: collections.deque[_Queued] = collections.deque()
         self._rng = random.Random(0)
-        self._fixed_choice: tuple[int, dict | None] | None = None
-        """(dead ranks counted, the choice) of ``_choose_ranks`` when every node has one replica."""
+        self._fixed_choice: tuple[int, _Choice | None] | None = None
+        """(dead ranks counted, the choice) of ``_choose_ranks`` when every node has one replica: shared by every
+        request (with its routes) until a rank dies."""
+        self._unservable: tuple[int, list[str]] = (-1, [])
+        """(dead ranks counted, ``unservable_walks()`` then): ``health`` is asked for every request an intake sends."""
         self.intakes = IntakeHub(self, intakes)
 
     # ---- thread side ----
@@ -275,7 +309,10 @@ class Conductor:
             return False, f"starting: {len(self.ready_ranks)}/{self.world_size} ranks ready"
         if self.stopped.is_set():
             return False, "shutting down"
-        down = self.unservable_walks()
+        known = self._unservable
+        if known[0] != len(self.dead_ranks):  # ranks are only ever added to dead_ranks
+            known = self._unservable = (len(self.dead_ranks), self.unservable_walks())
+        down = known[1]
         if down:
             dead = ", ".join(f"rank {r} ({why})" for r, why in sorted(self.dead_ranks.items()))
             return False, f"no live replica for walks {down}; dead: {dead}"
@@ -397,15 +434,15 @@ class Conductor:
             log.exception("preprocess failed for %s", params.request_id)
             sink(BackendError(500, f"preprocess failed: {type(exc).__name__}: {exc}"))
             return
-        nodes = self._choose_ranks()
-        if nodes is None:
+        choice = self._choose_ranks()
+        if choice is None:
             dead = ", ".join(f"rank {r} ({why})" for r, why in sorted(self.dead_ranks.items()))
             sink(BackendError(503, f"no live replica can serve this request; dead: {dead}"))
             return
         self._incarnation += 1
-        req = _Request(state=state, params=params, sink=sink, nodes={k: r[0] for k, r in nodes.items()},
-                       replicas=nodes, arrived=time.monotonic() if arrived is None else arrived,
-                       wire_id=f"{params.request_id}#{self._incarnation}")
+        req = _Request(state=state, params=params, sink=sink, nodes=choice.nodes, replicas=choice.replicas,
+                       arrived=time.monotonic() if arrived is None else arrived,
+                       wire_id=f"{params.request_id}#{self._incarnation}", routes=choice.routes)
         self._active[params.request_id] = req
         self._by_wire[req.wire_id] = req
         if trace.ON:  # joins the front end's events (client id) with the ranks' (wire id)
@@ -425,9 +462,10 @@ class Conductor:
         if req.partitions.request_done:
             self._finish(req, state.finish_reason or "stop")
 
-    def _choose_ranks(self) -> dict[tuple[str, str], tuple[int, ...]] | None:
+    def _choose_ranks(self) -> _Choice | None:
         """One replica per (walk, node); prefer hosts, then ranks the request already uses (docs/architecture.md,
-        "Placement"), as the replica's ranks (TP group; the first leads). None when some node has no live replica."""
+        "Placement"), as the replica's ranks (TP group; the first leads). None when some node has no live replica.
+        Requests only read the choice (it may be shared)."""
         from mstar_dist.topology.placement import choose_replica
 
         fixed = self._fixed_choice
@@ -447,55 +485,65 @@ class Conductor:
                 chosen = None
                 break
             chosen[(walk, node)] = replica.ranks
+        choice = None if chosen is None else _Choice(replicas=chosen, nodes={k: r[0] for k, r in chosen.items()})
         if all(len(self.placement.replicas(walk, node)) == 1 for walk, node in self._walk_nodes):
             # one replica per node: every request gets the same answer until a rank dies (and no random tie-break
-            # is drawn); requests only read it
-            self._fixed_choice = (len(self.dead_ranks), chosen)
-        return chosen
+            # is drawn), and so the same routes
+            self._fixed_choice = (len(self.dead_ranks), choice)
+        return choice
 
     # ---- walks ----
     def _dispatch(self, req: _Request, step: WalkStep) -> None:
         """Send ``step`` to every rank running a node of its walk for this request (docs/architecture.md,
         "Walks across ranks"): each gets the inputs its own nodes consume (placeholders for the rest), kept
         tensors are pushed straight from their producer to the ranks that consume them."""
-        ranks = req.walk_ranks(step.walk)
+        route = req.routes.get(step.walk) or self._route(req, step.walk)
+        ranks = route.ranks
         partition = req.partitions.partition_of(step.walk)
         walk_index = req.partitions.walks_done(partition)
-        consumers = self._input_consumers(req, step)
         inputs: dict[int, dict[str, m.Value]] = {rank: {} for rank in ranks}
         release: dict[int, list[str]] = {rank: [] for rank in ranks}
         for name, value in step.inputs.items():
-            wanted = consumers.get(name) or ranks[:1]
+            wanted = route.consumers.get(name) or ranks[:1]
             if isinstance(value, m.TensorRef):
                 self._route_kept(req, name, value, wanted, keep=name in step.keep, release=release, walk=step.walk)
             else:
                 value = encode_tensor(value)
             for rank in ranks:
                 inputs[rank][name] = value if rank in wanted else m.Remote()
-        spans = len(ranks) > 1
-        node_ranks = {node: rank for (w, node), rank in req.nodes.items() if w == step.walk} if spans else {}
-        stream_routes = {e.signal: req.rank_of(self._consumer_walk[e.signal], e.dst_node) for e in self.streams
-                         if partition == e.src_partition}
-        if spans:
+        if len(ranks) > 1:
             req.pieces[step.walk] = (set(ranks), {})
+        seed = walk_seed(req.state.seed, self._partition_index[partition], walk_index)
+        sampling = m.Sampling(temperature=req.params.temperature, top_p=req.params.top_p, top_k=req.params.top_k)
         for rank in ranks:
             msg = m.RunWalk(
-                request_id=req.wire_id, walk=step.walk, walk_index=walk_index,
-                seed=walk_seed(req.state.seed, self._partition_index[partition], walk_index),
-                inputs=inputs[rank],
-                sampling=m.Sampling(temperature=req.params.temperature, top_p=req.params.top_p,
-                                    top_k=req.params.top_k),
-                export=sorted(self.persist_signals[step.walk]) if self._exports(req, step.walk) else [],
-                loop_limits=step.loop_limits, stop_token_ids=self.stop_ids, stream_routes=stream_routes,
-                release=release[rank], node_ranks=node_ranks,
+                request_id=req.wire_id, walk=step.walk, walk_index=walk_index, seed=seed, inputs=inputs[rank],
+                sampling=sampling, export=route.export, loop_limits=step.loop_limits, stop_token_ids=self.stop_ids,
+                stream_routes=route.stream_routes, release=release[rank], node_ranks=route.node_ranks,
             )
-            req.touched.add(rank)
             if trace.ON:  # as it is handed to the socket
                 trace.event("cond_dispatch", req.wire_id, walk=step.walk, rank=rank)
             self._send(rank, msg)
-        req.touched.update(r for (w, _), ranks in req.replicas.items() if w == step.walk for r in ranks)
-        for signal in stream_routes:
+        req.touched.update(route.touched)
+        for signal in route.stream_routes:
             req.stream_src[signal] = req.rank_of(*self._stream_producer[signal])
+
+    def _route(self, req: _Request, walk: str) -> _Route:
+        """Where dispatching ``walk`` sends what for ``req``'s ranks, kept in ``req.routes`` (shared with every
+        request of the same choice)."""
+        ranks = req.walk_ranks(walk)
+        partition = req.partitions.partition_of(walk)
+        route = _Route(
+            ranks=ranks,
+            consumers=self._input_consumers(req, walk),
+            export=sorted(self.persist_signals[walk]) if self._exports(req, walk) else [],
+            node_ranks={node: rank for (w, node), rank in req.nodes.items() if w == walk} if len(ranks) > 1 else {},
+            stream_routes={e.signal: req.rank_of(self._consumer_walk[e.signal], e.dst_node) for e in self.streams
+                           if partition == e.src_partition},
+            touched=frozenset(ranks) | {r for (w, _), rs in req.replicas.items() if w == walk for r in rs},
+        )
+        req.routes[walk] = route
+        return route
 
     def _exports(self, req: _Request, walk: str) -> bool:
         """Whether a walk's persisted outputs must be materialised for another rank: some other walk of its
@@ -505,11 +553,11 @@ class Conductor:
         return any(set(req.walk_ranks(w)) - mine for p in self.partitions if p.name == partition
                    for w in p.walks if w != walk)
 
-    def _input_consumers(self, req: _Request, step: WalkStep) -> dict[str, list[int]]:
+    def _input_consumers(self, req: _Request, walk: str) -> dict[str, list[int]]:
         """Walk input name -> the ranks whose nodes take it (sorted)."""
         out: dict[str, set[int]] = collections.defaultdict(set)
-        for port in self._ports[step.walk]:
-            out[port.signal].add(req.rank_of(step.walk, port.node))
+        for port in self._ports[walk]:
+            out[port.signal].add(req.rank_of(walk, port.node))
         return {name: sorted(r) for name, r in out.items()}
 
     def _route_kept(self, req: _Request, name: str, ref: m.TensorRef, ranks: list[int], *, keep: bool,

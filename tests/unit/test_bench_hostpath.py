@@ -1,6 +1,8 @@
 """The host-path benchmarks must keep running as the code they drive changes (bench_hostpath hung once when ended walks
 began to travel inside ``Emits``), and what they report must hold."""
 
+import pytest
+
 from scripts.bench_hostpath import run
 
 
@@ -47,3 +49,19 @@ def test_the_intake_benchmark_drives_an_intakes_own_backend_with_its_tokenizer()
     weights = ensure_smollm2_weights(DEFAULT_SMOLLM2_DIR, progress=lambda _: None)
     out = asyncio.run(measure_intake(str(weights), requests=20))  # raises on any answer but a 200
     assert out["requests"] == 20 and out["response_bytes"] > 100
+
+
+def test_the_admission_benchmark_carries_every_burst_through_the_conductors_own_loop():
+    """``bench_admission.py --wire``: the conductor's thread and loop over real control channels must take every
+    ``Submit`` of each burst from the intake's channel and hand the rank a ``RunWalk`` for each (the child raises, and
+    ``wire`` with it, when one is missing after 30 s)."""
+    from models.llama.gguf_import import DEFAULT_SMOLLM2_DIR, default_smollm2_gguf, ensure_smollm2_weights
+    from scripts.bench_admission import wire
+
+    try:
+        default_smollm2_gguf()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    out = wire(str(ensure_smollm2_weights(DEFAULT_SMOLLM2_DIR, progress=lambda _: None)), burst=5, rounds=3)
+    assert out["burst"] == 5 and out["rounds"] == 3
+    assert out["burst_span_ms_median"] > 0 and out["conductor_process_cpu_us_per_request"] > 0
