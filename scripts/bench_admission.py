@@ -153,6 +153,7 @@ def wire(weights: str, burst: int, rounds: int, pause_s: float = 0.02) -> dict:
                                   "--rounds", str(rounds), "--pause-ms", str(pause_s * 1e3),
                                   "--ids", ",".join(map(str, ids))],
                                  stdout=subprocess.PIPE, text=True, cwd=REPO)
+        thread = None
         try:
             endpoints = json.loads(child.stdout.readline() or "{}")
             if not endpoints:
@@ -168,12 +169,16 @@ def wire(weights: str, burst: int, rounds: int, pause_s: float = 0.02) -> dict:
             if child.wait(30) != 0 or not result:
                 raise RuntimeError(f"the --wire child failed (status {child.returncode})")
         finally:
-            logging.getLogger("mstar_dist.conductor.conductor").setLevel(logging.CRITICAL)  # its 503s at the stop
+            quiet = logging.getLogger("mstar_dist.conductor.conductor")
+            level = quiet.level
+            quiet.setLevel(logging.CRITICAL)  # its 503s for the bursts' requests at the stop
             conductor.stopped.set()
             if child.poll() is None:
                 child.kill()
                 child.wait(10)
-        thread.join(10)
+            if thread is not None:
+                thread.join(10)
+            quiet.setLevel(level)
     spans = sorted(result["span_s"])
     return {"burst": burst, "rounds": rounds, "pause_ms": pause_s * 1e3, "prompt_tokens": len(ids),
             "burst_span_ms_median": round(statistics.median(spans) * 1e3, 3),
