@@ -515,6 +515,7 @@ class Conductor:
             req.pieces[step.walk] = (set(ranks), {})
         seed = walk_seed(req.state.seed, self._partition_index[partition], walk_index)
         sampling = m.Sampling(temperature=req.params.temperature, top_p=req.params.top_p, top_k=req.params.top_k)
+        req.touched.update(route.touched)  # before any send: a send that fails still leaves them to be told to release
         for rank in ranks:
             msg = m.RunWalk(
                 request_id=req.wire_id, walk=step.walk, walk_index=walk_index, seed=seed, inputs=inputs[rank],
@@ -524,7 +525,6 @@ class Conductor:
             if trace.ON:  # as it is handed to the socket
                 trace.event("cond_dispatch", req.wire_id, walk=step.walk, rank=rank)
             self._send(rank, msg)
-        req.touched.update(route.touched)
         for signal in route.stream_routes:
             req.stream_src[signal] = req.rank_of(*self._stream_producer[signal])
 
