@@ -197,6 +197,8 @@ def main() -> None:
     p.add_argument("--wire-child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--ids", default="", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if not args.wire_child and not args.weights:
+        p.error("--weights DIR is required (a weights directory with the tokenizer's files)")
     torch.set_num_threads(1)
     if args.wire_child:
         wire_child(args.wire_child, [int(i) for i in args.ids.split(",")], args.burst, args.rounds,

@@ -6,6 +6,17 @@ import pytest
 from scripts.bench_hostpath import run
 
 
+def smollm2_weights() -> str:
+    """The real SmolLM2 weights directory (prepared from the weights package), or skip the test where it is absent."""
+    from models.llama.gguf_import import DEFAULT_SMOLLM2_DIR, default_smollm2_gguf, ensure_smollm2_weights
+
+    try:
+        default_smollm2_gguf()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    return str(ensure_smollm2_weights(DEFAULT_SMOLLM2_DIR, progress=lambda _: None))
+
+
 def test_every_decode_step_of_many_requests_sends_the_conductor_one_message():
     out = run(rows=4, steps=5)
     assert out["messages_per_step"] == 1.0  # one Emits with the step's tokens of all four requests
@@ -37,17 +48,9 @@ def test_the_intake_benchmark_drives_an_intakes_own_backend_with_its_tokenizer()
     must answer every streamed /generate with a 200 and both deltas."""
     import asyncio
 
-    import pytest
-
-    from models.llama.gguf_import import DEFAULT_SMOLLM2_DIR, default_smollm2_gguf, ensure_smollm2_weights
     from scripts.bench_http_path import measure_intake
 
-    try:
-        default_smollm2_gguf()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-    weights = ensure_smollm2_weights(DEFAULT_SMOLLM2_DIR, progress=lambda _: None)
-    out = asyncio.run(measure_intake(str(weights), requests=20))  # raises on any answer but a 200
+    out = asyncio.run(measure_intake(smollm2_weights(), requests=20))  # raises on any answer but a 200
     assert out["requests"] == 20 and out["response_bytes"] > 100
 
 
@@ -55,13 +58,8 @@ def test_the_admission_benchmark_carries_every_burst_through_the_conductors_own_
     """``bench_admission.py --wire``: the conductor's thread and loop over real control channels must take every
     ``Submit`` of each burst from the intake's channel and hand the rank a ``RunWalk`` for each (the child raises, and
     ``wire`` with it, when one is missing after 30 s)."""
-    from models.llama.gguf_import import DEFAULT_SMOLLM2_DIR, default_smollm2_gguf, ensure_smollm2_weights
     from scripts.bench_admission import wire
 
-    try:
-        default_smollm2_gguf()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-    out = wire(str(ensure_smollm2_weights(DEFAULT_SMOLLM2_DIR, progress=lambda _: None)), burst=5, rounds=3)
+    out = wire(smollm2_weights(), burst=5, rounds=3)
     assert out["burst"] == 5 and out["rounds"] == 3
     assert out["burst_span_ms_median"] > 0 and out["conductor_process_cpu_us_per_request"] > 0
