@@ -4,7 +4,7 @@
 #                                        composite | speech | image | twohost | soak | h11 | parserab | intakes48 |
 #                                        prefillab | engine | ttftab | treeab | intakeab |
 #                                        overlap | streamab | clientab | intaketrace | prefillbench |
-#                                        knobab | firstuse
+#                                        knobab | gatherab | firstuse
 # Needs, carried from the dev machine (bash scripts/gpu_prepare.sh makes both): .whl/ (wheels the GPU image lacks: fastapi, starlette, pydantic(-core),
 # annotated-types, typing-inspection, opentelemetry-api, uvicorn, httptools, pyzmq, msgspec, py-spy) and .ckpt/smol-shape (config +
 # tokenizer of SmolLM2-135M; a random same-shaped checkpoint is generated there). Results go to $OUT (or bench/results).
@@ -136,6 +136,20 @@ for step in "$@"; do
                --streams 1 32 ${REQUESTS_PER_STREAM:+--requests-per-stream $REQUESTS_PER_STREAM} \
                --config /tmp/smollm2_single_intakes_knob.yaml:1 --out "$out/ttft_trace_h200_knob_${NAME:-ab}$tag.json" 2>&1 \
                | grep -v "^W1\|^  \|Traceback\|^torch\|File " | tail -45 ;;
+    gatherab) # the single rank with ${INTAKES:-4} intakes and model_kwargs {prefill_gather_ms: G} for each G of
+             # ${GATHER:-0.25 0.6} against the default (0), side by side, ${ROUNDS:-2} rounds at ${STREAMS:-1 32 64},
+             # ${REQUESTS_PER_STREAM:-6} requests per stream, into serving_h200_gather${NAME:+_$NAME}.json
+             intakes_config "${INTAKES:-4}"
+             cfgs=""
+             for g in ${GATHER:-0.25 0.6}; do
+               f="/tmp/gather_${g/./p}ms.yaml"
+               { cat /tmp/smollm2_single_intakes.yaml; echo "model_kwargs: {prefill_gather_ms: $g}"; } > "$f"
+               cfgs="$cfgs --config $f:1"
+             done
+             timeout 560 python3 scripts/bench_serving.py --device cuda --model llama --rounds "${ROUNDS:-2}" \
+               --max-tokens 256 --no-hf --no-eager-bare --streams ${STREAMS:-1 32 64} \
+               --requests-per-stream "${REQUESTS_PER_STREAM:-6}" $cfgs --config /tmp/smollm2_single_intakes.yaml:1 \
+               --out "$out/serving_h200_gather${NAME:+_$NAME}$tag.json" 2>&1 | grep -A8 '"median_tok_s"\|"ttft_median_s"' ;;
     clientab) # the single rank with ${INTAKES:-4} intakes measured by bench_serving's asyncio client against its
              # thread-per-stream client (the one of earlier sessions), alternating, ${PAIRS:-2} pairs at ${STREAMS:-1 32};
              # then the phase trace with the asyncio client (TRACE=0 skips it)
