@@ -160,10 +160,13 @@ def wire(weights: str, burst: int, rounds: int, pause_s: float = 0.02) -> dict:
                 raise RuntimeError(f"the --wire child exited before it listened (status {child.wait(10)})")
             channel.connect("intake0", endpoints["intake"])
             channel.connect("rank0", endpoints["rank"])
+            # The child starts on this heartbeat. It leaves before the conductor's thread starts: a channel is
+            # one thread's (a send from here racing the thread's first RunWalk gave both one sequence number, and
+            # the rank dropped the RunWalk as a repeat).
+            conductor._send(0, m.Heartbeat(sent_at=time.monotonic()))
             thread = threading.Thread(target=conductor.run, name="conductor", daemon=True)
             cpu0 = time.process_time()
             thread.start()
-            conductor._send(0, m.Heartbeat(sent_at=time.monotonic()))  # the child starts on it
             result = json.loads(child.stdout.readline() or "{}")
             cpu = time.process_time() - cpu0
             if child.wait(30) != 0 or not result:
