@@ -9,7 +9,8 @@ Measures, alternating the contenders round by round so machine noise hits them a
   ``--streams`` concurrency (streaming ``/generate``, ``2 x streams`` requests, at least 4);
 - HF ``generate`` (greedy) at batch 1 and batched at 8 (left-padded) on the same weights and prompts;
 - the bare loop (our model + KV cache, no serving; ``models/llama/bare_loop.py``) at batch = streams, eager and,
-  on CUDA, replaying CUDA graphs like the engine (the yardstick of the GPU targets).
+  on CUDA, replaying CUDA graphs like the engine (the yardstick of the GPU targets); on the CPU with the engine's
+  oneDNN-packed weights (``models/common/linear.py``; ``--no-packed-bare``: ``F.linear``).
 Ratios and the targets of "Serve at the GPU's pace" go into the JSON (``--out``, default
 ``bench/results/serving_<device>.json``). Every request asks for ``--max-tokens`` greedy tokens; all prompts are
 long-answer prompts so EOS rarely ends them early, and tok/s counts the tokens actually produced.
@@ -366,6 +367,9 @@ def main() -> None:
                         "later ones as the earlier ones end; more of them measure the steady state more than the burst")
     p.add_argument("--no-eager-bare", action="store_true",
                    help="on CUDA, skip the eager bare loop (the yardstick there is the CUDA-graph one)")
+    p.add_argument("--no-packed-bare", action="store_true",
+                   help="on the CPU, the bare loop multiplies with F.linear rather than the oneDNN-packed weights the "
+                        "served engine uses by default (for a config with model_kwargs.cpu_packed_linear: false)")
     args = p.parse_args()
     CLIENT_STREAMS_PER_PROCESS = args.streams_per_process
     configs = [(c.rsplit(":", 1)[0], int(c.rsplit(":", 1)[1])) for c in
@@ -376,6 +380,7 @@ def main() -> None:
     top = max(args.streams)
     max_batch = args.max_batch or max(16, top)
 
+    from models.common.linear import can_pack, pack_for_cpu
     from models.llama.tokenizer import ChatTokenizer
     from models.llama.weights import load_llama
 
@@ -387,6 +392,8 @@ def main() -> None:
 
         hf_model = AutoModelForCausalLM.from_pretrained(WEIGHTS, torch_dtype=dtype).to(args.device).eval()
     our_model, cfg = load_llama(WEIGHTS, device=args.device, dtype=dtype)
+    if can_pack(args.device, dtype) and not args.no_packed_bare:
+        pack_for_cpu(our_model)  # the bare loop runs the served engine's GEMMs (models/common/linear.py)
 
     rows: dict[str, list[dict]] = collections.defaultdict(list)
     cold: dict[str, float] = {}

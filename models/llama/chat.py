@@ -44,14 +44,18 @@ class LlamaChat(CompositeModel):
     8-stream tok/s in every round but the 1-stream runs came out slower as often, docs/architecture.md §8),
     ``decode_yield_ms`` (with ``prefill_in_flight``: no new decode step starts while a prefill is on the GPU, for up to
     that many ms in a row; default ``DECODE_YIELD_MS``, 0 turns it off: on one H200 the conductor's TTFT at 32 and 64
-    streams was lower with it in every round, docs/architecture.md §8, "Decode yields")."""
+    streams was lower with it in every round, docs/architecture.md §8, "Decode yields"), ``cpu_packed_linear`` (fp32 on
+    the CPU: every linear layer also keeps its weight reordered for oneDNN, which runs a decode batch of 3 or more rows
+    ~1.3x faster than MKL's GEMM behind ``F.linear``, for twice the layers' memory; default true,
+    models/common/linear.py and docs/architecture.md §8)."""
 
     name = "llama"
     tp_nodes = frozenset({LLM})
 
     def __init__(self, weights_dir: str | None, **model_kwargs: Any):
         allowed = {"dtype", "max_seq_len", "max_batch", "cuda_graphs", "prefill_token_budget", "prefill_graphs",
-                   "lookahead", "prefill_stream", "prefill_in_flight", "prefill_gather_ms", "decode_yield_ms"}
+                   "lookahead", "prefill_stream", "prefill_in_flight", "prefill_gather_ms", "decode_yield_ms",
+                   "cpu_packed_linear"}
         if unknown := set(model_kwargs) - allowed:
             raise ValueError(f"model_kwargs: unknown keys {sorted(unknown)} (allowed: {', '.join(sorted(allowed))})")
         super().__init__(weights_dir, **model_kwargs)
@@ -100,6 +104,7 @@ class LlamaChat(CompositeModel):
     def build_component(self, node: str, *, device: str, walks: set[str], tp=None) -> KVCacheEngine:
         """The ``LLM`` engine on this rank; with ``tp`` (models.common.tp.TPGroup) only this rank's shard of the
         model and a KV cache for the shard's KV heads (every member of the group drives its engine in lockstep)."""
+        from models.common.linear import can_pack, pack_for_cpu
         from models.common.tp import TPGroup
 
         if node != LLM:
@@ -107,6 +112,8 @@ class LlamaChat(CompositeModel):
         dtype = self._dtype(device)
         graphs = device.startswith("cuda") and bool(self.model_kwargs.get("cuda_graphs", True))
         model, cfg = self._load_model(device, dtype, tp or TPGroup.single())
+        if self.model_kwargs.get("cpu_packed_linear", True) and can_pack(device, dtype):
+            pack_for_cpu(model)
         cache = StaticKVCache(
             n_layers=cfg.n_layers,
             n_kv_heads=model.local_kv_heads,

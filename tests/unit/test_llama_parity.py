@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from models.common.linear import Linear, pack_for_cpu
 from models.llama.bare_loop import bare_generate
 from models.llama.gguf_import import DEFAULT_SMOLLM2_DIR, default_smollm2_gguf, ensure_smollm2_weights, \
     prepare_from_gguf
@@ -98,6 +99,26 @@ def test_greedy_tokens_and_logits_match_hf(ours, hf) -> None:
         cache.free(slot)
         torch.testing.assert_close(logits, hf_logits, atol=2e-3, rtol=0)
     assert "Paris" in tok.decode(got[0])
+
+
+def test_packed_cpu_linears_keep_hf_greedy_tokens(ours, hf) -> None:
+    """The served engine's CPU default (models/common/linear.py): oneDNN-packed weights at 3 or more rows. Four rows
+    decode together, so every GEMM of prefill and decode takes the packed path; tokens stay HF's."""
+    model, config, tok = ours
+    hf_model, _ = hf
+    prompts = [chat_ids(tok, p) for p in [*PROMPTS, "Name three colours.", "What is 7 times 8?"]]
+    cache = StaticKVCache(n_layers=config.n_layers, n_kv_heads=config.n_kv_heads, head_dim=config.head_dim,
+                          max_slots=len(prompts), max_seq_len=256)
+    assert pack_for_cpu(model) == 2 * config.n_layers * 2 + 1  # wqkv, wo, gate/up, down per block; the head
+    try:
+        got, _ = bare_generate(model, cache, prompts, 24)
+    finally:
+        for module in model.modules():
+            if isinstance(module, Linear):
+                module.unpack()
+    for ids, tokens in zip(prompts, got):
+        expected, _ = hf_greedy(hf_model, ids, 24)
+        assert tokens == expected, (tok.decode(tokens), tok.decode(expected))
 
 
 def test_incremental_decoder_never_splits_utf8(ours) -> None:
