@@ -4,7 +4,7 @@
 #                                        composite | speech | image | twohost | soak | h11 | parserab | intakes48 |
 #                                        prefillab | engine | ttftab | treeab | intakeab |
 #                                        overlap | streamab | clientab | intaketrace | prefillbench |
-#                                        knobab | gatherab | firstuse
+#                                        knobab | gatherab | firstuse | kernels
 # Needs, carried from the dev machine (bash scripts/gpu_prepare.sh makes both): .whl/ (wheels the GPU image lacks: fastapi, starlette, pydantic(-core),
 # annotated-types, typing-inspection, opentelemetry-api, uvicorn, httptools, pyzmq, msgspec, py-spy) and .ckpt/smol-shape (config +
 # tokenizer of SmolLM2-135M; a random same-shaped checkpoint is generated there). Results go to $OUT (or bench/results).
@@ -136,6 +136,10 @@ for step in "$@"; do
                --streams 1 32 ${REQUESTS_PER_STREAM:+--requests-per-stream $REQUESTS_PER_STREAM} \
                --config /tmp/smollm2_single_intakes_knob.yaml:1 --out "$out/ttft_trace_h200_knob_${NAME:-ab}$tag.json" 2>&1 \
                | grep -v "^W1\|^  \|Traceback\|^torch\|File " | tail -45 ;;
+    kernels) # graph replay time, kernel counts and a torch.compile'd graph of decode steps and prefills (exploratory)
+             timeout "${KERNELS_TIMEOUT:-480}" python3 scripts/bench_kernels.py --weights /tmp/smol-rand \
+               --decode ${DECODE:-1 32} --prefill ${PREFILL:-1x48 32x48} --out "$out/kernels_h200${NAME:+_$NAME}.json" 2>&1 \
+               | grep -v "^W1\|^  warnings" | tail -30 ;;
     gatherab) # the single rank with ${INTAKES:-4} intakes and model_kwargs {prefill_gather_ms: G} for each G of
              # ${GATHER:-0.25 0.6} against the default (0), side by side, ${ROUNDS:-2} rounds at ${STREAMS:-1 32 64},
              # ${REQUESTS_PER_STREAM:-6} requests per stream, into serving_h200_gather${NAME:+_$NAME}.json
