@@ -41,7 +41,8 @@ class LlamaChat(CompositeModel):
     it ends; default true: on one H200 it lowered TTFT at 32 and 64 streams in every round, docs/architecture.md §8),
     ``prefill_gather_ms`` (an idle engine holds prompts back while more keep coming at
     most that many ms apart, so a burst goes as one forward; default 0: on the 2-core VM's P/D pair 20 ms raised the
-    8-stream tok/s in every round but the 1-stream runs came out slower as often, docs/architecture.md §8),
+    8-stream tok/s in every round but the 1-stream runs came out slower as often; on one H200 0.6 ms raised a lone
+    request's TTFT by 0.55 ms for a gain at 32 streams inside the noise, docs/architecture.md §8),
     ``decode_yield_ms`` (with ``prefill_in_flight``: no new decode step starts while a prefill is on the GPU, for up to
     that many ms in a row; default ``DECODE_YIELD_MS``, 0 turns it off: on one H200 the conductor's TTFT at 32 and 64
     streams was lower with it in every round, docs/architecture.md §8, "Decode yields"), ``cpu_packed_linear`` (fp32 on
