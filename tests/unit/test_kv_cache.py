@@ -56,18 +56,20 @@ def decode_alone(model: Llama, prompt: list[int], steps: int) -> list[torch.Tens
     return logits
 
 
-@pytest.mark.parametrize("free_first", [False, True], ids=["contiguous-slots", "scattered-slots"])
-def test_ragged_batched_decode_equals_per_row(model: Llama, free_first: bool) -> None:
+@pytest.mark.parametrize("layout", ["contiguous", "scattered", "shuffled"])
+def test_ragged_batched_decode_equals_per_row(model: Llama, layout: str) -> None:
     lengths, steps = [3, 12, 7], 6
     refs = [decode_alone(model, p, steps) for p in prompts(lengths)]
     cache = new_cache(max_slots=6)
-    if free_first:  # slots [0, 2, 4]: exercises the gather (index_select / index_put) path
+    if layout == "scattered":  # slots [0, 2, 4]: exercises the gather (index_select / index_put) path
         taken = [cache.alloc() for _ in range(5)]
         for s in (1, 3):
             cache.free(s)
         slots = [taken[0], taken[2], taken[4]]
     else:
         slots = [cache.alloc() for _ in lengths]
+        if layout == "shuffled":  # slots [2, 0, 1]: rows out of slot order
+            slots = [slots[2], slots[0], slots[1]]
     last = [forward(model, cache, [s], [0], [p])[0] for s, p in zip(slots, prompts(lengths))]
     pos = list(lengths)
     for step in range(steps):
@@ -100,10 +102,12 @@ def test_chunked_prefill_equals_one_prefill(model: Llama) -> None:
     torch.testing.assert_close(chunked, whole, atol=ATOL, rtol=0)
 
 
-def test_attend_matches_naive_gqa_attention() -> None:
+@pytest.mark.parametrize("order", [[0, 1, 2], [2, 0, 1]], ids=["in-slot-order", "shuffled"])
+def test_attend_matches_naive_gqa_attention(order: list[int]) -> None:
     torch.manual_seed(2)
     cache = StaticKVCache(n_layers=1, n_kv_heads=2, head_dim=8, max_slots=3, max_seq_len=16)
-    slots = [cache.alloc() for _ in range(3)]
+    taken = [cache.alloc() for _ in range(3)]
+    slots = [taken[i] for i in order]
     starts, n_new = [0, 5, 2], 3
     k_hist, v_hist = torch.randn(2, 3, 2, 16, 8).unbind(0)  # earlier tokens, (B, nkv, L, hd)
     for row, slot in enumerate(slots):
