@@ -109,7 +109,7 @@ def test_packed_cpu_linears_keep_hf_greedy_tokens(ours, hf) -> None:
     prompts = [chat_ids(tok, p) for p in [*PROMPTS, "Name three colours.", "What is 7 times 8?"]]
     cache = StaticKVCache(n_layers=config.n_layers, n_kv_heads=config.n_kv_heads, head_dim=config.head_dim,
                           max_slots=len(prompts), max_seq_len=256)
-    assert pack_for_cpu(model) == 2 * config.n_layers * 2 + 1  # wqkv, wo, gate/up, down per block; the head
+    assert pack_for_cpu(model) == 4 * config.n_layers + 1  # wqkv, wo, gate/up and down of every block; the head
     try:
         got, _ = bare_generate(model, cache, prompts, 24)
     finally:
