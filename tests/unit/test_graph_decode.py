@@ -81,15 +81,16 @@ def test_graph_mode_attention_over_a_context_bucket_matches_eager_on_cpu():
 def test_context_buckets_cover_the_cache_and_pick_the_smallest_that_holds_the_step():
     from mstar_dist.engine.cuda_graphs import DecodeGraphs, context_buckets
 
-    assert context_buckets(2048) == [512, 2048]
-    assert context_buckets(8192) == [512, 2048, 8192]
-    assert context_buckets(3000) == [512, 2048, 3000]
+    assert context_buckets(2048) == [256, 512, 1024, 2048]
+    assert context_buckets(3000) == [256, 512, 1024, 2048, 3000]
     assert context_buckets(256) == [256]
+    assert context_buckets(100) == [100]
     cache = StaticKVCache(CFG.n_layers, CFG.n_kv_heads, CFG.head_dim, max_slots=9, max_seq_len=2048)
     graphs = DecodeGraphs(model=None, cache=cache, scratch_slot=8, max_batch=8)
-    assert graphs.bucket_for(3, 40) == (4, 512)
-    assert graphs.bucket_for(8, 511) == (8, 512)
-    assert graphs.bucket_for(1, 512) == (1, 2048)  # position 512 is the 513th: the next bucket
+    assert graphs.bucket_for(3, 40) == (4, 256)
+    assert graphs.bucket_for(8, 255) == (8, 256)
+    assert graphs.bucket_for(1, 256) == (1, 512)  # position 256 is the 257th: the next bucket
+    assert graphs.bucket_for(2, 700) == (2, 1024)
     assert graphs.bucket_for(5, 2047) == (8, 2048)
 
 
@@ -116,12 +117,12 @@ def test_captured_graphs_cross_context_buckets_like_eager():
     model, new = make("cuda")
     c1, c2 = new(), new()
     eager = run(model, c1, [5, 12, 3], 20, eager_step(model, c1))
-    base = cg.CTX_BASE
-    cg.CTX_BASE = 16
+    base, factor = cg.CTX_BASE, cg.CTX_FACTOR
+    cg.CTX_BASE, cg.CTX_FACTOR = 16, 4
     try:
         graphs = cg.DecodeGraphs(model, c2, scratch_slot=c2.alloc(), max_batch=4)
     finally:
-        cg.CTX_BASE = base
+        cg.CTX_BASE, cg.CTX_FACTOR = base, factor
     assert graphs.contexts == [16, 64]
     graphs.capture()
     replayed = run(model, c2, [5, 12, 3], 20, lambda t, n, s: graphs.logits(t, n, s))  # positions 3 .. 31
