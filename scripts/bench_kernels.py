@@ -36,8 +36,8 @@ from mstar_dist.engine.kv_engine import _PREFILL_ATTENTION  # noqa: E402
 from models.llama.weights import load_llama  # noqa: E402
 
 CTX = 512
-"""The decode steps' context bucket (engine/cuda_graphs.py; the smallest until the run that chose 256 as the
-smallest, bench/results/kernels_h200_s20.json); rows sit at position 300."""
+"""The decode steps' context bucket: the engine's smallest when kernels_h200_s20.json was measured (256 since,
+engine/cuda_graphs.py); rows sit at position 300."""
 
 
 def graph_ms(fn, replays: int, repeats: int) -> float:

@@ -380,7 +380,7 @@ def main() -> None:
     top = max(args.streams)
     max_batch = args.max_batch or max(16, top)
 
-    from models.common.linear import can_pack, pack_for_cpu
+    from models.common.linear import pack_for_cpu
     from models.llama.tokenizer import ChatTokenizer
     from models.llama.weights import load_llama
 
@@ -392,7 +392,7 @@ def main() -> None:
 
         hf_model = AutoModelForCausalLM.from_pretrained(WEIGHTS, torch_dtype=dtype).to(args.device).eval()
     our_model, cfg = load_llama(WEIGHTS, device=args.device, dtype=dtype)
-    if can_pack(args.device, dtype) and not args.no_packed_bare:
+    if not args.no_packed_bare:
         pack_for_cpu(our_model)  # the bare loop runs the served engine's GEMMs (models/common/linear.py)
 
     rows: dict[str, list[dict]] = collections.defaultdict(list)

@@ -50,9 +50,9 @@ class Linear(nn.Linear):
         self.packed = None
 
 
-def can_pack(device: torch.device | str, dtype: torch.dtype) -> bool:
-    """Whether ``pack_for_cpu`` applies: fp32 on the CPU with oneDNN built in (half precision keeps ``F.linear``:
-    not measured here)."""
+def _can_pack(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether ``pack_for_cpu`` packs a weight on ``device`` of ``dtype``: fp32 on the CPU with oneDNN built in (half
+    precision keeps ``F.linear``: not measured here)."""
     return (torch.device(device).type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_linear_pointwise") and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
@@ -62,7 +62,7 @@ def pack_for_cpu(model: nn.Module) -> int:
     whose weight is elsewhere or of another dtype is left as it is."""
     n = 0
     for module in model.modules():
-        if isinstance(module, Linear) and can_pack(module.weight.device, module.weight.dtype):
+        if isinstance(module, Linear) and _can_pack(module.weight.device, module.weight.dtype):
             module.pack()
             n += 1
     return n

@@ -105,7 +105,7 @@ class LlamaChat(CompositeModel):
     def build_component(self, node: str, *, device: str, walks: set[str], tp=None) -> KVCacheEngine:
         """The ``LLM`` engine on this rank; with ``tp`` (models.common.tp.TPGroup) only this rank's shard of the
         model and a KV cache for the shard's KV heads (every member of the group drives its engine in lockstep)."""
-        from models.common.linear import can_pack, pack_for_cpu
+        from models.common.linear import pack_for_cpu
         from models.common.tp import TPGroup
 
         if node != LLM:
@@ -113,8 +113,8 @@ class LlamaChat(CompositeModel):
         dtype = self._dtype(device)
         graphs = device.startswith("cuda") and bool(self.model_kwargs.get("cuda_graphs", True))
         model, cfg = self._load_model(device, dtype, tp or TPGroup.single())
-        if self.model_kwargs.get("cpu_packed_linear", True) and can_pack(device, dtype):
-            pack_for_cpu(model)
+        if self.model_kwargs.get("cpu_packed_linear", True):
+            pack_for_cpu(model)  # fp32 CPU weights only: a no-op elsewhere
         cache = StaticKVCache(
             n_layers=cfg.n_layers,
             n_kv_heads=model.local_kv_heads,

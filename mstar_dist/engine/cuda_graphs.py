@@ -40,7 +40,8 @@ CTX_BASE = 256
 CTX_FACTOR = 2
 """Decode context buckets 256, 512, 1024, ...: a step reads each row's keys and values over its bucket, and at 32 rows
 on an H200 that copy out of the cache was 30% of the step's GPU time in the 512 bucket (841 of 2756 us,
-bench/results/kernels_h200_s20.json), so halving steps bound it by 2x instead of 4x (twice the decode graphs)."""
+bench/results/kernels_h200_s20.json); buckets that double copy at most 2x what the longest row needs, not 4x, for
+twice the decode graphs."""
 
 
 def context_buckets(max_seq_len: int) -> list[int]:
