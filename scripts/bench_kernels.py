@@ -4,6 +4,9 @@ of R rows x L tokens of the same model on one GPU, side by side in one run:
 - ``graph_ms``: one forward as the engine runs it (the eager forward captured in a CUDA graph), GPU time per replay,
   median of ``--repeats`` runs of ``--replays`` back-to-back replays (CUDA events);
 - ``kernels``: the kernels of one eager forward under torch.profiler: how many, their summed GPU time, the largest;
+- ``kernel_graph_ms`` (decode, where Triton runs): the same step with the cache's ``decode_kernel`` (the in-place
+  attention of ``engine/decode_attention.py`` instead of SDPA over copies of the rows' keys and values), its kernels,
+  and the largest difference of its logits from the SDPA step's;
 - ``compiled_graph_ms``: the same forward compiled by ``torch.compile`` (inductor fuses the pointwise work between
   GEMMs, attention and norms) and captured in a CUDA graph, timed alike; ``compile_s`` and the largest difference of
   its logits from the eager ones.
@@ -31,13 +34,15 @@ from torch.nn.attention import sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from mstar_dist.engine import decode_attention  # noqa: E402
+from mstar_dist.engine.cuda_graphs import context_buckets  # noqa: E402
 from mstar_dist.engine.kv_cache import StaticKVCache  # noqa: E402
 from mstar_dist.engine.kv_engine import _PREFILL_ATTENTION  # noqa: E402
 from models.llama.weights import load_llama  # noqa: E402
 
-CTX = 512
-"""The decode steps' context bucket: the engine's smallest when kernels_h200_s20.json was measured (256 since,
-engine/cuda_graphs.py); rows sit at position 300."""
+MAX_SEQ_LEN = 2048
+"""The served engine's cache (LlamaChat's default max_seq_len); an SDPA decode step reads its rows' context bucket
+(``cuda_graphs.context_buckets``), the in-place kernel each row's own length."""
 
 
 def graph_ms(fn, replays: int, repeats: int) -> float:
@@ -89,10 +94,11 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--weights", required=True)
     p.add_argument("--decode", type=int, nargs="+", default=[1, 32, 64], help="decode batch sizes")
-    p.add_argument("--prefill", nargs="+", default=["1x48", "32x48"], help="prefill shapes, ROWSxTOKENS")
+    p.add_argument("--prefill", nargs="*", default=["1x48", "32x48"], help="prefill shapes, ROWSxTOKENS")
     p.add_argument("--replays", type=int, default=50)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--position", type=int, default=300, help="the position decode rows write (their context - 1)")
     p.add_argument("--out", default="bench/results/kernels.json")
     args = p.parse_args()
     device = torch.device("cuda")
@@ -100,7 +106,7 @@ def main() -> None:
     model, cfg = load_llama(args.weights, device=device, dtype=torch.bfloat16)
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.prefill]
     slots = max([*args.decode, *(r for r, _ in shapes)])
-    cache = StaticKVCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, max_slots=slots, max_seq_len=2048,
+    cache = StaticKVCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, max_slots=slots, max_seq_len=MAX_SEQ_LEN,
                           dtype=torch.bfloat16, device=device)
     for _ in range(slots):
         cache.alloc()
@@ -113,16 +119,18 @@ def main() -> None:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(out, indent=2))
 
+    ctx = next(c for c in context_buckets(MAX_SEQ_LEN) if c > args.position)
+    out["decode_position"], out["decode_context_bucket"] = args.position, ctx
     cases = [("decode", b, 1) for b in args.decode] + [("prefill", r, n) for r, n in shapes]
     with torch.inference_mode():
         for kind, rows, tokens in cases:
             if kind == "decode":
                 ids = torch.randint(0, cfg.vocab_size, (rows, 1), device=device)
-                positions = torch.full((rows,), 300, dtype=torch.long, device=device)
+                positions = torch.full((rows,), args.position, dtype=torch.long, device=device)
                 slot_idx = torch.arange(rows, device=device)
 
                 def forward(m, ids=ids, positions=positions, slot_idx=slot_idx):
-                    cache.bind_graph(slot_idx, positions, CTX)
+                    cache.bind_graph(slot_idx, positions, ctx)
                     return m(ids, positions[:, None], cache, last_only=True)
             else:
                 ids = torch.randint(0, cfg.vocab_size, (rows, tokens), device=device)
@@ -137,6 +145,18 @@ def main() -> None:
             case = {"kind": kind, "rows": rows, "tokens": tokens}
             case["graph_ms"] = round(graph_ms(lambda: forward(model), args.replays, args.repeats), 4)
             case["kernels"] = kernel_profile(lambda: forward(model))
+            if kind == "decode" and decode_attention.available(device):
+                want = forward(model).float()
+                cache.decode_kernel = True  # bind_graph and attend read it on every call
+                try:
+                    got = forward(model).float()
+                    case["kernel_max_abs_diff"] = float((got - want).abs().max())
+                    case["kernel_argmax_agree"] = float((got.argmax(-1) == want.argmax(-1)).float().mean())
+                    case["kernel_graph_ms"] = round(graph_ms(lambda: forward(model), args.replays, args.repeats), 4)
+                    case["kernel_kernels"] = kernel_profile(lambda: forward(model), top=6)
+                    case["sdpa_over_kernel"] = round(case["graph_ms"] / case["kernel_graph_ms"], 3)
+                finally:
+                    cache.decode_kernel = False
             out["cases"].append(case)
             save()
             if compiled_model is not None:

@@ -317,15 +317,18 @@ def hf_generate(hf_model, ids_list: list[list[int]], max_tokens: int, device: st
 
 
 def bare(model, cfg, ids_list: list[list[int]], batch: int, max_tokens: int, device: str, dtype,
-         graphs: bool = False) -> dict:
+         graphs: bool = False, bare_kernel: bool = True) -> dict:
     from models.llama.bare_loop import bare_generate
+    from mstar_dist.engine import decode_attention
     from mstar_dist.engine.cuda_graphs import DecodeGraphs
     from mstar_dist.engine.kv_cache import StaticKVCache
 
     # the served engine's context (LlamaChat's default max_seq_len): graph-mode attention reads every position of
     # the cache, so a shorter cache here would make the yardstick's steps cheaper than the engine's
+    # the served engine's decode attention too (LlamaChat's decode_attention: auto): the in-place kernel where it runs
     cache = StaticKVCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, max_slots=batch + (1 if graphs else 0),
-                          max_seq_len=min(2048, cfg.max_position_embeddings), dtype=dtype, device=device)
+                          max_seq_len=min(2048, cfg.max_position_embeddings), dtype=dtype, device=device,
+                          decode_kernel=graphs and bare_kernel and decode_attention.available(device))
     captured = None
     if graphs:
         captured = DecodeGraphs(model, cache, scratch_slot=cache.alloc(), max_batch=batch)
@@ -370,6 +373,10 @@ def main() -> None:
     p.add_argument("--no-packed-bare", action="store_true",
                    help="on the CPU, the bare loop multiplies with F.linear rather than the oneDNN-packed weights the "
                         "served engine uses by default (for a config with model_kwargs.cpu_packed_linear: false)")
+    p.add_argument("--bare-sdpa", action="store_true",
+                   help="on CUDA, the CUDA-graph bare loop attends with SDPA over copies of the rows' keys and values "
+                        "rather than the in-place Triton kernel the served engine uses where it runs "
+                        "(for a config with model_kwargs.decode_attention: sdpa)")
     args = p.parse_args()
     CLIENT_STREAMS_PER_PROCESS = args.streams_per_process
     configs = [(c.rsplit(":", 1)[0], int(c.rsplit(":", 1)[1])) for c in
@@ -426,7 +433,8 @@ def main() -> None:
                                                   args.max_tokens, args.device, dtype))
                 if cuda:
                     rows[f"bare_graphs_{n}"].append(bare(our_model, cfg, ids[: max(n, 4 if n == 1 else n)], n,
-                                                         args.max_tokens, args.device, dtype, graphs=True))
+                                                         args.max_tokens, args.device, dtype, graphs=True,
+                                                         bare_kernel=not args.bare_sdpa))
         print(f"round {r}: " + ", ".join(f"{k}={v[-1]['tok_s']:.1f}" for k, v in rows.items()), flush=True)
 
     med = {k: statistics.median(x["tok_s"] for x in v) for k, v in rows.items()}

@@ -4,7 +4,7 @@
 #                                        composite | speech | image | twohost | soak | h11 | parserab | intakes48 |
 #                                        prefillab | engine | ttftab | treeab | intakeab |
 #                                        overlap | streamab | clientab | intaketrace | prefillbench |
-#                                        knobab | gatherab | firstuse | kernels
+#                                        knobab | gatherab | firstuse | kernels | attn | attnab
 # Needs, carried from the dev machine (bash scripts/gpu_prepare.sh makes both): .whl/ (wheels the GPU image lacks: fastapi, starlette, pydantic(-core),
 # annotated-types, typing-inspection, opentelemetry-api, uvicorn, httptools, pyzmq, msgspec, py-spy) and .ckpt/smol-shape (config +
 # tokenizer of SmolLM2-135M; a random same-shaped checkpoint is generated there). Results go to $OUT (or bench/results).
@@ -140,6 +140,24 @@ for step in "$@"; do
              timeout "${KERNELS_TIMEOUT:-480}" python3 scripts/bench_kernels.py --weights /tmp/smol-rand \
                --decode ${DECODE:-1 32} --prefill ${PREFILL:-1x48 32x48} --out "$out/kernels_h200${NAME:+_$NAME}.json" 2>&1 \
                | grep -v "^W1\|^  warnings" | tail -30 ;;
+    attn)    # the in-place Triton decode attention on CUDA: its tests, the graph-decode and engine tests, then one decode
+             # step's GPU time with it against SDPA over copies at 1, 32 and 64 rows (rows at ${POSITION:-300})
+             python3 -c "import triton; print('triton', triton.__version__)" || echo "triton: not importable"
+             timeout 300 python3 -m pytest -q -p no:cacheprovider tests/unit/test_decode_attention.py \
+               tests/unit/test_graph_decode.py tests/unit/test_kv_engine.py tests/gpu 2>&1 | tail -6
+             timeout 240 python3 scripts/bench_kernels.py --weights /tmp/smol-rand --no-compile --decode 1 32 64 \
+               --prefill --position "${POSITION:-300}" --out "$out/kernels_h200_attn${NAME:+_$NAME}.json" 2>&1 \
+               | grep -v "^W1\|^  warnings" | tail -8 ;;
+    attnab)  # the single rank with ${INTAKES:-4} intakes, model_kwargs.decode_attention sdpa against the default (the
+             # Triton kernel), side by side, ${ROUNDS:-2} rounds at ${STREAMS:-1 32 64}, ${REQUESTS_PER_STREAM:-4} requests
+             # per stream; the CUDA-graph bare loop with the kernel
+             intakes_config "${INTAKES:-4}"
+             { cat /tmp/smollm2_single_intakes.yaml; echo "model_kwargs: {decode_attention: sdpa}"; } > /tmp/sdpa.yaml
+             timeout 560 python3 scripts/bench_serving.py --device cuda --model llama --rounds "${ROUNDS:-2}" \
+               --max-tokens 256 --no-hf --no-eager-bare --streams ${STREAMS:-1 32 64} \
+               --requests-per-stream "${REQUESTS_PER_STREAM:-4}" --config /tmp/sdpa.yaml:1 \
+               --config /tmp/smollm2_single_intakes.yaml:1 --out "$out/serving_h200_attn${NAME:+_$NAME}$tag.json" 2>&1 \
+               | grep -A8 '"median_tok_s"\|"ttft_median_s"' ;;
     gatherab) # the single rank with ${INTAKES:-4} intakes and model_kwargs {prefill_gather_ms: G} for each G of
              # ${GATHER:-0.25 0.6} against the default (0), side by side, ${ROUNDS:-2} rounds at ${STREAMS:-1 32 64},
              # ${REQUESTS_PER_STREAM:-6} requests per stream, into serving_h200_gather${NAME:+_$NAME}.json

@@ -24,6 +24,9 @@ MAX_DECODE_ITERS = 1 << 20
 DECODE_YIELD_MS = 8.0
 """How long decode rows are held back while prefills are on the GPU, at most, in a row (``decode_yield_ms``): about
 four decode steps of a 32-row batch on one H200, a wave's prefills at 32 streams."""
+DECODE_ATTENTION = ("auto", "triton", "sdpa")
+"""``model_kwargs.decode_attention``: the in-place Triton kernel (``engine/decode_attention.py``) or SDPA over copies of
+the rows' keys and values; auto takes the kernel wherever it can run (CUDA graphs on, Triton installed)."""
 
 
 class LlamaChat(CompositeModel):
@@ -48,7 +51,8 @@ class LlamaChat(CompositeModel):
     streams was lower with it in every round, docs/architecture.md §8, "Decode yields"), ``cpu_packed_linear`` (fp32 on
     the CPU: every linear layer also keeps its weight reordered for oneDNN, which runs a decode batch of 3 or more rows
     ~1.3x faster than MKL's GEMM behind ``F.linear``, for twice the layers' memory; default true,
-    models/common/linear.py and docs/architecture.md §8)."""
+    models/common/linear.py and docs/architecture.md §8), ``decode_attention`` (``DECODE_ATTENTION``: how CUDA-graph
+    decode steps attend; default auto, docs/architecture.md §8, "Decode attention")."""
 
     name = "llama"
     tp_nodes = frozenset({LLM})
@@ -56,10 +60,14 @@ class LlamaChat(CompositeModel):
     def __init__(self, weights_dir: str | None, **model_kwargs: Any):
         allowed = {"dtype", "max_seq_len", "max_batch", "cuda_graphs", "prefill_token_budget", "prefill_graphs",
                    "lookahead", "prefill_stream", "prefill_in_flight", "prefill_gather_ms", "decode_yield_ms",
-                   "cpu_packed_linear"}
+                   "cpu_packed_linear", "decode_attention"}
         if unknown := set(model_kwargs) - allowed:
             raise ValueError(f"model_kwargs: unknown keys {sorted(unknown)} (allowed: {', '.join(sorted(allowed))})")
         super().__init__(weights_dir, **model_kwargs)
+        self.decode_attention = model_kwargs.get("decode_attention", "auto")
+        if self.decode_attention not in DECODE_ATTENTION:
+            raise ValueError(f"model_kwargs.decode_attention must be one of {', '.join(DECODE_ATTENTION)}, "
+                             f"got {self.decode_attention!r}")
         if weights_dir is None:
             raise ValueError("weights: a Llama model needs a weights directory")
         self.max_seq_len = int(model_kwargs.get("max_seq_len", 2048))
@@ -116,6 +124,7 @@ class LlamaChat(CompositeModel):
         if self.model_kwargs.get("cpu_packed_linear", True):
             pack_for_cpu(model)  # fp32 CPU weights only: a no-op elsewhere
         cache = StaticKVCache(
+            decode_kernel=self._decode_kernel(device, graphs),
             n_layers=cfg.n_layers,
             n_kv_heads=model.local_kv_heads,
             head_dim=cfg.head_dim,
@@ -139,6 +148,20 @@ class LlamaChat(CompositeModel):
                              prefill_in_flight=in_flight,
                              decode_yield_s=self._ms("decode_yield_ms", DECODE_YIELD_MS) / 1000,
                              prefill_gather_s=self._ms("prefill_gather_ms") / 1000)
+
+    def _decode_kernel(self, device: str, graphs: bool) -> bool:
+        """Whether graph decode steps attend with the in-place Triton kernel (``model_kwargs.decode_attention``)."""
+        from mstar_dist.engine import decode_attention
+
+        if self.decode_attention == "sdpa" or not graphs:
+            if self.decode_attention == "triton":
+                raise ValueError("model_kwargs.decode_attention: triton attends in CUDA-graph decode steps, and "
+                                 f"cuda_graphs is off (device {device!r})")
+            return False
+        if self.decode_attention == "triton" and not decode_attention.available(device):
+            raise ValueError(f"model_kwargs.decode_attention: triton needs Triton on a CUDA device, and "
+                             f"{'Triton is not installed' if decode_attention.triton is None else 'not on ' + device}")
+        return decode_attention.available(device)
 
     def _ms(self, key: str, default: float = 0.0) -> float:
         value = self.model_kwargs.get(key, default)

@@ -20,6 +20,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from mstar_dist.engine import decode_attention
 from mstar_dist.engine.sampling import to_device
 
 
@@ -61,7 +62,11 @@ class StaticKVCache:
     """Per-slot K/V storage for `n_layers` attention layers; see the module docstring for the contract."""
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, max_slots: int, max_seq_len: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 decode_kernel: bool = False) -> None:
+        """``decode_kernel``: graph-bound decode passes (``bind_graph``) attend with ``decode_attention.decode_attend``,
+        which reads each row's own positions of its slot in place, instead of copying the rows' keys and values out of
+        the cache for SDPA (needs Triton and CUDA: ``decode_attention.available``)."""
         for name, value in (("n_layers", n_layers), ("n_kv_heads", n_kv_heads), ("head_dim", head_dim),
                             ("max_slots", max_slots), ("max_seq_len", max_seq_len)):
             if value <= 0:
@@ -71,6 +76,10 @@ class StaticKVCache:
         self.head_dim = head_dim
         self.max_slots = max_slots
         self.max_seq_len = max_seq_len
+        if decode_kernel and not decode_attention.available(device):
+            raise ValueError(f"StaticKVCache: decode_kernel needs Triton and a CUDA device, got {device!r} "
+                             f"(Triton {'importable' if decode_attention.triton is not None else 'not installed'})")
+        self.decode_kernel = bool(decode_kernel)
         # Zeros, not empty: rows shorter than the batch's longest row read (masked) stale positions, and a
         # masked NaN would still poison the softmax-weighted sum.
         self.kv = torch.zeros(n_layers, 2, max_slots, n_kv_heads, max_seq_len, head_dim,
@@ -128,11 +137,13 @@ class StaticKVCache:
         pass. Nothing here reads them on the host, so the pass can be captured in a CUDA graph and replayed after
         new values are copied into the same tensors. Rows attend over the first ``ctx`` positions (default all
         ``max_seq_len``) under a mask (static shapes): every position written must be below ``ctx``. Rows may
-        repeat a slot only if they write the same position (padding rows)."""
+        repeat a slot only if they write the same position (padding rows). With ``decode_kernel`` a row reads its own
+        positions up to the one it writes, whatever ``ctx``: no mask."""
         ctx = self.max_seq_len if ctx is None else ctx
         if not 0 < ctx <= self.max_seq_len:
             raise ValueError(f"bind_graph: ctx must be in [1, {self.max_seq_len}], got {ctx}")
-        mask = (self._positions[None, :ctx] <= positions[:, None])[:, None, None, :]  # (B, 1, 1, ctx)
+        mask = None if self.decode_kernel else \
+            (self._positions[None, :ctx] <= positions[:, None])[:, None, None, :]  # (B, 1, 1, ctx)
         self._binding = self._prefill_binding = None
         self._graph_binding = (slot_idx, positions, mask, ctx)
 
@@ -217,6 +228,8 @@ class StaticKVCache:
     def _attend_graph(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         slot_idx, positions, mask, ctx = self._graph_binding
         k_cache, v_cache = self.kv[layer, 0], self.kv[layer, 1]  # (S, nkv, L, hd)
+        if self.decode_kernel:
+            return decode_attention.decode_attend(q, k, v, k_cache, v_cache, slot_idx, positions)
         # advanced indices around a slice: the indexed view is (B, nkv, hd); k/v are (B, nkv, 1, hd)
         k_cache[slot_idx, :, positions] = k[:, :, 0]
         v_cache[slot_idx, :, positions] = v[:, :, 0]

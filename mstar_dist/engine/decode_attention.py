@@ -1,0 +1,103 @@
+"""Decode attention that reads the KV cache in place: one Triton kernel per layer and step (docs/architecture.md §8,
+"Decode attention").
+
+The SDPA path of ``StaticKVCache.bind_graph`` writes the step's K and V with two scatters, copies every row's keys
+and values over its context bucket out of the cache (``index_select``: 841 of a 2756 us step at 32 rows on an H200,
+``bench/results/kernels_h200_s20.json``) and runs SDPA over the copies under a mask. ``decode_attend`` does all of
+it in one launch: program (row b, KV head h) loads the queries of the heads that share h, writes the new K/V at the
+row's position, takes the new token's score from registers and walks the row's cached positions [0, pos) of its own
+slot block by block with an online softmax. It reads each row's own length (a device tensor), so one graph serves
+every context length: no context buckets.
+
+Rows are one token each (decode); padding rows point at the scratch slot with position 0 and read nothing from the
+cache. ``available`` says whether the kernel can run on a device (Triton importable, and CUDA, or Triton's
+interpreter for the CPU tests)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU wheels of torch come without Triton: the SDPA path serves
+    triton = None
+
+BLOCK = 64
+"""Cached positions per iteration of a program's loop."""
+
+
+def available(device: torch.device | str) -> bool:
+    """Whether ``decode_attend`` can run on ``device``."""
+    if triton is None:
+        return False
+    kind = torch.device(device).type
+    return kind == "cuda" or (kind == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+
+
+if triton is not None:
+
+    @triton.jit
+    def _decode_kernel(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, out_ptr,
+                       sq_b, sq_h, sk_b, sk_h, sv_b, sv_h, sc_slot, sc_head, sc_pos, so_b, so_h, scale,
+                       GROUP: tl.constexpr, G_PAD: tl.constexpr, HD: tl.constexpr, BLOCK_N: tl.constexpr):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+        pos = tl.load(pos_ptr + b).to(tl.int64)
+        d = tl.arange(0, HD)
+        g = tl.arange(0, G_PAD)
+        heads = h * GROUP + g
+        q = tl.load(q_ptr + b * sq_b + heads[:, None] * sq_h + d[None, :], mask=(g < GROUP)[:, None], other=0.0)
+        k_new = tl.load(kn_ptr + b * sk_b + h * sk_h + d)
+        v_new = tl.load(vn_ptr + b * sv_b + h * sv_h + d)
+        base = slot * sc_slot + h * sc_head
+        tl.store(kc_ptr + base + pos * sc_pos + d, k_new)
+        tl.store(vc_ptr + base + pos * sc_pos + d, v_new)
+        # the new token's own score seeds the online softmax: it is never read back from the cache
+        m = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale  # (G_PAD,)
+        l = tl.full((G_PAD,), 1.0, tl.float32)
+        acc = tl.zeros((G_PAD, HD), tl.float32) + v_new.to(tl.float32)[None, :]
+        n = tl.arange(0, BLOCK_N)
+        for start in range(0, pos, BLOCK_N):
+            at = start + n
+            inside = at < pos
+            offs = base + at[:, None] * sc_pos + d[None, :]
+            keys = tl.load(kc_ptr + offs, mask=inside[:, None], other=0.0)  # (BLOCK_N, HD)
+            values = tl.load(vc_ptr + offs, mask=inside[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(keys)) * scale  # (G_PAD, BLOCK_N), fp32
+            s = tl.where(inside[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l = l * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(values.dtype), values)
+            m = m_new
+        out = acc / l[:, None]
+        tl.store(out_ptr + b * so_b + heads[:, None] * so_h + d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=(g < GROUP)[:, None])
+
+
+def decode_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One decode step's attention for B rows: q (B, nh, 1, hd), k/v (B, nkv, 1, hd) with RoPE applied, k_cache /
+    v_cache (S, nkv, L, hd) one layer's cache, slots / positions (B,) device tensors. Writes k/v at each row's position
+    of its slot and returns (B, nh, 1, hd): row b attends over positions [0, positions[b]] of slot slots[b]."""
+    B, nh, T, hd = q.shape
+    nkv = k.shape[1]
+    if T != 1 or k.shape[2] != 1 or nh % nkv or hd & (hd - 1) or hd < 16:
+        raise ValueError(f"decode_attend: needs one token a row, heads a multiple of the KV heads and a power-of-two "
+                         f"head_dim >= 16, got q {tuple(q.shape)}, k {tuple(k.shape)}")
+    for name, t in (("q", q), ("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"decode_attend: {name} must be contiguous in head_dim, got strides {t.stride()}")
+    group = nh // nkv
+    out = torch.empty((B, nh, 1, hd), dtype=q.dtype, device=q.device)
+    _decode_kernel[(B, nkv)](
+        q, k, v, k_cache, v_cache, slots, positions, out,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0), out.stride(1), hd ** -0.5,
+        GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HD=hd, BLOCK_N=BLOCK, num_warps=4)
+    return out
