@@ -58,6 +58,8 @@ def context_buckets(max_seq_len: int) -> list[int]:
 class _Captured:
     graph: torch.cuda.CUDAGraph
     tokens: torch.Tensor
+    rows: torch.Tensor
+    """(2 * B,) long: positions, then slots, so that a step's host inputs reach the device in one copy."""
     positions: torch.Tensor
     slots: torch.Tensor
     logits: torch.Tensor
@@ -84,8 +86,9 @@ class DecodeGraphs:
         for bucket in sorted(self.buckets, reverse=True):
             for ctx in sorted(self.contexts, reverse=True):
                 tokens = torch.zeros((bucket, 1), dtype=torch.long, device=device)
-                positions = torch.zeros(bucket, dtype=torch.long, device=device)
-                slots = torch.full((bucket,), self.scratch, dtype=torch.long, device=device)
+                rows = torch.zeros(2 * bucket, dtype=torch.long, device=device)
+                positions, slots = rows[:bucket], rows[bucket:]
+                slots.fill_(self.scratch)
                 side = torch.cuda.Stream(device)
                 side.wait_stream(torch.cuda.current_stream(device))
                 with torch.cuda.stream(side):  # warm the kernels (and cuBLAS workspaces) outside the capture
@@ -95,7 +98,7 @@ class DecodeGraphs:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
                     logits = self._forward(tokens, positions, slots, ctx)
-                self._captured[(bucket, ctx)] = _Captured(graph, tokens, positions, slots, logits)
+                self._captured[(bucket, ctx)] = _Captured(graph, tokens, rows, positions, slots, logits)
         for bucket in self.buckets:  # the host buffers a step of each batch bucket pins (pinned memory's first use)
             self.logits(torch.zeros(bucket, dtype=torch.long, device=device), [0] * bucket, [self.scratch] * bucket)
         _replay_once(self._captured.values(), device)
@@ -123,13 +126,12 @@ class DecodeGraphs:
         cap = self._captured[(bucket, ctx)]
         pad = bucket - n
         cap.tokens[:n, 0].copy_(tokens.reshape(-1))
-        # through pinned memory: a copy from pageable memory may wait for the queue (a step launched ahead)
-        cap.positions[:n].copy_(torch.tensor(positions, dtype=torch.long).pin_memory(), non_blocking=True)
-        cap.slots[:n].copy_(torch.tensor(slots, dtype=torch.long).pin_memory(), non_blocking=True)
+        # padding rows write position 0 of the scratch slot; one copy through pinned memory (a copy from pageable
+        # memory may wait for the queue: a step launched ahead)
+        rows = torch.tensor([*positions, *[0] * pad, *slots, *[self.scratch] * pad], dtype=torch.long)
+        cap.rows.copy_(rows.pin_memory(), non_blocking=True)
         if pad:
             cap.tokens[n:].zero_()
-            cap.positions[n:].zero_()
-            cap.slots[n:].fill_(self.scratch)
         cap.graph.replay()
         return cap.logits[:n]
 

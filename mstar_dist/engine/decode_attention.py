@@ -42,7 +42,8 @@ if triton is not None:
     @triton.jit
     def _decode_kernel(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, out_ptr,
                        sq_b, sq_h, sk_b, sk_h, sv_b, sv_h, sc_slot, sc_head, sc_pos, so_b, so_h, scale,
-                       GROUP: tl.constexpr, G_PAD: tl.constexpr, HD: tl.constexpr, BLOCK_N: tl.constexpr):
+                       GROUP: tl.constexpr, G_PAD: tl.constexpr, HD: tl.constexpr, BLOCK_N: tl.constexpr,
+                       PRECISION: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         slot = tl.load(slot_ptr + b).to(tl.int64)
@@ -67,13 +68,13 @@ if triton is not None:
             offs = base + at[:, None] * sc_pos + d[None, :]
             keys = tl.load(kc_ptr + offs, mask=inside[:, None], other=0.0)  # (BLOCK_N, HD)
             values = tl.load(vc_ptr + offs, mask=inside[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(keys)) * scale  # (G_PAD, BLOCK_N), fp32
+            s = tl.dot(q, tl.trans(keys), input_precision=PRECISION) * scale  # (G_PAD, BLOCK_N), fp32
             s = tl.where(inside[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
             alpha = tl.exp(m - m_new)
             p = tl.exp(s - m_new[:, None])
             l = l * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(values.dtype), values)
+            acc = acc * alpha[:, None] + tl.dot(p.to(values.dtype), values, input_precision=PRECISION)
             m = m_new
         out = acc / l[:, None]
         tl.store(out_ptr + b * so_b + heads[:, None] * so_h + d[None, :], out.to(out_ptr.dtype.element_ty),
@@ -99,5 +100,6 @@ def decode_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: to
         q, k, v, k_cache, v_cache, slots, positions, out,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0), out.stride(1), hd ** -0.5,
-        GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HD=hd, BLOCK_N=BLOCK, num_warps=4)
+        GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HD=hd, BLOCK_N=BLOCK,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)  # fp32 caches: no TF32 rounding
     return out

@@ -92,6 +92,11 @@ class _Ahead:
     given: dict[int, torch.Tensor] = field(default_factory=dict)
     """Row -> the very token tensor a joining row started from (a request's first decode step, launched here
     instead of in a forward of its own): its call, retried, is claimed by that tensor's identity."""
+    handed: list[torch.Tensor | None] = field(default_factory=list)
+    """The token tensor each row started from as the launching step handed it out (its ``NodeResult``), None for a
+    joining row: a call that brings that very tensor back is claimed without reading its value (reading one token
+    tensor's value cost ~3.5 us a row, 12% of a 64-row step's host time on the H200 host,
+    bench/results/profile_h200_64_attn_s21.json)."""
 
 
 @dataclass(eq=False)
@@ -646,16 +651,18 @@ class KVCacheEngine(Component):
             _wait(fresh_ready)
             for i, value in zip(fresh, fresh_host.tolist()):
                 ids[i] = value
+        tokens_out = torch.tensor(ids, dtype=torch.long).split(1)  # one (1,) view a row, in one call
         if self._ahead is not None:
             started = [ids[i] for i in run] + [None] * len(join)
+            handed = [tokens_out[i] for i in run] + [None] * len(join)
             self._ahead.inputs = [started[k] for k in self._ahead.rows]
-        sampled = torch.tensor(ids, dtype=torch.long)
+            self._ahead.handed = [handed[k] for k in self._ahead.rows]
         self.steps += bool(run)  # a launch of joining rows only is counted when they claim it
         self.decode_rows += len(run)
         self.joined_rows += len(join)
         results: list[NodeResult | BaseException | None] = [None] * len(calls)  # joining rows: retried
         for i in run:
-            results[i] = NodeResult(outputs={"token": sampled[i : i + 1]}, stop=ids[i] in ctxs[i].stop_token_ids)
+            results[i] = NodeResult(outputs={"token": tokens_out[i]}, stop=ids[i] in ctxs[i].stop_token_ids)
         return results
 
     def _given_on_device(self, calls: list[NodeCall]) -> torch.Tensor:
@@ -725,6 +732,8 @@ class KVCacheEngine(Component):
             if given is not None:  # a joining row: its retried call brings the very tensor it was launched from
                 if token is given:
                     claimed[i] = row
+            elif token is ahead.handed[row]:  # the walk routes the tensor this engine handed out
+                claimed[i] = row
             # a token on the device did not come from this engine's last step (and reading it would sync)
             elif token.device.type == "cpu" and int(token.reshape(-1)[0]) == ahead.inputs[row]:
                 claimed[i] = row

@@ -704,7 +704,7 @@ class Worker:
             by_signal: dict[str, list] = collections.defaultdict(list)
             try:
                 for signal, value in items:
-                    by_signal[signal].append(encode_tensor(value.detach().to("cpu")))
+                    by_signal[signal].append(encode_tensor(value))  # it copies a device tensor to the host
             except Exception as exc:  # a component emitted something that is not a tensor
                 items.clear()
                 failed.append((request_id, f"emitted value: {type(exc).__name__}: {exc}"))

@@ -134,19 +134,21 @@ def test_models_with_stateful_padding_share_forwards_only_at_one_length(model: L
     assert eng.prefill_batches == 3 and eng.prefills == 5
 
 
-def run_schedule(eng: KVCacheEngine, steps: int, sampled: bool = True) -> dict[str, list[int]]:
+def run_schedule(eng: KVCacheEngine, steps: int, sampled: bool = True, routed: bool = False) -> dict[str, list[int]]:
     """Requests that come and go the way a server's do, driven through ``eng``: every request's tokens.
 
     r0..r2 start together; r3 arrives at step 3; r1 is stopped by its client (released) at step 5; r2 skips
     steps 4 and 5 (its walk waits on something else) and resumes; r4 arrives at step 6 with a KV cache made
     elsewhere (a P/D decode rank's first step); at step 7 r0 is fed a token this engine did not sample; r3 is
-    r0, r2 and r5 sampled with seeds, the rest greedy; r5 runs into the context limit."""
+    r0, r2 and r5 sampled with seeds, the rest greedy; r5 runs into the context limit. ``routed``: a request's next
+    call brings the very token tensor its last result held, as a walk routes it (otherwise a new tensor of its value)."""
     knobs = {"r0": (0.8, 7), "r1": (0.0, 0), "r2": (0.7, 5), "r3": (1.0, 3), "r4": (0.0, 0), "r5": (0.9, 1)}
     if not sampled:  # every row greedy
         knobs = {rid: (0.0, 0) for rid in knobs}
     calls: dict[str, NodeCall] = {}
     out: dict[str, list[int]] = {}
     retry: dict[str, NodeCall] = {}
+    handed: dict[str, torch.Tensor] = {}
 
     def make(rid: str, inputs: dict) -> NodeCall:
         t, seed = knobs[rid]
@@ -182,8 +184,11 @@ def run_schedule(eng: KVCacheEngine, steps: int, sampled: bool = True) -> dict[s
             if rid in retry:  # answered None last step (it joined the lookahead): the worker hands the same call
                 batch.append(retry.pop(rid))
                 continue
-            token = out[rid][-1] if not (rid == "r0" and step == 7) else 42
-            batch.append(make(rid, {"token": torch.tensor([token])}))
+            if rid == "r0" and step == 7:
+                given = torch.tensor([42])
+            else:
+                given = handed[rid] if routed and rid in handed else torch.tensor([out[rid][-1]])
+            batch.append(make(rid, {"token": given}))
         for c, r in zip(batch, eng.run_batch(batch)):
             if r is None:
                 retry[c.request_id] = c
@@ -195,6 +200,7 @@ def run_schedule(eng: KVCacheEngine, steps: int, sampled: bool = True) -> dict[s
                 out["r5"].append(-1)
                 continue
             out.setdefault(c.request_id, []).append(int(r.outputs["token"]))
+            handed[c.request_id] = r.outputs["token"]
     return out
 
 
@@ -213,6 +219,11 @@ def test_lookahead_gives_the_tokens_of_steps_run_one_at_a_time(model: Llama) -> 
     # the rows it ran ahead were used in steady steps and dropped where requests left, skipped or changed token
     assert eng.ahead_rows_used > 20 and eng.ahead_rows_dropped >= 3
     assert eng.stats()["lookahead_rows_used_total"] == eng.ahead_rows_used
+    # the tensors it handed out, routed back as a walk routes them, are claimed by identity: the same tokens, the same
+    # rows run ahead used and dropped
+    routed = engine(model, lookahead=True)
+    assert run_schedule(routed, steps=14, routed=True) == ahead
+    assert (routed.ahead_rows_used, routed.ahead_rows_dropped) == (eng.ahead_rows_used, eng.ahead_rows_dropped)
     for rid in list(eng._seqs):
         eng.release(rid)
     assert eng.cache.num_free == 8
