@@ -145,7 +145,7 @@ for step in "$@"; do
              python3 -c "import triton; print('triton', triton.__version__)" || echo "triton: not importable"
              timeout 300 python3 -m pytest -q -p no:cacheprovider tests/unit/test_decode_attention.py \
                tests/unit/test_graph_decode.py tests/unit/test_kv_engine.py tests/gpu 2>&1 | tail -6
-             timeout 240 python3 scripts/bench_kernels.py --weights /tmp/smol-rand --no-compile --decode 1 32 64 \
+             timeout 240 python3 scripts/bench_kernels.py --weights /tmp/smol-rand --no-compile --decode ${DECODE:-1 32 64} \
                --prefill --position "${POSITION:-300}" --out "$out/kernels_h200_attn${NAME:+_$NAME}.json" 2>&1 \
                | grep -v "^W1\|^  warnings" | tail -8 ;;
     attnab)  # the single rank with ${INTAKES:-4} intakes, model_kwargs.decode_attention sdpa against the default (the

@@ -3,8 +3,9 @@ model is host-launch-bound on our GPUs; an eager SmolLM2 prefill of one 44-token
 
 Decode (``DecodeGraphs``):
 One graph per (batch-size bucket, context bucket): batch 1, 2, 4, ... up to the engine's batch; context 256,
-512, 1024, ... (x2) up to the cache's ``max_seq_len``, the positions a row's attention reads (one context, the whole
-cache, when the cache's ``decode_kernel`` attends: it reads each row's own length). Captured at warm-up over
+512, 1024, ... (x2) up to the cache's ``max_seq_len``, the positions a row's attention reads (with the cache's
+``decode_kernel``, which reads each row's own length, two: up to 512 positions, and above them, where a small batch
+splits each row's positions over several programs, ``decode_attention.kernel_contexts``). Captured at warm-up over
 static input tensors: tokens (B, 1), positions (B,), slots (B,) -> last-token logits (B, 1, V). A step of n rows
 whose longest row writes position p replays the smallest batch bucket >= n and the smallest context bucket > p,
 after copying its inputs in; the rows past n are padding that decode into a scratch KV slot at position 0 and
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mstar_dist.engine.decode_attention import kernel_contexts
 from mstar_dist.engine.kv_cache import StaticKVCache
 from mstar_dist.engine.sampling import to_device
 
@@ -71,7 +73,8 @@ class DecodeGraphs:
         self.cache = cache
         self.scratch = scratch_slot
         self.buckets = _pow2_buckets(max_batch)
-        self.contexts = [cache.max_seq_len] if cache.decode_kernel else context_buckets(cache.max_seq_len)
+        limit = cache.max_seq_len
+        self.contexts = kernel_contexts(limit) if cache.decode_kernel else context_buckets(limit)
         self._captured: dict[tuple[int, int], _Captured] = {}
 
     @property

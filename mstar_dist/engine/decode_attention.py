@@ -6,8 +6,9 @@ and values over its context bucket out of the cache (``index_select``: 841 of a 
 ``bench/results/kernels_h200_s20.json``) and runs SDPA over the copies under a mask. ``decode_attend`` does all of
 it in one launch: program (row b, KV head h) loads the queries of the heads that share h, writes the new K/V at the
 row's position, takes the new token's score from registers and walks the row's cached positions [0, pos) of its own
-slot block by block with an online softmax. It reads each row's own length (a device tensor), so one graph serves
-every context length: no context buckets.
+slot block by block with an online softmax. It reads each row's own length (a device tensor), so a graph serves
+every length up to its bucket; two buckets remain (``kernel_contexts``): above ``SPLIT_CONTEXT`` a small batch splits
+each row's positions over several programs and a second kernel combines their partial softmaxes (``splits_for``).
 
 Rows are one token each (decode); padding rows point at the scratch slot with position 0 and read nothing from the
 cache. ``available`` says whether the kernel can run on a device (Triton importable, and CUDA, or Triton's
@@ -37,15 +38,40 @@ def available(device: torch.device | str) -> bool:
     return kind == "cuda" or (kind == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
 
 
+SPLIT_CONTEXT = 512
+"""Context buckets above this split a row's positions over several programs when the batch is small
+(``splits_for``); graphs at or below it run one program a (row, KV head) and no combine."""
+SPLIT_PROGRAMS = 96
+MAX_SPLITS = 8
+
+
+def kernel_contexts(max_seq_len: int) -> list[int]:
+    """The decode graphs' context buckets with the kernel: ``SPLIT_CONTEXT`` (no split) and the whole cache."""
+    return [SPLIT_CONTEXT, max_seq_len] if max_seq_len > SPLIT_CONTEXT else [max_seq_len]
+
+
+def splits_for(rows: int, n_kv: int, ctx: int) -> int:
+    """Programs a (row, KV head) splits its positions over: 1 up to ``SPLIT_CONTEXT``; above, doubled while the grid
+    stays within ``SPLIT_PROGRAMS`` programs (at most ``MAX_SPLITS``). A single row at position 1500 otherwise walks
+    24 blocks in each of 3 programs on a GPU with 132 SMs: 1.69 ms a step against 1.27 at position 300
+    (bench/results/kernels_h200_attn{,_p1500}_s21.json)."""
+    splits = 1
+    if ctx > SPLIT_CONTEXT:
+        while splits < MAX_SPLITS and 2 * splits * rows * n_kv <= SPLIT_PROGRAMS:
+            splits *= 2
+    return splits
+
+
 if triton is not None:
 
     @triton.jit
-    def _decode_kernel(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, out_ptr,
+    def _decode_kernel(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, out_ptr, acc_ptr, ml_ptr,
                        sq_b, sq_h, sk_b, sk_h, sv_b, sv_h, sc_slot, sc_head, sc_pos, so_b, so_h, scale,
                        GROUP: tl.constexpr, G_PAD: tl.constexpr, HD: tl.constexpr, BLOCK_N: tl.constexpr,
-                       PRECISION: tl.constexpr):
+                       PRECISION: tl.constexpr, SPLITS: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
+        sp = tl.program_id(2)
         slot = tl.load(slot_ptr + b).to(tl.int64)
         pos = tl.load(pos_ptr + b).to(tl.int64)
         d = tl.arange(0, HD)
@@ -55,16 +81,29 @@ if triton is not None:
         k_new = tl.load(kn_ptr + b * sk_b + h * sk_h + d)
         v_new = tl.load(vn_ptr + b * sv_b + h * sv_h + d)
         base = slot * sc_slot + h * sc_head
-        tl.store(kc_ptr + base + pos * sc_pos + d, k_new)
-        tl.store(vc_ptr + base + pos * sc_pos + d, v_new)
-        # the new token's own score seeds the online softmax: it is never read back from the cache
-        m = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale  # (G_PAD,)
-        l = tl.full((G_PAD,), 1.0, tl.float32)
-        acc = tl.zeros((G_PAD, HD), tl.float32) + v_new.to(tl.float32)[None, :]
+        first = sp == 0
+        tl.store(kc_ptr + base + pos * sc_pos + d, k_new, mask=(d < HD) & first)
+        tl.store(vc_ptr + base + pos * sc_pos + d, v_new, mask=(d < HD) & first)
+        # the new token's own score seeds the first split's online softmax: it is never read back from the cache
+        s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale  # (G_PAD,)
+        if SPLITS == 1:
+            lo = pos * 0
+            hi = pos
+            m = s_new
+            l = tl.full((G_PAD,), 1.0, tl.float32)
+            acc = tl.zeros((G_PAD, HD), tl.float32) + v_new.to(tl.float32)[None, :]
+        else:
+            per = tl.cdiv(tl.cdiv(pos, SPLITS), BLOCK_N) * BLOCK_N
+            lo = sp * per
+            hi = tl.minimum(lo + per, pos)
+            m = tl.where(first, s_new, tl.full((G_PAD,), float("-inf"), tl.float32))
+            l = tl.where(first, tl.full((G_PAD,), 1.0, tl.float32), tl.zeros((G_PAD,), tl.float32))
+            acc = tl.where(first, tl.zeros((G_PAD, HD), tl.float32) + v_new.to(tl.float32)[None, :],
+                           tl.zeros((G_PAD, HD), tl.float32))
         n = tl.arange(0, BLOCK_N)
-        for start in range(0, pos, BLOCK_N):
+        for start in range(lo, hi, BLOCK_N):
             at = start + n
-            inside = at < pos
+            inside = at < hi
             offs = base + at[:, None] * sc_pos + d[None, :]
             keys = tl.load(kc_ptr + offs, mask=inside[:, None], other=0.0)  # (BLOCK_N, HD)
             values = tl.load(vc_ptr + offs, mask=inside[:, None], other=0.0)
@@ -76,16 +115,44 @@ if triton is not None:
             l = l * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(values.dtype), values, input_precision=PRECISION)
             m = m_new
-        out = acc / l[:, None]
+        if SPLITS == 1:
+            out = acc / l[:, None]
+            tl.store(out_ptr + b * so_b + heads[:, None] * so_h + d[None, :], out.to(out_ptr.dtype.element_ty),
+                     mask=(g < GROUP)[:, None])
+        else:  # partial results, combined by _combine_kernel
+            part = (b * tl.num_programs(1) + h) * SPLITS + sp
+            tl.store(acc_ptr + (part * G_PAD + g[:, None]) * HD + d[None, :], acc)
+            tl.store(ml_ptr + part * 2 * G_PAD + g, m)
+            tl.store(ml_ptr + part * 2 * G_PAD + G_PAD + g, l)
+
+    @triton.jit
+    def _combine_kernel(acc_ptr, ml_ptr, out_ptr, so_b, so_h, GROUP: tl.constexpr, G_PAD: tl.constexpr,
+                        HD: tl.constexpr, SPLITS: tl.constexpr):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        parts = (b * tl.num_programs(1) + h) * SPLITS + tl.arange(0, SPLITS)
+        g = tl.arange(0, G_PAD)
+        d = tl.arange(0, HD)
+        m = tl.load(ml_ptr + parts[:, None] * 2 * G_PAD + g[None, :])  # (SPLITS, G_PAD); -inf for an empty split
+        l = tl.load(ml_ptr + parts[:, None] * 2 * G_PAD + G_PAD + g[None, :])
+        top = tl.max(m, 0)  # finite: the first split holds the new token
+        w = tl.exp(m - top[None, :])
+        total = tl.sum(w * l, 0)
+        acc = tl.load(acc_ptr + (parts[:, None, None] * G_PAD + g[None, :, None]) * HD + d[None, None, :])
+        out = tl.sum(w[:, :, None] * acc, 0) / total[:, None]
+        heads = h * GROUP + g
         tl.store(out_ptr + b * so_b + heads[:, None] * so_h + d[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=(g < GROUP)[:, None])
 
 
 def decode_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+                  slots: torch.Tensor, positions: torch.Tensor, ctx: int | None = None,
+                  splits: int | None = None) -> torch.Tensor:
     """One decode step's attention for B rows: q (B, nh, 1, hd), k/v (B, nkv, 1, hd) with RoPE applied, k_cache /
     v_cache (S, nkv, L, hd) one layer's cache, slots / positions (B,) device tensors. Writes k/v at each row's position
-    of its slot and returns (B, nh, 1, hd): row b attends over positions [0, positions[b]] of slot slots[b]."""
+    of its slot and returns (B, nh, 1, hd): row b attends over positions [0, positions[b]] of slot slots[b]. ``ctx``:
+    the graph's context bucket (every position is below it), which with the batch sets ``splits`` (``splits_for``;
+    a power of two), the programs a row's positions are split over."""
     B, nh, T, hd = q.shape
     nkv = k.shape[1]
     if T != 1 or k.shape[2] != 1 or nh % nkv or hd & (hd - 1) or hd < 16:
@@ -94,12 +161,23 @@ def decode_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: to
     for name, t in (("q", q), ("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
         if t.stride(-1) != 1:
             raise ValueError(f"decode_attend: {name} must be contiguous in head_dim, got strides {t.stride()}")
+    splits = splits_for(B, nkv, k_cache.shape[2] if ctx is None else ctx) if splits is None else splits
+    if splits < 1 or splits & (splits - 1):
+        raise ValueError(f"decode_attend: splits must be a power of two, got {splits}")
     group = nh // nkv
+    g_pad = max(16, triton.next_power_of_2(group))
     out = torch.empty((B, nh, 1, hd), dtype=q.dtype, device=q.device)
-    _decode_kernel[(B, nkv)](
-        q, k, v, k_cache, v_cache, slots, positions, out,
+    acc = ml = out  # unused without a split
+    if splits > 1:
+        acc = torch.empty((B * nkv * splits, g_pad, hd), dtype=torch.float32, device=q.device)
+        ml = torch.empty((B * nkv * splits, 2, g_pad), dtype=torch.float32, device=q.device)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32 caches: no TF32 rounding
+    _decode_kernel[(B, nkv, splits)](
+        q, k, v, k_cache, v_cache, slots, positions, out, acc, ml,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0), out.stride(1), hd ** -0.5,
-        GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HD=hd, BLOCK_N=BLOCK,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)  # fp32 caches: no TF32 rounding
+        GROUP=group, G_PAD=g_pad, HD=hd, BLOCK_N=BLOCK, PRECISION=precision, SPLITS=splits, num_warps=4)
+    if splits > 1:
+        _combine_kernel[(B, nkv)](acc, ml, out, out.stride(0), out.stride(1), GROUP=group, G_PAD=g_pad, HD=hd,
+                                  SPLITS=splits, num_warps=4)
     return out

@@ -229,7 +229,7 @@ class StaticKVCache:
         slot_idx, positions, mask, ctx = self._graph_binding
         k_cache, v_cache = self.kv[layer, 0], self.kv[layer, 1]  # (S, nkv, L, hd)
         if self.decode_kernel:
-            return decode_attention.decode_attend(q, k, v, k_cache, v_cache, slot_idx, positions)
+            return decode_attention.decode_attend(q, k, v, k_cache, v_cache, slot_idx, positions, ctx)
         # advanced indices around a slice: the indexed view is (B, nkv, hd); k/v are (B, nkv, 1, hd)
         k_cache[slot_idx, :, positions] = k[:, :, 0]
         v_cache[slot_idx, :, positions] = v[:, :, 0]

@@ -37,19 +37,20 @@ def qkv(rows: int, n_kv: int, group: int, hd: int, device: str, dtype=torch.floa
 
 @needs_kernel
 @pytest.mark.parametrize("device", DEVICES)
-def test_kernel_attends_and_writes_like_sdpa_over_copies(device):
+@pytest.mark.parametrize("splits", [1, 2, 8])
+def test_kernel_attends_and_writes_like_sdpa_over_copies(device, splits):
     """Rows in no slot order, one past several blocks of cached positions, one at a block's edge, one new (position
-    0), and two padding rows into the scratch slot: the real rows' outputs and every cache position match SDPA's."""
+    0), and two padding rows into the scratch slot: the real rows' outputs and every cache position match SDPA's,
+    with each row's positions in one program or split over several (some of which then hold none)."""
     torch.manual_seed(0)
-    a, b = pair(device)
+    a, b = pair(device, length=600)
     slots = torch.tensor([3, 0, 4, 1, 5, 5], device=device)
-    positions = torch.tensor([150, 7, 0, decode_attention.BLOCK, 0, 0], device=device)
+    positions = torch.tensor([590, 7, 0, decode_attention.BLOCK, 0, 0], device=device)
     q, k, v = qkv(6, 3, 3, 64, device)
     k[5], v[5] = k[4], v[4]  # padding rows write the same thing (bind_graph's contract)
-    a.bind_graph(slots, positions, 160)
-    b.bind_graph(slots, positions, 160)
+    a.bind_graph(slots, positions, 600)
     want = a.attend(1, q, k, v)
-    got = b.attend(1, q, k, v)
+    got = decode_attention.decode_attend(q, k, v, b.kv[1, 0], b.kv[1, 1], slots, positions, splits=splits)
     assert got.shape == want.shape == (6, 9, 1, 64)
     assert torch.allclose(got[:4], want[:4], atol=1e-5), (got[:4] - want[:4]).abs().max()
     assert torch.equal(a.kv, b.kv)  # the step's K/V went to the same places, nothing else moved
@@ -68,6 +69,28 @@ def test_greedy_decode_with_the_kernel_matches_eager(device):
     assert torch.allclose(eager, kernel, atol=1e-4), (eager - kernel).abs().max()
 
 
+@needs_kernel
+@pytest.mark.parametrize("device", DEVICES)
+def test_greedy_decode_over_split_contexts_matches_eager(device):
+    """Rows past 512 positions in a 1024 bucket, where a small batch splits each row's positions over programs (one
+    row short enough to leave most of its splits empty): the same logits as eager decode."""
+    from models.llama.config import LlamaConfig
+    from models.llama.model import Llama
+    from tests.unit.test_kv_cache import CFG
+
+    config = LlamaConfig(**{**CFG.__dict__, "max_position_embeddings": 1024})
+    torch.manual_seed(0)
+    model = Llama(config).to(device).eval().requires_grad_(False)
+    model.init_rope_tables()
+    shape = (config.n_layers, config.n_kv_heads, config.head_dim)
+    eager_cache = StaticKVCache(*shape, max_slots=4, max_seq_len=1024, device=device)
+    kernel_cache = StaticKVCache(*shape, max_slots=4, max_seq_len=1024, device=device, decode_kernel=True)
+    assert decode_attention.splits_for(3, config.n_kv_heads, 1024) > 1
+    eager = run(model, eager_cache, [600, 530, 3], 4, eager_step(model, eager_cache))
+    kernel = run(model, kernel_cache, [600, 530, 3], 4, graph_mode_step(model, kernel_cache, ctx=1024))
+    assert torch.allclose(eager, kernel, atol=1e-4), (eager - kernel).abs().max()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or not decode_attention.available("cuda"),
                     reason="needs Triton on CUDA")
@@ -80,7 +103,7 @@ def test_captured_kernel_graphs_match_eager_and_need_one_context():
                           max_seq_len=64, device="cuda", decode_kernel=True)
     eager = run(model, eager_cache, [5, 30, 3], 20, eager_step(model, eager_cache))
     graphs = DecodeGraphs(model, cache, scratch_slot=cache.alloc(), max_batch=4)
-    assert graphs.contexts == [64]  # the kernel reads each row's own length: one graph per batch bucket
+    assert graphs.contexts == [64]  # the kernel reads each row's own length: one graph per batch bucket here
     graphs.capture()
     replayed = run(model, cache, [5, 30, 3], 20, lambda t, n, s: graphs.logits(t, n, s))
     assert torch.allclose(eager, replayed, atol=1e-4), (eager - replayed).abs().max()
@@ -99,6 +122,14 @@ def test_kernel_in_bfloat16_stays_close_to_sdpa():
     b.bind_graph(slots, positions, 2048)
     want, got = a.attend(0, q, k, v).float(), b.attend(0, q, k, v).float()
     assert (got - want).abs().max() < 2e-2, (got - want).abs().max()
+
+
+def test_small_batches_split_long_contexts_and_graphs_keep_two_buckets():
+    from mstar_dist.engine.decode_attention import kernel_contexts, splits_for
+
+    assert kernel_contexts(2048) == [512, 2048] and kernel_contexts(512) == [512] and kernel_contexts(64) == [64]
+    assert [splits_for(rows, 3, 2048) for rows in (1, 2, 4, 8, 16, 32, 64)] == [8, 8, 8, 4, 2, 1, 1]
+    assert splits_for(1, 3, 512) == 1  # short contexts: no combine step
 
 
 def test_decode_kernel_where_it_cannot_run_is_refused_with_the_reason():
