@@ -153,15 +153,16 @@ class LlamaChat(CompositeModel):
         """Whether graph decode steps attend with the in-place Triton kernel (``model_kwargs.decode_attention``)."""
         from mstar_dist.engine import decode_attention
 
-        if self.decode_attention == "sdpa" or not graphs:
-            if self.decode_attention == "triton":
+        if self.decode_attention == "sdpa":
+            return False
+        if self.decode_attention == "triton":
+            if not graphs:
                 raise ValueError("model_kwargs.decode_attention: triton attends in CUDA-graph decode steps, and "
                                  f"cuda_graphs is off (device {device!r})")
-            return False
-        if self.decode_attention == "triton" and not decode_attention.available(device):
-            raise ValueError(f"model_kwargs.decode_attention: triton needs Triton on a CUDA device, and "
-                             f"{'Triton is not installed' if decode_attention.triton is None else 'not on ' + device}")
-        return decode_attention.available(device)
+            if not decode_attention.available(device):
+                why = "Triton is not installed" if decode_attention.triton is None else f"not on {device}"
+                raise ValueError(f"model_kwargs.decode_attention: triton needs Triton on a CUDA device, and {why}")
+        return graphs and decode_attention.available(device)
 
     def _ms(self, key: str, default: float = 0.0) -> float:
         value = self.model_kwargs.get(key, default)

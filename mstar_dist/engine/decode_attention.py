@@ -84,22 +84,16 @@ if triton is not None:
         first = sp == 0
         tl.store(kc_ptr + base + pos * sc_pos + d, k_new, mask=(d < HD) & first)
         tl.store(vc_ptr + base + pos * sc_pos + d, v_new, mask=(d < HD) & first)
-        # the new token's own score seeds the first split's online softmax: it is never read back from the cache
+        # this split's positions, whole blocks (one split: all of [0, pos)); the new token's own score seeds the first
+        # split's online softmax (the others start empty): it is never read back from the cache
+        per = tl.cdiv(tl.cdiv(pos, SPLITS), BLOCK_N) * BLOCK_N
+        lo = sp * per
+        hi = tl.minimum(lo + per, pos)
         s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale  # (G_PAD,)
-        if SPLITS == 1:
-            lo = pos * 0
-            hi = pos
-            m = s_new
-            l = tl.full((G_PAD,), 1.0, tl.float32)
-            acc = tl.zeros((G_PAD, HD), tl.float32) + v_new.to(tl.float32)[None, :]
-        else:
-            per = tl.cdiv(tl.cdiv(pos, SPLITS), BLOCK_N) * BLOCK_N
-            lo = sp * per
-            hi = tl.minimum(lo + per, pos)
-            m = tl.where(first, s_new, tl.full((G_PAD,), float("-inf"), tl.float32))
-            l = tl.where(first, tl.full((G_PAD,), 1.0, tl.float32), tl.zeros((G_PAD,), tl.float32))
-            acc = tl.where(first, tl.zeros((G_PAD, HD), tl.float32) + v_new.to(tl.float32)[None, :],
-                           tl.zeros((G_PAD, HD), tl.float32))
+        m = tl.where(first, s_new, tl.full((G_PAD,), float("-inf"), tl.float32))
+        l = tl.where(first, tl.full((G_PAD,), 1.0, tl.float32), tl.zeros((G_PAD,), tl.float32))
+        acc = tl.where(first, tl.zeros((G_PAD, HD), tl.float32) + v_new.to(tl.float32)[None, :],
+                       tl.zeros((G_PAD, HD), tl.float32))
         n = tl.arange(0, BLOCK_N)
         for start in range(lo, hi, BLOCK_N):
             at = start + n
