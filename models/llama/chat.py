@@ -17,6 +17,7 @@ from mstar_dist.engine.kv_cache import StaticKVCache
 from mstar_dist.engine.kv_engine import KVCacheEngine
 from mstar_dist.graph.model import CompositeModel, RequestState, WalkStep
 from mstar_dist.graph.nodes import EMIT_TO_CLIENT, Edge, GraphNode, Loop, Section
+from mstar_dist.transport.inline import encode_ids
 
 LLM = "LLM"
 DECODE_LOOP = "decode"
@@ -213,7 +214,7 @@ class LlamaChat(CompositeModel):
                 f"context of {self._context} tokens; shorten the prompt or lower max_tokens"
             )
         state.prompt_tokens = len(ids)
-        state.data["input_ids"] = torch.tensor(ids, dtype=torch.long)
+        state.data["input_ids"] = encode_ids(ids)  # as it goes on the wire: no tensor on the conductor
         state.data["decoder"] = self.tokenizer.incremental_decoder()
 
     def start(self, state: RequestState) -> WalkStep:

@@ -507,7 +507,7 @@ class Conductor:
             wanted = route.consumers.get(name) or ranks[:1]
             if isinstance(value, m.TensorRef):
                 self._route_kept(req, name, value, wanted, keep=name in step.keep, release=release, walk=step.walk)
-            else:
+            elif not isinstance(value, m.InlineTensor):  # a family may hand it encoded already (inline.encode_ids)
                 value = encode_tensor(value)
             for rank in ranks:
                 inputs[rank][name] = value if rank in wanted else m.Remote()

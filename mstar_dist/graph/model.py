@@ -42,7 +42,8 @@ class Layout:
 
 @dataclass
 class WalkStep:
-    """The next walk of a request: its name, its inputs (tensors or store references) and loop limits."""
+    """The next walk of a request: its name, its inputs (tensors, tensors already encoded for the wire
+    (`InlineTensor`, e.g. `inline.encode_ids`), or store references) and loop limits."""
 
     walk: str
     inputs: dict[str, Any]

@@ -78,6 +78,8 @@ class _Wiring:
     """``(node, index in node.outputs)`` of edges whose source is in a loop that does not hold the destination."""
     waits_on: dict[str, frozenset[tuple[int, ...]]]
     """Node -> positions of the ``Parallel`` sibling members that feed it (it runs after they have finished)."""
+    persist_signals: frozenset[str]
+    stream_signals: frozenset[str]
 
 
 def _ignore(signal: str, value: Any) -> None:
@@ -100,7 +102,10 @@ def _wire(section: Section) -> _Wiring:
             k = divergence(src, dst)
             if edge_kind(src, dst) == "internal" and isinstance(src[k][0], Parallel):
                 waits[e.dst].add(tuple(i for _, i in src[: k + 1]))
-    return _Wiring(walk_io(section), frozenset(leaves), {name: frozenset(p) for name, p in waits.items()})
+    outputs = [edge for node in iter_nodes(section) for edge in node.outputs]
+    return _Wiring(walk_io(section), frozenset(leaves), {name: frozenset(p) for name, p in waits.items()},
+                   persist_signals=frozenset(e.signal for e in outputs if e.persist),
+                   stream_signals=frozenset(e.signal for e in outputs if e.stream))
 
 
 class _Frame:
@@ -260,14 +265,10 @@ class WalkRun:
 
     def __post_init__(self):
         self.outputs: dict[str, Any] = {}
-        self.persist_signals: set[str] = {
-            edge.signal for node in iter_nodes(self.section) for edge in node.outputs if edge.persist
-        }
-        self.stream_signals: set[str] = {
-            edge.signal for node in iter_nodes(self.section) for edge in node.outputs if edge.stream
-        }
-        self.finish_reason: str | None = None
         self._wiring = _wire(self.section)
+        self.persist_signals = self._wiring.persist_signals
+        self.stream_signals = self._wiring.stream_signals
+        self.finish_reason: str | None = None
         self._done = False
         self._nodes: dict[str, _NodeFrame] = {}
         self._named_loops: dict[str, _LoopFrame] = {}

@@ -11,13 +11,16 @@ way and works for every dtype, including the ones numpy lacks (bfloat16) or stor
 from __future__ import annotations
 
 import math
+import sys
+from array import array
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 from mstar_dist.control.messages import InlineTensor  # the wire type lives with the messages (no torch there)
 
-__all__ = ["InlineTensor", "encode_tensor", "decode_tensor", "dtype_to_str", "str_to_dtype"]
+__all__ = ["InlineTensor", "encode_tensor", "encode_ids", "decode_tensor", "dtype_to_str", "str_to_dtype"]
 
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -72,6 +75,17 @@ def encode_tensor(t: torch.Tensor) -> InlineTensor:
         flat = flat.cpu()
     data = flat.contiguous().view(torch.uint8).numpy().tobytes()
     return InlineTensor(dtype=dtype, shape=shape, data=data)
+
+
+def encode_ids(ids: Sequence[int]) -> InlineTensor:
+    """A prompt's token ids as the 1-d int64 `InlineTensor` that `encode_tensor` makes of them, built straight from
+    the ints: the tensor the conductor used to make of a prompt only to turn it back into bytes cost it ~60 us of a
+    request's ~110 on the 2-core VM (``torch.tensor`` then ``encode_tensor``), and the conductor admits a burst's
+    requests one after another (docs/architecture.md §2). OverflowError for an id outside int64."""
+    raw = array("q", ids)
+    if sys.byteorder != "little":
+        raw.byteswap()
+    return InlineTensor(dtype="int64", shape=[len(raw)], data=raw.tobytes())
 
 
 def decode_tensor(it: InlineTensor, device: torch.device | str = "cpu") -> torch.Tensor:

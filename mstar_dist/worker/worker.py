@@ -125,6 +125,7 @@ class Worker:
         self._early_stops: dict[str, list[str]] = collections.defaultdict(list)
         self._stream_edges = {e.signal: e for e in streaming_edges}
         self._host_inputs_of: dict[str, frozenset[str]] = {}  # walk -> inline inputs kept on the host
+        self._streamed_inputs_of: dict[str, frozenset[str]] = {}  # walk -> inputs that arrive on streaming edges
         self._stream_routes: dict[str, dict[str, int]] = {}  # request -> signal -> consumer rank
         self._stream_out: dict[str, list[tuple[str, torch.Tensor]]] = collections.defaultdict(list)
         self._streams: dict[tuple[str, str], StreamBuffer] = {}  # (request, signal) -> consumer-side buffer
@@ -599,8 +600,7 @@ class Worker:
                 on_emit=lambda signal, value: emits.append((signal, value)),
                 on_stream=lambda signal, value: streamed.append((signal, value)),
                 emitting_nodes=None if span is None else {n for n, r in span.node_ranks.items() if r == span.me},
-                streamed_inputs=frozenset(e.signal for e in self._stream_edges.values()
-                                          if e.dst_node in node_names(section)),
+                streamed_inputs=self._streamed_inputs(msg.walk),
             )
             if msg.stream_routes:
                 self._stream_routes[msg.request_id] = dict(msg.stream_routes)
@@ -637,6 +637,14 @@ class Worker:
             found = self._host_inputs_of[walk] = frozenset(
                 name for name, comps in takers.items()
                 if all(c is not None and name in c.host_inputs for c in comps))
+        return found
+
+    def _streamed_inputs(self, walk: str) -> frozenset[str]:
+        found = self._streamed_inputs_of.get(walk)
+        if found is None:
+            names = node_names(self.graphs[walk])
+            found = self._streamed_inputs_of[walk] = frozenset(
+                e.signal for e in self._stream_edges.values() if e.dst_node in names)
         return found
 
     def _collect(self) -> dict[str, list[NodeCall]]:

@@ -5,7 +5,8 @@ import msgspec
 import pytest
 import torch
 
-from mstar_dist.transport.inline import InlineTensor, decode_tensor, dtype_to_str, encode_tensor, str_to_dtype
+from mstar_dist.transport.inline import (InlineTensor, decode_tensor, dtype_to_str, encode_ids, encode_tensor,
+                                        str_to_dtype)
 
 CASES = [
     torch.randn(3, 4),
@@ -30,6 +31,21 @@ def test_roundtrip_through_msgpack(t):
     back = decode_tensor(msgspec.msgpack.decode(wire, type=InlineTensor))
     assert back.dtype == t.dtype and back.shape == t.shape
     assert torch.equal(back, t)
+
+
+@pytest.mark.parametrize("ids", [[1, 2, 49151], [0], [], [-(1 << 63), (1 << 63) - 1]], ids=len)
+def test_prompt_ids_encoded_from_ints_are_what_the_tensor_path_sends(ids):
+    """A prompt goes on the wire straight from its ints (``encode_ids``, the conductor's path for every request): the
+    rank must decode exactly the int64 tensor the tensor path would have sent."""
+    it = encode_ids(ids)
+    assert it == encode_tensor(torch.tensor(ids, dtype=torch.int64))
+    back = decode_tensor(msgspec.msgpack.decode(msgspec.msgpack.encode(it), type=InlineTensor))
+    assert back.dtype == torch.int64 and back.tolist() == ids
+
+
+def test_prompt_id_outside_int64_is_refused():
+    with pytest.raises(OverflowError):
+        encode_ids([1 << 63])
 
 
 def test_bfloat16_bits_are_exact():
