@@ -7,6 +7,9 @@ of R rows x L tokens of the same model on one GPU, side by side in one run:
 - ``kernel_graph_ms`` (decode, where Triton runs): the same step with the cache's ``decode_kernel`` (the in-place
   attention of ``engine/decode_attention.py`` instead of SDPA over copies of the rows' keys and values), its kernels,
   and the largest difference of its logits from the SDPA step's;
+- ``fused_graph_ms`` (where Triton runs): the forward as the engine runs it by default, with the fused pointwise
+  kernels of ``models/common/fused.py`` (and, for decode, the in-place attention), its kernels, the largest difference
+  of its logits from the unfused forward's with the same attention, and ``unfused_over_fused``;
 - ``compiled_graph_ms``: the same forward compiled by ``torch.compile`` (inductor fuses the pointwise work between
   GEMMs, attention and norms) and captured in a CUDA graph, timed alike; ``compile_s`` and the largest difference of
   its logits from the eager ones.
@@ -34,6 +37,7 @@ from torch.nn.attention import sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from models.common import fused  # noqa: E402
 from mstar_dist.engine import decode_attention  # noqa: E402
 from mstar_dist.engine.cuda_graphs import context_buckets  # noqa: E402
 from mstar_dist.engine.kv_cache import StaticKVCache  # noqa: E402
@@ -156,6 +160,22 @@ def main() -> None:
                     case["kernel_kernels"] = kernel_profile(lambda: forward(model), top=6)
                     case["sdpa_over_kernel"] = round(case["graph_ms"] / case["kernel_graph_ms"], 3)
                 finally:
+                    cache.decode_kernel = False
+            if fused.available(device):
+                kernel = kind == "decode" and decode_attention.available(device)
+                cache.decode_kernel = kernel  # the engine's default attention beside the fused kernels
+                try:
+                    want = forward(model).float()
+                    unfused_ms = case["kernel_graph_ms"] if kernel else case["graph_ms"]
+                    model.fuse_pointwise()
+                    got = forward(model).float()
+                    case["fused_max_abs_diff"] = float((got - want).abs().max())
+                    case["fused_argmax_agree"] = float((got.argmax(-1) == want.argmax(-1)).float().mean())
+                    case["fused_graph_ms"] = round(graph_ms(lambda: forward(model), args.replays, args.repeats), 4)
+                    case["fused_kernels"] = kernel_profile(lambda: forward(model), top=6)
+                    case["unfused_over_fused"] = round(unfused_ms / case["fused_graph_ms"], 3)
+                finally:
+                    model.fuse_pointwise(False)
                     cache.decode_kernel = False
             out["cases"].append(case)
             save()

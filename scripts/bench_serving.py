@@ -377,6 +377,9 @@ def main() -> None:
                    help="on CUDA, the CUDA-graph bare loop attends with SDPA over copies of the rows' keys and values "
                         "rather than the in-place Triton kernel the served engine uses where it runs "
                         "(for a config with model_kwargs.decode_attention: sdpa)")
+    p.add_argument("--bare-unfused", action="store_true",
+                   help="on CUDA, the bare loops run the blocks' pointwise work as torch ops rather than the fused "
+                        "Triton kernels the served engine uses where they run (for model_kwargs.fused_pointwise: torch)")
     args = p.parse_args()
     CLIENT_STREAMS_PER_PROCESS = args.streams_per_process
     configs = [(c.rsplit(":", 1)[0], int(c.rsplit(":", 1)[1])) for c in
@@ -387,6 +390,7 @@ def main() -> None:
     top = max(args.streams)
     max_batch = args.max_batch or max(16, top)
 
+    from models.common import fused
     from models.common.linear import pack_for_cpu
     from models.llama.tokenizer import ChatTokenizer
     from models.llama.weights import load_llama
@@ -401,6 +405,8 @@ def main() -> None:
     our_model, cfg = load_llama(WEIGHTS, device=args.device, dtype=dtype)
     if not args.no_packed_bare:
         pack_for_cpu(our_model)  # the bare loop runs the served engine's GEMMs (models/common/linear.py)
+    if cuda and not args.bare_unfused and fused.available(args.device):
+        our_model.fuse_pointwise()  # and its pointwise kernels (LlamaChat's fused_pointwise: auto)
 
     rows: dict[str, list[dict]] = collections.defaultdict(list)
     cold: dict[str, float] = {}
@@ -494,6 +500,8 @@ def main() -> None:
         "max_batch": max_batch,
         "requests_per_stream": args.requests_per_stream,
         "client": args.client,
+        "bare_loop": {"fused_pointwise": bool(getattr(our_model, "fused", False)),
+                      "decode_attention": "sdpa" if args.bare_sdpa or not cuda else "auto"},
         "cold_start_to_health_s": cold,
         "median_tok_s": med,
         "ttft_median_s": ttft,

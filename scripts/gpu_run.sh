@@ -140,13 +140,14 @@ for step in "$@"; do
              timeout "${KERNELS_TIMEOUT:-480}" python3 scripts/bench_kernels.py --weights /tmp/smol-rand \
                --decode ${DECODE:-1 32} --prefill ${PREFILL:-1x48 32x48} --out "$out/kernels_h200${NAME:+_$NAME}.json" 2>&1 \
                | grep -v "^W1\|^  warnings" | tail -30 ;;
-    attn)    # the in-place Triton decode attention on CUDA: its tests, the graph-decode and engine tests, then one decode
-             # step's GPU time with it against SDPA over copies at 1, 32 and 64 rows (rows at ${POSITION:-300})
+    attn)    # the in-place Triton decode attention and the fused pointwise kernels on CUDA: their tests, the graph-decode
+             # and engine tests, then one decode step's GPU time with the kernel against SDPA over copies, and with the
+             # fused kernels, at 1, 32 and 64 rows (rows at ${POSITION:-300}; PREFILL="RxL ...": prefills too)
              python3 -c "import triton; print('triton', triton.__version__)" || echo "triton: not importable"
              timeout 300 python3 -m pytest -q -p no:cacheprovider tests/unit/test_decode_attention.py \
-               tests/unit/test_graph_decode.py tests/unit/test_kv_engine.py tests/gpu 2>&1 | tail -6
+               tests/unit/test_fused.py tests/unit/test_graph_decode.py tests/unit/test_kv_engine.py tests/gpu 2>&1 | tail -6
              timeout 240 python3 scripts/bench_kernels.py --weights /tmp/smol-rand --no-compile --decode ${DECODE:-1 32 64} \
-               --prefill --position "${POSITION:-300}" --out "$out/kernels_h200_attn${NAME:+_$NAME}.json" 2>&1 \
+               --prefill ${PREFILL:-} --position "${POSITION:-300}" --out "$out/kernels_h200_attn${NAME:+_$NAME}.json" 2>&1 \
                | grep -v "^W1\|^  warnings" | tail -8 ;;
     attnab)  # the single rank with ${INTAKES:-4} intakes, model_kwargs.decode_attention sdpa against the default (the
              # Triton kernel), side by side, ${ROUNDS:-2} rounds at ${STREAMS:-1 32 64}, ${REQUESTS_PER_STREAM:-4} requests

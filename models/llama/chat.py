@@ -28,6 +28,9 @@ four decode steps of a 32-row batch on one H200, a wave's prefills at 32 streams
 DECODE_ATTENTION = ("auto", "triton", "sdpa")
 """``model_kwargs.decode_attention``: the in-place Triton kernel (``engine/decode_attention.py``) or SDPA over copies of
 the rows' keys and values; auto takes the kernel wherever it can run (CUDA graphs on, Triton installed)."""
+FUSED_POINTWISE = ("auto", "triton", "torch")
+"""``model_kwargs.fused_pointwise``: a block's pointwise work as the fused Triton kernels of models/common/fused.py or as
+torch ops; auto takes the kernels on CUDA where Triton is installed."""
 
 
 class LlamaChat(CompositeModel):
@@ -53,7 +56,9 @@ class LlamaChat(CompositeModel):
     the CPU: every linear layer also keeps its weight reordered for oneDNN, which runs a decode batch of 3 or more rows
     ~1.3x faster than MKL's GEMM behind ``F.linear``, for twice the layers' memory; default true,
     models/common/linear.py and docs/architecture.md §8), ``decode_attention`` (``DECODE_ATTENTION``: how CUDA-graph
-    decode steps attend; default auto, docs/architecture.md §8, "Decode attention")."""
+    decode steps attend; default auto, docs/architecture.md §8, "Decode attention"), ``fused_pointwise``
+    (``FUSED_POINTWISE``: each residual add with the norm after it, SwiGLU's activation and product and the rotation
+    of queries and keys as one Triton kernel each; default auto, docs/architecture.md §8, "Fused pointwise")."""
 
     name = "llama"
     tp_nodes = frozenset({LLM})
@@ -61,7 +66,7 @@ class LlamaChat(CompositeModel):
     def __init__(self, weights_dir: str | None, **model_kwargs: Any):
         allowed = {"dtype", "max_seq_len", "max_batch", "cuda_graphs", "prefill_token_budget", "prefill_graphs",
                    "lookahead", "prefill_stream", "prefill_in_flight", "prefill_gather_ms", "decode_yield_ms",
-                   "cpu_packed_linear", "decode_attention"}
+                   "cpu_packed_linear", "decode_attention", "fused_pointwise"}
         if unknown := set(model_kwargs) - allowed:
             raise ValueError(f"model_kwargs: unknown keys {sorted(unknown)} (allowed: {', '.join(sorted(allowed))})")
         super().__init__(weights_dir, **model_kwargs)
@@ -69,6 +74,10 @@ class LlamaChat(CompositeModel):
         if self.decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"model_kwargs.decode_attention must be one of {', '.join(DECODE_ATTENTION)}, "
                              f"got {self.decode_attention!r}")
+        self.fused_pointwise = model_kwargs.get("fused_pointwise", "auto")
+        if self.fused_pointwise not in FUSED_POINTWISE:
+            raise ValueError(f"model_kwargs.fused_pointwise must be one of {', '.join(FUSED_POINTWISE)}, "
+                             f"got {self.fused_pointwise!r}")
         if weights_dir is None:
             raise ValueError("weights: a Llama model needs a weights directory")
         self.max_seq_len = int(model_kwargs.get("max_seq_len", 2048))
@@ -124,6 +133,8 @@ class LlamaChat(CompositeModel):
         model, cfg = self._load_model(device, dtype, tp or TPGroup.single())
         if self.model_kwargs.get("cpu_packed_linear", True):
             pack_for_cpu(model)  # fp32 CPU weights only: a no-op elsewhere
+        if self._fuses(device, model):
+            model.fuse_pointwise()
         cache = StaticKVCache(
             decode_kernel=self._decode_kernel(device, graphs),
             n_layers=cfg.n_layers,
@@ -164,6 +175,22 @@ class LlamaChat(CompositeModel):
                 why = "Triton is not installed" if decode_attention.triton is None else f"not on {device}"
                 raise ValueError(f"model_kwargs.decode_attention: triton needs Triton on a CUDA device, and {why}")
         return graphs and decode_attention.available(device)
+
+    def _fuses(self, device: str, model: torch.nn.Module) -> bool:
+        """Whether the model runs its pointwise work as the fused kernels (``model_kwargs.fused_pointwise``)."""
+        from models.common import fused
+
+        if self.fused_pointwise == "torch":
+            return False
+        if self.fused_pointwise == "triton":
+            if not hasattr(model, "fuse_pointwise"):
+                raise ValueError(f"model_kwargs.fused_pointwise: triton, but the {type(model).__name__} model of "
+                                 f"{self.name!r} has no fused path (use auto or torch)")
+            if not fused.available(device):
+                why = "Triton is not installed" if fused.triton is None else f"not on {device}"
+                raise ValueError(f"model_kwargs.fused_pointwise: triton needs Triton on a CUDA device, and {why}")
+            return True
+        return device.startswith("cuda") and fused.available(device) and hasattr(model, "fuse_pointwise")
 
     def _ms(self, key: str, default: float = 0.0) -> float:
         value = self.model_kwargs.get(key, default)

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.common import fused
 from models.common.linear import Linear
 from models.common.tp import ColumnParallelLinear, RowParallelLinear, TPGroup, split_heads
 from models.llama.config import Llama3RopeScaling, LlamaConfig
@@ -96,13 +97,15 @@ class Attention(nn.Module):
         q, kv = config.n_heads * hd, config.n_kv_heads * hd
         self.wqkv = ColumnParallelLinear(config.hidden_size, q + 2 * kv, tp, parts=(q, kv, kv))
         self.wo = RowParallelLinear(q, config.hidden_size, tp)  # all-reduce over the TP group
+        self.fused = False  # Llama.fuse_pointwise
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: AttentionCache
                 ) -> torch.Tensor:
         B, T, _ = x.shape
         nh, nkv, hd = self.n_heads, self.n_kv_heads, self.head_dim  # this rank's heads
         qkv = self.wqkv(x).view(B, T, nh + 2 * nkv, hd)
-        qk = apply_rope(qkv[:, :, :nh + nkv], cos, sin)  # q and k rotated in one pass: (B, T, nh+nkv, hd)
+        rotate = fused.rope if self.fused else apply_rope
+        qk = rotate(qkv[:, :, :nh + nkv], cos, sin)  # q and k rotated in one pass: (B, T, nh+nkv, hd)
         q = qk[:, :, :nh].transpose(1, 2)  # (B, nh, T, hd)
         k = qk[:, :, nh:].transpose(1, 2)  # (B, nkv, T, hd)
         v = qkv[:, :, nh + nkv:].transpose(1, 2)  # (B, nkv, T, hd)
@@ -116,9 +119,13 @@ class MLP(nn.Module):
         inter = config.intermediate_size
         self.w_gate_up = ColumnParallelLinear(config.hidden_size, 2 * inter, tp, parts=(inter, inter))
         self.w_down = RowParallelLinear(inter, config.hidden_size, tp)  # all-reduce over the TP group
+        self.fused = False  # Llama.fuse_pointwise
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w_gate_up(x).chunk(2, dim=-1)  # (B, T, I / tp_size) each
+        gate_up = self.w_gate_up(x)  # [gate; up], (B, T, I / tp_size) each
+        if self.fused:
+            return self.w_down(fused.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.w_down(F.silu(gate) * up)
 
 
@@ -194,6 +201,7 @@ class Llama(DecoderLM):
         self.layers = nn.ModuleList(Block(config, i, tp) for i in range(config.n_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        self.fused = False  # fuse_pointwise
         self._finish_init()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: AttentionCache,
@@ -211,10 +219,37 @@ class Llama(DecoderLM):
         (text conditioning for another model). The cache is bound by the caller, as for ``forward``."""
         return self.norm(self._blocks(input_ids, positions, cache))
 
+    def fuse_pointwise(self, on: bool = True) -> None:
+        """Run the blocks' pointwise work as the fused Triton kernels of models/common/fused.py (the device must
+        run them: ``fused.available``): each residual add with the norm after it, SwiGLU's activation and product,
+        the rotation of queries and keys. The same results as the torch ops up to an fp32 rounding."""
+        self.fused = bool(on)
+        for layer in self.layers:
+            layer.attn.fused = layer.mlp.fused = self.fused
+
     def _blocks(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: AttentionCache) -> torch.Tensor:
         h = self.embed(input_ids)  # (B, T, d)
         cos = self.rope_cos[positions].unsqueeze(2)  # (B, T, 1, hd)
         sin = self.rope_sin[positions].unsqueeze(2)
+        if self.fused:
+            return self._fused_blocks(h, cos, sin, cache)
         for layer in self.layers:
             h = layer(h, cos, sin, cache)
+        return h
+
+    def _fused_blocks(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: AttentionCache
+                      ) -> torch.Tensor:
+        """``Block.forward`` of every layer with each residual add fused into the norm that follows it (the next
+        block's, or its own MLP's); the last add stays a plain one, the final norm being ``_logits``'."""
+        layers = self.layers
+        first = layers[0].attn_norm
+        x = first(h)
+        for i, layer in enumerate(layers):
+            a = layer.attn(x, cos, sin, cache)
+            x, h = fused.add_rms_norm(a, h, layer.mlp_norm.weight, layer.mlp_norm.eps)
+            m = layer.mlp(x)
+            if i + 1 == len(layers):
+                return h + m
+            following = layers[i + 1].attn_norm
+            x, h = fused.add_rms_norm(m, h, following.weight, following.eps)
         return h

@@ -1,0 +1,124 @@
+"""Fused pointwise kernels of a decoder block, in Triton (docs/architecture.md §8, "Fused pointwise").
+
+A captured forward of a small model is hundreds of kernels of a few microseconds each: SmolLM2's decode step at 1 row
+launched 426 with the in-place attention, and its pointwise work took one kernel per torch op. What a block does
+between its GEMMs and its attention is three patterns vLLM and SGLang also fuse:
+
+- ``add_rms_norm``: the residual add and the RMSNorm after it (two kernels -> one, twice a block);
+- ``silu_mul``: SwiGLU's ``silu(gate) * up`` over the fused gate/up projection (two -> one);
+- ``rope``: the rotation of the queries and keys (``x * cos``, the roll and the ``addcmul``: three -> one).
+
+Each kernel rounds where the torch ops it replaces round (bf16 after the add, after ``silu``, after ``x * cos``), so
+its output equals theirs up to the last bit of an fp32 ``exp`` or square root. Where Triton does not run, the model
+keeps those torch ops (``Llama.fuse_pointwise``). ``available`` says whether the kernels can run on a device (Triton
+importable, and CUDA, or Triton's interpreter for the CPU tests)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU wheels of torch come without Triton: the torch ops serve
+    triton = None
+
+
+def available(device: torch.device | str) -> bool:
+    """Whether the fused kernels can run on ``device``."""
+    if triton is None:
+        return False
+    kind = torch.device(device).type
+    return kind == "cuda" or (kind == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+
+
+# ---- the kernels ----
+if triton is not None:
+    @triton.jit
+    def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, x_stride, r_stride, d, eps,
+                             BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < d
+        x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        r = tl.load(r_ptr + row * r_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        summed = (x + r).to(sum_ptr.dtype.element_ty)  # rounded as the add's own output is
+        tl.store(sum_ptr + row * d + cols, summed, mask=mask)
+        s = summed.to(tl.float32)
+        inv = 1.0 / tl.sqrt(tl.sum(s * s, axis=0) / d + eps)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * d + cols, (s * inv * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _silu_mul_kernel(x_ptr, out_ptr, x_stride, inter, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < inter
+        gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + row * x_stride + inter + cols, mask=mask, other=0.0).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)  # silu's rounding
+        tl.store(out_ptr + row * inter + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, x_stride, heads, HD: tl.constexpr):
+        token = tl.program_id(0)
+        head = tl.program_id(1)
+        cols = tl.arange(0, HD)
+        src = x_ptr + token * x_stride + head * HD
+        x = tl.load(src + cols).to(tl.float32)
+        rotated = tl.load(src + (cols + HD // 2) % HD).to(tl.float32)  # torch.roll by half a head: [x2, x1]
+        cos = tl.load(cos_ptr + token * HD + cols).to(tl.float32)
+        sin = tl.load(sin_ptr + token * HD + cols).to(tl.float32)
+        scaled = (x * cos).to(out_ptr.dtype.element_ty).to(tl.float32)  # rounded as ``x * cos`` is
+        tl.store(out_ptr + (token * heads + head) * HD + cols, (scaled + rotated * sin).to(out_ptr.dtype.element_ty))
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as (rows, last dim) without a copy: every dim but the last must flatten into one row stride."""
+    flat = x.reshape(-1, x.shape[-1])
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    return flat
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(x + residual) * weight, x + residual), each shaped as ``x``: one kernel instead of two."""
+    d = x.shape[-1]
+    xs, rs = _rows(x), _rows(residual)
+    out = torch.empty(xs.shape, dtype=x.dtype, device=x.device)
+    summed = torch.empty(xs.shape, dtype=x.dtype, device=x.device)
+    if xs.shape[0]:
+        _add_rms_norm_kernel[(xs.shape[0],)](xs, rs, weight, out, summed, xs.stride(0), rs.stride(0), d, eps,
+                                             BLOCK=triton.next_power_of_2(d))
+    return out.view(x.shape), summed.view(x.shape)
+
+
+SILU_BLOCK = 1024
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``gate_up`` = [gate; up] on its last dim: (..., 2I) -> (..., I), one kernel."""
+    inter = gate_up.shape[-1] // 2
+    xs = _rows(gate_up)
+    out = torch.empty((xs.shape[0], inter), dtype=gate_up.dtype, device=gate_up.device)
+    if xs.shape[0]:
+        _silu_mul_kernel[(xs.shape[0], triton.cdiv(inter, SILU_BLOCK))](xs, out, xs.stride(0), inter,
+                                                                      BLOCK=SILU_BLOCK)
+    return out.view(*gate_up.shape[:-1], inter)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """``models.llama.model.apply_rope`` in one kernel: x (B, T, heads, hd), each token's heads at one stride (a view of the fused
+    QKV projection); cos / sin_signed (B, T, 1, hd) -> the rotated heads, contiguous. ``hd`` a power of two."""
+    B, T, heads, hd = x.shape
+    if hd & (hd - 1) or x.stride(3) != 1 or x.stride(2) != hd or x.stride(0) != T * x.stride(1):
+        raise ValueError(f"rope: heads of a power-of-two size, contiguous within a token, got shape "
+                         f"{tuple(x.shape)} strides {x.stride()}")
+    out = torch.empty((B, T, heads, hd), dtype=x.dtype, device=x.device)
+    if B * T:
+        cos2, sin2 = cos.reshape(B * T, hd).contiguous(), sin_signed.reshape(B * T, hd).contiguous()
+        _rope_kernel[(B * T, heads)](x, cos2, sin2, out, x.stride(1), heads, HD=hd)
+    return out
