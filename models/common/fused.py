@@ -62,17 +62,21 @@ if triton is not None:
         tl.store(out_ptr + row * inter + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, x_stride, heads, HD: tl.constexpr):
+    def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, x_stride, heads, H_PAD: tl.constexpr, HD: tl.constexpr):
+        # every head of one token: a program per (token, head) made 18,432 programs of 64 elements for 32 prompts of
+        # 48 tokens, 12.5 us a layer on an H200
         token = tl.program_id(0)
-        head = tl.program_id(1)
-        cols = tl.arange(0, HD)
-        src = x_ptr + token * x_stride + head * HD
-        x = tl.load(src + cols).to(tl.float32)
-        rotated = tl.load(src + (cols + HD // 2) % HD).to(tl.float32)  # torch.roll by half a head: [x2, x1]
+        h = tl.arange(0, H_PAD)[:, None]
+        cols = tl.arange(0, HD)[None, :]
+        inside = h < heads
+        src = x_ptr + token * x_stride + h * HD
+        x = tl.load(src + cols, mask=inside, other=0.0).to(tl.float32)
+        rotated = tl.load(src + (cols + HD // 2) % HD, mask=inside, other=0.0).to(tl.float32)  # roll by half: [x2, x1]
         cos = tl.load(cos_ptr + token * HD + cols).to(tl.float32)
         sin = tl.load(sin_ptr + token * HD + cols).to(tl.float32)
         scaled = (x * cos).to(out_ptr.dtype.element_ty).to(tl.float32)  # rounded as ``x * cos`` is
-        tl.store(out_ptr + (token * heads + head) * HD + cols, (scaled + rotated * sin).to(out_ptr.dtype.element_ty))
+        tl.store(out_ptr + (token * heads + h) * HD + cols, (scaled + rotated * sin).to(out_ptr.dtype.element_ty),
+                 mask=inside)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -120,5 +124,5 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.
     out = torch.empty((B, T, heads, hd), dtype=x.dtype, device=x.device)
     if B * T:
         cos2, sin2 = cos.reshape(B * T, hd).contiguous(), sin_signed.reshape(B * T, hd).contiguous()
-        _rope_kernel[(B * T, heads)](x, cos2, sin2, out, x.stride(1), heads, HD=hd)
+        _rope_kernel[(B * T,)](x, cos2, sin2, out, x.stride(1), heads, H_PAD=triton.next_power_of_2(heads), HD=hd)
     return out

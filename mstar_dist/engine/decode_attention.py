@@ -139,6 +139,40 @@ if triton is not None:
                  mask=(g < GROUP)[:, None])
 
 
+if triton is not None:
+
+    @triton.jit
+    def _store_prompt_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
+                             sc_slot, sc_head, sc_pos, n_kv, H_PAD: tl.constexpr, HD: tl.constexpr):
+        b = tl.program_id(0)
+        t = tl.program_id(1)
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+        h = tl.arange(0, H_PAD)
+        d = tl.arange(0, HD)
+        inside = (h < n_kv)[:, None]
+        k = tl.load(k_ptr + b * sk_b + t * sk_t + h[:, None] * sk_h + d[None, :], mask=inside)
+        v = tl.load(v_ptr + b * sv_b + t * sv_t + h[:, None] * sv_h + d[None, :], mask=inside)
+        at = slot * sc_slot + h[:, None] * sc_head + t * sc_pos + d[None, :]
+        tl.store(kc_ptr + at, k, mask=inside)
+        tl.store(vc_ptr + at, v, mask=inside)
+
+
+def store_prompt(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slots: torch.Tensor) -> None:
+    """A prefill from position 0 writes its keys and values: k / v (B, nkv, T, hd), row b to positions [0, T) of slot
+    ``slots[b]`` (a device tensor) of k_cache / v_cache (S, nkv, L, hd). One launch where the indexed assignments took
+    two (``index_put``: 60 of a 48-token prefill's 398 kernels, ~4 us each on an H200)."""
+    B, nkv, T, hd = k.shape
+    if hd & (hd - 1) or k.stride(-1) != 1 or v.stride(-1) != 1 or k_cache.stride(-1) != 1:
+        raise ValueError(f"store_prompt: a power-of-two head_dim, contiguous in it, got k {tuple(k.shape)} strides "
+                         f"{k.stride()}")
+    if B * T:
+        _store_prompt_kernel[(B, T)](
+            k, v, k_cache, v_cache, slots, k.stride(0), k.stride(2), k.stride(1), v.stride(0), v.stride(2),
+            v.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), nkv,
+            H_PAD=triton.next_power_of_2(nkv), HD=hd)
+
+
 def decode_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   slots: torch.Tensor, positions: torch.Tensor, ctx: int | None = None,
                   splits: int | None = None) -> torch.Tensor:

@@ -66,7 +66,8 @@ class StaticKVCache:
                  decode_kernel: bool = False) -> None:
         """``decode_kernel``: graph-bound decode passes (``bind_graph``) attend with ``decode_attention.decode_attend``,
         which reads each row's own positions of its slot in place, instead of copying the rows' keys and values out of
-        the cache for SDPA (needs Triton and CUDA: ``decode_attention.available``)."""
+        the cache for SDPA, and graph-bound prefills (``bind_prefill_graph``) write their keys and values in one launch
+        (``decode_attention.store_prompt``) (needs Triton and CUDA: ``decode_attention.available``)."""
         for name, value in (("n_layers", n_layers), ("n_kv_heads", n_kv_heads), ("head_dim", head_dim),
                             ("max_slots", max_slots), ("max_seq_len", max_seq_len)):
             if value <= 0:
@@ -239,9 +240,11 @@ class StaticKVCache:
 
     def _attend_prefill_graph(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         slot_idx, positions = self._prefill_binding
-        # two advanced indices around a slice: the indexed view is (B, T, nkv, hd)
-        self.kv[layer, 0][slot_idx[:, None], :, positions[None, :]] = k.transpose(1, 2)
-        self.kv[layer, 1][slot_idx[:, None], :, positions[None, :]] = v.transpose(1, 2)
+        if self.decode_kernel:  # Triton runs here: both writes in one launch
+            decode_attention.store_prompt(k, v, self.kv[layer, 0], self.kv[layer, 1], slot_idx)
+        else:  # two advanced indices around a slice: the indexed view is (B, T, nkv, hd)
+            self.kv[layer, 0][slot_idx[:, None], :, positions[None, :]] = k.transpose(1, 2)
+            self.kv[layer, 1][slot_idx[:, None], :, positions[None, :]] = v.transpose(1, 2)
         # from position 0, a row's context is exactly its new tokens: attend over them, not the cache
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 

@@ -58,6 +58,25 @@ def test_kernel_attends_and_writes_like_sdpa_over_copies(device, splits):
 
 @needs_kernel
 @pytest.mark.parametrize("device", DEVICES)
+def test_a_graph_bound_prefill_stores_its_prompt_as_the_indexed_writes_do(device):
+    """``bind_prefill_graph`` with the kernels writes each row's keys and values in one launch (``store_prompt``):
+    every cache position ends as with the two indexed assignments, from K/V laid out as the model hands them over
+    (transposed views of one projection), two padding rows into one scratch slot; the attention is the same."""
+    torch.manual_seed(0)
+    a, b = pair(device, length=64)
+    slots = torch.tensor([4, 1, 5, 5], device=device)
+    x = torch.randn(4, 10, 15, 64, device=device)
+    q, k, v = x[:, :, :9].transpose(1, 2), x[:, :, 9:12].transpose(1, 2), x[:, :, 12:].transpose(1, 2)
+    x[3] = x[2]  # padding rows write the same thing
+    for cache in (a, b):
+        cache.bind_prefill_graph(slots, 10)
+    want, got = a.attend(1, q, k, v), b.attend(1, q, k, v)
+    assert torch.equal(a.kv, b.kv)
+    assert torch.allclose(got, want)
+
+
+@needs_kernel
+@pytest.mark.parametrize("device", DEVICES)
 def test_greedy_decode_with_the_kernel_matches_eager(device):
     """A model decoding three rows of different lengths greedily: the same logits with the kernel as eagerly."""
     model, new = make(device)
