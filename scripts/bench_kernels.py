@@ -9,7 +9,8 @@ of R rows x L tokens of the same model on one GPU, side by side in one run:
   and the largest difference of its logits from the SDPA step's;
 - ``fused_graph_ms`` (where Triton runs): the forward as the engine runs it by default, with the fused pointwise
   kernels of ``models/common/fused.py`` (and, for decode, the in-place attention), its kernels, the largest difference
-  of its logits from the unfused forward's with the same attention, and ``unfused_over_fused``;
+  of its logits from the unfused forward's with the same attention, and ``unfused_over_fused``; for prefills
+  ``store_graph_ms`` first, the unfused forward with the cache's one-launch K/V store (``decode_attention.store_prompt``);
 - ``compiled_graph_ms``: the same forward compiled by ``torch.compile`` (inductor fuses the pointwise work between
   GEMMs, attention and norms) and captured in a CUDA graph, timed alike; ``compile_s`` and the largest difference of
   its logits from the eager ones.
@@ -162,11 +163,14 @@ def main() -> None:
                 finally:
                     cache.decode_kernel = False
             if fused.available(device):
-                kernel = kind == "decode" and decode_attention.available(device)
-                cache.decode_kernel = kernel  # the engine's default attention beside the fused kernels
+                # the engine's default cache beside the fused kernels: decode attention in place, a prompt's keys and
+                # values stored in one launch (decode_attention.store_prompt)
+                cache.decode_kernel = kernel = decode_attention.available(device)
                 try:
                     want = forward(model).float()
-                    unfused_ms = case["kernel_graph_ms"] if kernel else case["graph_ms"]
+                    if kind == "prefill" and kernel:
+                        case["store_graph_ms"] = round(graph_ms(lambda: forward(model), args.replays, args.repeats), 4)
+                    unfused_ms = case.get("kernel_graph_ms") or case.get("store_graph_ms") or case["graph_ms"]
                     model.fuse_pointwise()
                     got = forward(model).float()
                     case["fused_max_abs_diff"] = float((got - want).abs().max())
