@@ -80,6 +80,29 @@ class _Wiring:
     """Node -> positions of the ``Parallel`` sibling members that feed it (it runs after they have finished)."""
     persist_signals: frozenset[str]
     stream_signals: frozenset[str]
+    routes: dict[str, tuple["_Hop", ...]]
+    """Node -> where each of its output edges takes a value (``WalkRun._route``, once per call: every decode token)."""
+
+
+_STREAM, _EMIT, _OUTPUT, _PUSH = range(4)
+
+
+@dataclass(frozen=True)
+class _Hop:
+    """One output edge of a node, resolved once per section: what ``_route`` does with the edge's value."""
+
+    signal: str
+    kind: int
+    """``_STREAM`` (a streaming edge), ``_EMIT`` (to the client), ``_OUTPUT`` (a walk output) or ``_PUSH`` (to ``dst``)."""
+    dst: str | None
+    latest_only: bool
+    records: tuple[int, ...]
+    """Depths of the loops holding the node (outermost 0) that keep the value as a loop output."""
+
+
+def _origin(source: str | None) -> str:
+    """Where a value came from, for an error message (built only when one is raised: ``_push`` runs per token)."""
+    return f"node {source!r}" if source else "outside the walk"
 
 
 def _ignore(signal: str, value: Any) -> None:
@@ -103,9 +126,18 @@ def _wire(section: Section) -> _Wiring:
             if edge_kind(src, dst) == "internal" and isinstance(src[k][0], Parallel):
                 waits[e.dst].add(tuple(i for _, i in src[: k + 1]))
     outputs = [edge for node in iter_nodes(section) for edge in node.outputs]
+    routes = {}
+    for node in iter_nodes(section):
+        loops = [sec for sec, _ in trails[node.name] if isinstance(sec, Loop)]  # outermost first, as frame.loops
+        routes[node.name] = tuple(
+            _Hop(e.signal, _STREAM if e.stream else _EMIT if e.dst == EMIT_TO_CLIENT else _OUTPUT if e.dst is None
+                 else _PUSH, e.dst, (node.name, index) in leaves,
+                 tuple(depth for depth, loop in enumerate(loops)
+                       if e.signal in loop.outputs or e.signal in loop.accumulated_outputs))
+            for index, e in enumerate(node.outputs))
     return _Wiring(walk_io(section), frozenset(leaves), {name: frozenset(p) for name, p in waits.items()},
                    persist_signals=frozenset(e.signal for e in outputs if e.persist),
-                   stream_signals=frozenset(e.signal for e in outputs if e.stream))
+                   stream_signals=frozenset(e.signal for e in outputs if e.stream), routes=routes)
 
 
 class _Frame:
@@ -392,34 +424,32 @@ class WalkRun:
 
     # ---- routing ----
     def _route(self, frame: _NodeFrame, result: NodeResult) -> None:
-        node = frame.node
-        for index, e in enumerate(node.outputs):
-            if e.signal not in result.outputs:
+        name = frame.node.name
+        outputs = result.outputs
+        for hop in self._wiring.routes[name]:
+            if hop.signal not in outputs:
                 continue  # declared outputs are possible outputs
-            value = result.outputs[e.signal]
-            for loop in frame.loops:
-                loop.record(e.signal, value)
-            if e.stream or e.dst == EMIT_TO_CLIENT:
-                if self.emitting_nodes is None or node.name in self.emitting_nodes:
-                    (self.on_stream if e.stream else self.on_emit)(e.signal, value)
-            elif e.dst is None:
-                self.outputs[e.signal] = value
-            else:
-                latest_only = (node.name, index) in self._wiring.leaves_loop
-                self._push(e.dst, e.signal, value, source=node.name, latest_only=latest_only)
+            value = outputs[hop.signal]
+            for depth in hop.records:
+                frame.loops[depth].record(hop.signal, value)
+            if hop.kind == _PUSH:
+                self._push(hop.dst, hop.signal, value, source=name, latest_only=hop.latest_only)
+            elif hop.kind == _OUTPUT:
+                self.outputs[hop.signal] = value
+            elif self.emitting_nodes is None or name in self.emitting_nodes:
+                (self.on_stream if hop.kind == _STREAM else self.on_emit)(hop.signal, value)
 
     def _push(self, node: str, signal: str, value: Any, *, source: str | None, latest_only: bool = False) -> None:
         frame = self._nodes[node]
-        origin = f"node {source!r}" if source else "outside the walk"
         if not frame.loops and frame.state in ("running", "done"):
             raise GraphError(f"walk {self.walk!r}: node {node!r} already ran and is in no loop, so the value of its "
-                             f"input {signal!r} from {origin} would be lost")
+                             f"input {signal!r} from {_origin(source)} would be lost")
         queue = self._inbox.setdefault((node, signal), [])
-        if latest_only:
+        if latest_only and queue:
             queue[:] = [(src, v) for src, v in queue if src != source]
         if len(queue) >= 2:
             raise GraphError(f"walk {self.walk!r}: node {node!r} input {signal!r} already holds a value for its next "
-                             f"run and one for the run after; rejected a third from {origin}")
+                             f"run and one for the run after; rejected a third from {_origin(source)}")
         queue.append((source, value))
 
     def _loop_ended(self, frame: _LoopFrame) -> None:
@@ -453,7 +483,14 @@ class WalkRun:
 
     def _is_ready(self, frame: _NodeFrame) -> bool:
         name = frame.node.name
-        return all(self._inbox.get((name, s)) for s in frame.node.inputs) and all(f.done for f in frame.waits_on)
+        inbox = self._inbox
+        for signal in frame.node.inputs:
+            if not inbox.get((name, signal)):
+                return False
+        for before in frame.waits_on:
+            if not before.done:
+                return False
+        return True
 
     def _issue(self, frame: _NodeFrame) -> None:
         node = frame.node

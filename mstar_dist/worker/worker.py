@@ -706,19 +706,21 @@ class Worker:
         the conductor end its streams)."""
         out: list[m.Emit] = []
         failed: list[tuple[str, str]] = []  # failed once the message is out (a failure is reported after it)
-        for request_id, items in list(self._emits.items()):
+        for request_id, items in self._emits.items():
             if not items:
                 continue
-            by_signal: dict[str, list] = collections.defaultdict(list)
             try:
-                for signal, value in items:
-                    by_signal[signal].append(encode_tensor(value))  # it copies a device tensor to the host
+                if len(items) == 1:  # a decode step's one token: every row, every step
+                    signal, value = items[0]
+                    out.append(m.Emit(request_id=request_id, walk="", signal=signal, values=[encode_tensor(value)]))
+                else:
+                    by_signal: dict[str, list] = collections.defaultdict(list)
+                    for signal, value in items:
+                        by_signal[signal].append(encode_tensor(value))  # it copies a device tensor to the host
+                    out.extend(m.Emit(request_id=request_id, walk="", signal=signal, values=values)
+                               for signal, values in by_signal.items())
             except Exception as exc:  # a component emitted something that is not a tensor
-                items.clear()
                 failed.append((request_id, f"emitted value: {type(exc).__name__}: {exc}"))
-                continue
-            out.extend(m.Emit(request_id=request_id, walk="", signal=signal, values=values)
-                       for signal, values in by_signal.items())
             items.clear()
         for request_id in self._ended:
             if not self._runs_of(request_id):
