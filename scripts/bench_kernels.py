@@ -10,7 +10,8 @@ of R rows x L tokens of the same model on one GPU, side by side in one run:
 - ``fused_graph_ms`` (where Triton runs): the forward as the engine runs it by default, with the fused pointwise
   kernels of ``models/common/fused.py`` (and, for decode, the in-place attention), its kernels, the largest difference
   of its logits from the unfused forward's with the same attention, and ``unfused_over_fused``; for prefills
-  ``store_graph_ms`` first, the unfused forward with the cache's one-launch K/V store (``decode_attention.store_prompt``);
+  ``store_graph_ms`` first, the unfused forward with the cache's one-launch K/V store
+  (``decode_attention.store_prompt``);
 - ``compiled_graph_ms``: the same forward compiled by ``torch.compile`` (inductor fuses the pointwise work between
   GEMMs, attention and norms) and captured in a CUDA graph, timed alike; ``compile_s`` and the largest difference of
   its logits from the eager ones.

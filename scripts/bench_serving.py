@@ -379,7 +379,8 @@ def main() -> None:
                         "(for a config with model_kwargs.decode_attention: sdpa)")
     p.add_argument("--bare-unfused", action="store_true",
                    help="on CUDA, the bare loops run the blocks' pointwise work as torch ops rather than the fused "
-                        "Triton kernels the served engine uses where they run (for model_kwargs.fused_pointwise: torch)")
+                        "Triton kernels the served engine uses where they run "
+                        "(for model_kwargs.fused_pointwise: torch)")
     args = p.parse_args()
     CLIENT_STREAMS_PER_PROCESS = args.streams_per_process
     configs = [(c.rsplit(":", 1)[0], int(c.rsplit(":", 1)[1])) for c in

@@ -115,8 +115,9 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """``models.llama.model.apply_rope`` in one kernel: x (B, T, heads, hd), each token's heads at one stride (a view of the fused
-    QKV projection); cos / sin_signed (B, T, 1, hd) -> the rotated heads, contiguous. ``hd`` a power of two."""
+    """``models.llama.model.apply_rope`` in one kernel: x (B, T, heads, hd), each token's heads at one stride (a view
+    of the fused QKV projection); cos / sin_signed (B, T, 1, hd) -> the rotated heads, contiguous. ``hd`` a power of
+    two."""
     B, T, heads, hd = x.shape
     if hd & (hd - 1) or x.stride(3) != 1 or x.stride(2) != hd or x.stride(0) != T * x.stride(1):
         raise ValueError(f"rope: heads of a power-of-two size, contiguous within a token, got shape "

@@ -29,8 +29,8 @@ DECODE_ATTENTION = ("auto", "triton", "sdpa")
 """``model_kwargs.decode_attention``: the in-place Triton kernel (``engine/decode_attention.py``) or SDPA over copies of
 the rows' keys and values; auto takes the kernel wherever it can run (CUDA graphs on, Triton installed)."""
 FUSED_POINTWISE = ("auto", "triton", "torch")
-"""``model_kwargs.fused_pointwise``: a block's pointwise work as the fused Triton kernels of models/common/fused.py or as
-torch ops; auto takes the kernels on CUDA where Triton is installed."""
+"""``model_kwargs.fused_pointwise``: a block's pointwise work as the fused Triton kernels of models/common/fused.py or
+as torch ops; auto takes the kernels on CUDA where Triton is installed."""
 
 
 class LlamaChat(CompositeModel):
@@ -262,8 +262,14 @@ class LlamaChat(CompositeModel):
             return WalkStep("decode", inputs, loop_limits={DECODE_LOOP: state.max_tokens - 1})
         return None
 
+    @property
+    def id_signals(self) -> frozenset[str]:
+        # this postprocess takes the tokens as ints; a family with its own postprocess (Orpheus) gets tensors
+        return frozenset({"token"}) if type(self).postprocess is LlamaChat.postprocess else frozenset()
+
     def postprocess(self, state: RequestState, signal: str, values: list[Any]) -> str:
-        ids = [int(t) for v in values for t in v.reshape(-1).tolist()]
+        ids = values if not values or isinstance(values[0], int) else \
+            [int(t) for v in values for t in v.reshape(-1).tolist()]  # ints from the conductor (id_signals)
         state.completion_tokens += len(ids)
         decoder = state.data["decoder"]
         return "".join(decoder.push(i) for i in ids if i not in self.tokenizer.eos_token_ids)

@@ -32,7 +32,7 @@ from mstar_dist.graph.partitions import PartitionTracker, check_partitions
 from mstar_dist.conductor.intake_hub import IntakeHub
 from mstar_dist.conductor.stop_strings import StopTrimmer
 from mstar_dist.events import BackendError, Finished, GenerationParams, MediaDelta, TextDelta
-from mstar_dist.transport.inline import decode_tensor, encode_tensor
+from mstar_dist.transport.inline import decode_ids, decode_tensor, encode_tensor
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +172,7 @@ class Conductor:
             for walk, section in self.graphs.items()
         }
         self.stop_ids = model.stop_token_ids()
+        self._id_signals = model.id_signals
         self.partitions = list(check_partitions(model.partitions(), self.graphs).values())
         self.streams = model.streaming_edges()
         for edge in self.streams:
@@ -626,9 +627,9 @@ class Conductor:
             return
         before = req.state.completion_tokens
         try:
-            out = self.model.postprocess(
-                req.state, emit.signal, [decode_tensor(v) for v in emit.values]
-            )
+            values = decode_ids(emit.values) if emit.signal in self._id_signals else \
+                [decode_tensor(v) for v in emit.values]
+            out = self.model.postprocess(req.state, emit.signal, values)
             deltas = _deltas(out, req.state.completion_tokens - before)
         except Exception as exc:
             self._finish_error(req, 500, f"postprocess failed: {type(exc).__name__}: {exc}")

@@ -143,6 +143,13 @@ class CompositeModel(ABC):
     def max_context_tokens(self) -> int:
         return 1 << 30
 
+    @property
+    def id_signals(self) -> frozenset[str]:
+        """Emitted signals whose values are int64 token ids that ``postprocess`` wants as Python ints: the conductor
+        hands it the ids of such a message's values as one flat ``list[int]`` instead of tensors (a decode token's
+        tensor was made on the conductor only to be turned back into an int). Empty (the default): tensors."""
+        return frozenset()
+
     @abstractmethod
     def preprocess(self, state: RequestState, prompt: str | None, messages: list[dict] | None) -> None:
         """Tokenize into ``state.data``; raise ``ValueError`` with a message for the client on bad input."""
@@ -158,9 +165,10 @@ class CompositeModel(ABC):
 
     @abstractmethod
     def postprocess(self, state: RequestState, signal: str, values: list[Any]) -> Any:
-        """Values a node emitted to the client -> new text (a ``str``, possibly empty while a character is
-        incomplete), or :class:`mstar_dist.events.MediaDelta` (audio, image), or a list of them. Count generated
-        tokens in ``state.completion_tokens``. Stop strings are the conductor's business, not the model's."""
+        """Values a node emitted to the client (tensors; for ``id_signals``, their ids as one list of ints) -> new text
+        (a ``str``, possibly empty while a character is incomplete), or :class:`mstar_dist.events.MediaDelta` (audio,
+        image), or a list of them. Count generated tokens in ``state.completion_tokens``. Stop strings are the
+        conductor's business, not the model's."""
 
     def finish_text(self, state: RequestState) -> str:
         """Text still held back when the request ends (an incomplete character, flushed)."""

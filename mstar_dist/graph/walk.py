@@ -93,7 +93,8 @@ class _Hop:
 
     signal: str
     kind: int
-    """``_STREAM`` (a streaming edge), ``_EMIT`` (to the client), ``_OUTPUT`` (a walk output) or ``_PUSH`` (to ``dst``)."""
+    """``_STREAM`` (a streaming edge), ``_EMIT`` (to the client), ``_OUTPUT`` (a walk output) or ``_PUSH`` (to
+    ``dst``)."""
     dst: str | None
     latest_only: bool
     records: tuple[int, ...]

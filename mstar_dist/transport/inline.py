@@ -20,7 +20,7 @@ import torch
 
 from mstar_dist.control.messages import InlineTensor  # the wire type lives with the messages (no torch there)
 
-__all__ = ["InlineTensor", "encode_tensor", "encode_ids", "decode_tensor", "dtype_to_str", "str_to_dtype"]
+__all__ = ["InlineTensor", "encode_tensor", "encode_ids", "decode_ids", "decode_tensor", "dtype_to_str", "str_to_dtype"]
 
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -86,6 +86,21 @@ def encode_ids(ids: Sequence[int]) -> InlineTensor:
     if sys.byteorder != "little":
         raw.byteswap()
     return InlineTensor(dtype="int64", shape=[len(raw)], data=raw.tobytes())
+
+
+def decode_ids(values: Sequence[InlineTensor]) -> list[int]:
+    """The elements of int64 `InlineTensor`s as one flat list of ints, without a tensor (the conductor's path for a
+    decode step's tokens: ``CompositeModel.id_signals``). ValueError for another dtype or a truncated payload."""
+    ids: list[int] = []
+    for it in values:
+        if it.dtype != "int64" or len(it.data) != 8 * math.prod(it.shape):
+            raise ValueError(f"decode_ids: int64 values only, got {it.dtype} shape {it.shape} in {len(it.data)} bytes")
+        raw = array("q")
+        raw.frombytes(it.data)
+        if sys.byteorder != "little":
+            raw.byteswap()
+        ids.extend(raw)
+    return ids
 
 
 def decode_tensor(it: InlineTensor, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -5,8 +5,8 @@ import msgspec
 import pytest
 import torch
 
-from mstar_dist.transport.inline import (InlineTensor, decode_tensor, dtype_to_str, encode_ids, encode_tensor,
-                                        str_to_dtype)
+from mstar_dist.transport.inline import (InlineTensor, decode_ids, decode_tensor, dtype_to_str, encode_ids,
+                                        encode_tensor, str_to_dtype)
 
 CASES = [
     torch.randn(3, 4),
@@ -81,3 +81,12 @@ def test_dtype_names():
     assert str_to_dtype("bool") is torch.bool
     with pytest.raises(ValueError, match="float128"):
         str_to_dtype("float128")
+
+
+def test_token_ids_read_back_as_ints_without_a_tensor():
+    """``decode_ids`` (the conductor's path for a decode step's tokens) gives the ints the tensor path would, across
+    values, and refuses what is not int64."""
+    values = [encode_tensor(torch.tensor([5])), encode_ids([7, -3]), encode_tensor(torch.tensor([[1, 2]]))]
+    assert decode_ids(values) == [5, 7, -3, 1, 2]
+    with pytest.raises(ValueError, match="int64 values only"):
+        decode_ids([encode_tensor(torch.tensor([1.0]))])

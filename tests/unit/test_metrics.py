@@ -200,3 +200,23 @@ def test_the_worker_reports_process_metrics_and_edge_histograms_in_stats():
     assert st.rss_bytes > 0 and st.cpu_seconds > 0 and st.open_fds > 0
     assert {(h.transport, h.direction, h.unit) for h in st.edge_histograms} == {
         ("p2p", d, u) for d in ("send", "recv") for u in ("bytes", "seconds")}
+
+
+def test_inter_token_latency_buckets_hold_values_up_to_their_bound():
+    """The per-token histogram (filled without prometheus_client's lock): a gap split over the tokens it brought, each
+    counted in the first bucket whose bound it does not exceed, cumulative in the exposition, and nothing for a
+    request's first tokens."""
+    from mstar_dist.conductor.metrics import Metrics
+
+    metrics = Metrics(world_size=1)
+    metrics.observe_tokens(1, None)  # a first token: no gap
+    metrics.observe_tokens(2, 0.002)  # two tokens 1 ms apart: exactly the first bound
+    metrics.observe_tokens(1, 0.003)
+    got = samples(metrics.render())
+    assert got['mstar_dist_inter_token_latency_seconds_bucket{le="0.001"}'] == 2
+    assert got['mstar_dist_inter_token_latency_seconds_bucket{le="0.0025"}'] == 2
+    assert got['mstar_dist_inter_token_latency_seconds_bucket{le="0.005"}'] == 3
+    assert got['mstar_dist_inter_token_latency_seconds_bucket{le="+Inf"}'] == 3
+    assert got["mstar_dist_inter_token_latency_seconds_count"] == 3
+    assert abs(got["mstar_dist_inter_token_latency_seconds_sum"] - 0.005) < 1e-12
+    assert got["mstar_dist_generated_tokens_total"] == 4
