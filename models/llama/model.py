@@ -5,7 +5,8 @@ The model knows nothing about batching or cache layout: every attention layer ha
 `cache.attend(layer_idx, q, k, v)` (see mstar_dist.engine.kv_cache.AttentionCache).
 
 Parameters are fused where it saves kernel launches on the decode path (gpt-fast style): `wqkv` is
-[q_proj; k_proj; v_proj] and `w_gate_up` is [gate_proj; up_proj]. weights.py maps HF names onto them.
+[q_proj; k_proj; v_proj] and `w_gate_up` is [gate_proj; up_proj]. weights.py maps HF names onto them. Where Triton
+runs, `Llama.fuse_pointwise` also fuses the pointwise work between them (models/common/fused.py).
 Shape legend: B batch, T new tokens, d hidden, nh/nkv query/KV heads, hd head dim, I MLP width, V vocab.
 
 Tensor parallelism (models/common/tp.py): `Llama(config, tp=...)` builds one rank's shard. Query and KV heads
@@ -242,14 +243,13 @@ class Llama(DecoderLM):
         """``Block.forward`` of every layer with each residual add fused into the norm that follows it (the next
         block's, or its own MLP's); the last add stays a plain one, the final norm being ``_logits``'."""
         layers = self.layers
-        first = layers[0].attn_norm
-        x = first(h)
+        x = layers[0].attn_norm(h)
         for i, layer in enumerate(layers):
-            a = layer.attn(x, cos, sin, cache)
-            x, h = fused.add_rms_norm(a, h, layer.mlp_norm.weight, layer.mlp_norm.eps)
+            x, h = fused.add_rms_norm(layer.attn(x, cos, sin, cache), h, layer.mlp_norm.weight, layer.mlp_norm.eps)
             m = layer.mlp(x)
-            if i + 1 == len(layers):
-                return h + m
-            following = layers[i + 1].attn_norm
-            x, h = fused.add_rms_norm(m, h, following.weight, following.eps)
+            if i + 1 < len(layers):
+                following = layers[i + 1].attn_norm
+                x, h = fused.add_rms_norm(m, h, following.weight, following.eps)
+            else:
+                h = h + m
         return h

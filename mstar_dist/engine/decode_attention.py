@@ -138,9 +138,6 @@ if triton is not None:
         tl.store(out_ptr + b * so_b + heads[:, None] * so_h + d[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=(g < GROUP)[:, None])
 
-
-if triton is not None:
-
     @triton.jit
     def _store_prompt_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
                              sc_slot, sc_head, sc_pos, n_kv, H_PAD: tl.constexpr, HD: tl.constexpr):
