@@ -9,8 +9,9 @@ Measures, alternating the contenders round by round so machine noise hits them a
   ``--streams`` concurrency (streaming ``/generate``, ``2 x streams`` requests, at least 4);
 - HF ``generate`` (greedy) at batch 1 and batched at 8 (left-padded) on the same weights and prompts;
 - the bare loop (our model + KV cache, no serving; ``models/llama/bare_loop.py``) at batch = streams, eager and,
-  on CUDA, replaying CUDA graphs like the engine (the yardstick of the GPU targets); on the CPU with the engine's
-  oneDNN-packed weights (``models/common/linear.py``; ``--no-packed-bare``: ``F.linear``).
+  on CUDA, replaying CUDA graphs like the engine (the yardstick of the GPU targets) with the engine's Triton kernels
+  where they run (in-place decode attention, fused pointwise; ``--bare-sdpa``, ``--bare-unfused``: without); on the
+  CPU with the engine's oneDNN-packed weights (``models/common/linear.py``; ``--no-packed-bare``: ``F.linear``).
 Ratios and the targets of "Serve at the GPU's pace" go into the JSON (``--out``, default
 ``bench/results/serving_<device>.json``). Every request asks for ``--max-tokens`` greedy tokens; all prompts are
 long-answer prompts so EOS rarely ends them early, and tok/s counts the tokens actually produced.
