@@ -74,8 +74,6 @@ class _Wiring:
     """What ``WalkRun`` needs from a section's structure, derived once per section."""
 
     io: WalkIO
-    leaves_loop: frozenset[tuple[str, int]]
-    """``(node, index in node.outputs)`` of edges whose source is in a loop that does not hold the destination."""
     waits_on: dict[str, frozenset[tuple[int, ...]]]
     """Node -> positions of the ``Parallel`` sibling members that feed it (it runs after they have finished)."""
     persist_signals: frozenset[str]
@@ -97,6 +95,7 @@ class _Hop:
     ``dst``)."""
     dst: str | None
     latest_only: bool
+    """The edge leaves a loop that does not hold ``dst``: only its latest value waits there."""
     records: tuple[int, ...]
     """Depths of the loops holding the node (outermost 0) that keep the value as a loop output."""
 
@@ -136,7 +135,7 @@ def _wire(section: Section) -> _Wiring:
                  tuple(depth for depth, loop in enumerate(loops)
                        if e.signal in loop.outputs or e.signal in loop.accumulated_outputs))
             for index, e in enumerate(node.outputs))
-    return _Wiring(walk_io(section), frozenset(leaves), {name: frozenset(p) for name, p in waits.items()},
+    return _Wiring(walk_io(section), {name: frozenset(p) for name, p in waits.items()},
                    persist_signals=frozenset(e.signal for e in outputs if e.persist),
                    stream_signals=frozenset(e.signal for e in outputs if e.stream), routes=routes)
 
