@@ -15,27 +15,18 @@ importable, and CUDA, or Triton's interpreter for the CPU tests)."""
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU wheels of torch come without Triton: the torch ops serve
-    triton = None
+# where these kernels run is where the cache's do: one answer (Triton importable; CUDA, or its interpreter on the CPU)
+from mstar_dist.engine.decode_attention import available, triton
+
+__all__ = ["available", "add_rms_norm", "silu_mul", "rope"]
 
 
-def available(device: torch.device | str) -> bool:
-    """Whether the fused kernels can run on ``device``."""
-    if triton is None:
-        return False
-    kind = torch.device(device).type
-    return kind == "cuda" or (kind == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
-
-
-# ---- the kernels ----
+# ---- the kernels (CPU wheels of torch come without Triton: the model keeps its torch ops there) ----
 if triton is not None:
+    import triton.language as tl
+
     @triton.jit
     def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, x_stride, r_stride, d, eps,
                              BLOCK: tl.constexpr):

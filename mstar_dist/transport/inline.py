@@ -20,7 +20,8 @@ import torch
 
 from mstar_dist.control.messages import InlineTensor  # the wire type lives with the messages (no torch there)
 
-__all__ = ["InlineTensor", "encode_tensor", "encode_ids", "decode_ids", "decode_tensor", "dtype_to_str", "str_to_dtype"]
+__all__ = ["InlineTensor", "encode_tensor", "encode_ids", "decode_ids", "decode_tensor", "dtype_to_str",
+           "str_to_dtype"]
 
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -82,9 +83,7 @@ def encode_ids(ids: Sequence[int]) -> InlineTensor:
     the ints: the tensor the conductor used to make of a prompt only to turn it back into bytes cost it ~60 us of a
     request's ~110 on the 2-core VM (``torch.tensor`` then ``encode_tensor``), and the conductor admits a burst's
     requests one after another (docs/architecture.md §2). OverflowError for an id outside int64."""
-    raw = array("q", ids)
-    if sys.byteorder != "little":
-        raw.byteswap()
+    raw = _wire_order(array("q", ids))
     return InlineTensor(dtype="int64", shape=[len(raw)], data=raw.tobytes())
 
 
@@ -97,10 +96,15 @@ def decode_ids(values: Sequence[InlineTensor]) -> list[int]:
             raise ValueError(f"decode_ids: int64 values only, got {it.dtype} shape {it.shape} in {len(it.data)} bytes")
         raw = array("q")
         raw.frombytes(it.data)
-        if sys.byteorder != "little":
-            raw.byteswap()
-        ids.extend(raw)
+        ids.extend(_wire_order(raw))
     return ids
+
+
+def _wire_order(raw: array) -> array:
+    """``raw`` in the wire's little-endian order (a no-op on every machine we run on), swapped in place."""
+    if sys.byteorder != "little":
+        raw.byteswap()
+    return raw
 
 
 def decode_tensor(it: InlineTensor, device: torch.device | str = "cpu") -> torch.Tensor:
