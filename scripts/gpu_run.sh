@@ -230,8 +230,10 @@ for step in "$@"; do
              timeout 150 python3 scripts/ttft_trace.py --device cuda --model llama --max-tokens 256 --streams 1 8 \
                --config launch/configs/smollm2_pd.yaml:2 --out "$out/ttft_trace_h200x2_pd.json" \
                --events-out "$out/ttft_trace_h200x2_pd.events.jsonl" 2>&1 | tail -45 ;;
-    profile) timeout 60 python3 scripts/profile_serving.py --model llama --streams 32 --seconds 8 \
-               --out "$out/profile_h200_single$tag.json" 2>&1 | tail -60 ;;
+    profile) # py-spy of rank 0, the front end and the intakes at ${PSTREAMS:-32} streams, ${INTAKES:-1} HTTP processes
+             timeout 90 python3 scripts/profile_serving.py --model llama --streams "${PSTREAMS:-32}" --seconds 8 \
+               --http-processes "${INTAKES:-1}" \
+               --waves "${PWAVES:-12}" --out "$out/profile_h200_single${PNAME:-}$tag.json" 2>&1 | tail -60 ;;
     edges)   # ping-pong one-way times and windowed bandwidth (receivers spin as GPU ranks do), then the same without spin
              timeout 240 torchrun --standalone --nproc-per-node 2 scripts/bench_edges.py --device cuda \
                --out "$out/edges_h200x2.json" 2>&1 | tail -20

@@ -11,6 +11,7 @@ way and works for every dtype, including the ones numpy lacks (bfloat16) or stor
 from __future__ import annotations
 
 import math
+import struct
 import sys
 from array import array
 from collections.abc import Sequence
@@ -42,6 +43,10 @@ _NUMPY = {name: np.dtype(name) for name in ("float64", "float32", "float16", "in
 frombuffer/view/reshape (a decode step's tokens are many one-element tensors)."""
 
 
+_INT64 = struct.Struct("<q").pack
+"""One int64 in the wire's (little-endian) byte order."""
+
+
 def dtype_to_str(dtype: torch.dtype) -> str:
     """Wire name of a torch dtype ("float32", "bfloat16", "bool", ...). ValueError for unsupported dtypes."""
     try:
@@ -64,9 +69,10 @@ def encode_tensor(t: torch.Tensor) -> InlineTensor:
     A CUDA tensor is copied to the host here (this blocks until the producing kernels are done); that is the
     inline path's price and the reason it is only used below `inline_max_bytes`.
     """
-    if t.dtype == torch.int64 and t.device.type == "cpu" and t.numel() == 1:
-        # one token id, every decode step of every request: no numpy round trip (7 us -> 1.5 us)
-        return InlineTensor(dtype="int64", shape=list(t.shape), data=int(t).to_bytes(8, "little", signed=True))
+    if t.dtype is torch.int64 and t.is_cpu and t.numel() == 1:
+        # one token id, every row of every decode step: no numpy round trip and no torch.device built for the test
+        # (7 us -> 1.9 -> 0.8 on the 2-core VM)
+        return InlineTensor("int64", [1] if t.dim() == 1 else list(t.shape), _INT64(t.item()))
     dtype = dtype_to_str(t.dtype)
     shape = list(t.shape)
     # reshape(-1) makes 0-d tensors 1-d and non-contiguous ones contiguous; the uint8 view then works for

@@ -187,7 +187,7 @@ class Worker:
     def _serve(self, should_stop) -> None:
         while not self.stopping and not should_stop():
             # Poll at once only when a node call can run; wait briefly while transfers are in flight.
-            if self._collect() and not self._deferred_only:
+            if not self._deferred_only and self._runnable():
                 timeout_ms = 0
             elif self._pending_calls():
                 timeout_ms = 0  # a component's work is on the GPU (a prefill): its end wakes nobody either
@@ -646,6 +646,17 @@ class Worker:
             found = self._streamed_inputs_of[walk] = frozenset(
                 e.signal for e in self._stream_edges.values() if e.dst_node in names)
         return found
+
+    def _runnable(self) -> bool:
+        """Some run has a call this rank runs: what ``_collect`` would find, without building the batches (the loop
+        asks every turn, before ``_step`` collects them)."""
+        for key, run in self._runs.items():
+            calls = run.outstanding
+            if calls:
+                span = self._spans.get(key)
+                if span is None or any(span.is_local(call.node) for call in calls):
+                    return True
+        return False
 
     def _collect(self) -> dict[str, list[NodeCall]]:
         """Every runnable call (new ones and ones a component asked to retry), grouped by component."""
