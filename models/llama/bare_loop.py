@@ -13,14 +13,16 @@ from models.llama.model import Llama
 
 @torch.inference_mode()
 def bare_generate(model: Llama, cache: StaticKVCache, prompts_ids: list[list[int]], max_new_tokens: int,
-                  graphs=None) -> tuple[list[list[int]], float]:
+                  graphs=None, phases: dict | None = None) -> tuple[list[list[int]], float]:
     """Greedy-generate exactly `max_new_tokens` per prompt (no EOS stop); return (new tokens, seconds).
 
     Prompts of equal length are prefilled together, then every row decodes in one batch per step (rows
     at different lengths share a step). Needs len(prompts_ids) free cache slots; frees them on return.
     With ``graphs`` (an ``engine.cuda_graphs.DecodeGraphs`` over this model and cache, captured) decode steps
     replay CUDA graphs, as the serving engine's do. The time covers prefill and decode and ends after the tokens
-    reach the host.
+    reach the host. With ``phases`` (a dict) it also gets ``prefill_s`` and ``decode_s``: the device is synchronised
+    once between the prefills and the first decode step, so ``decode_s`` times the decode steps alone (the
+    ``max_new_tokens - 1`` tokens a row gets after its first), the rate a decode loop can reach.
     """
     if max_new_tokens < 1 or not prompts_ids or any(len(p) == 0 for p in prompts_ids):
         raise ValueError(f"bare_generate: need max_new_tokens >= 1 and non-empty prompts, got "
@@ -39,6 +41,10 @@ def bare_generate(model: Llama, cache: StaticKVCache, prompts_ids: list[list[int
             positions = torch.arange(length, device=device).expand(len(rows), length)
             logits = model(ids, positions, cache, last_only=True)  # (b, 1, V)
             first[torch.tensor(rows, device=device)] = logits[:, -1].argmax(-1)
+        if phases is not None:
+            _sync(device)
+            decode_start = time.perf_counter()
+            phases["prefill_s"] = decode_start - start
         lengths = [len(p) for p in prompts_ids]
         positions = torch.tensor(lengths, device=device)[:, None]  # (B, 1)
         tokens, out = first, [first]
@@ -51,8 +57,16 @@ def bare_generate(model: Llama, cache: StaticKVCache, prompts_ids: list[list[int
             out.append(tokens)
             lengths = [n + 1 for n in lengths]
             positions = positions + 1
-        result = torch.stack(out, dim=1).tolist()  # the only host sync
-        return result, time.perf_counter() - start
+        result = torch.stack(out, dim=1).tolist()  # the only host sync (with ``phases``, the second)
+        end = time.perf_counter()
+        if phases is not None:
+            phases["decode_s"] = end - decode_start
+        return result, end - start
     finally:
         for slot in slots:
             cache.free(slot)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
