@@ -9,7 +9,7 @@ step does (the walk state machine per request, the engine's bookkeeping, samplin
 message) is Python on the thread that feeds the GPU. This measures exactly that part: a real ``Worker`` with the
 Llama chat walks (prefill, decode loop) and a real ``KVCacheEngine`` whose model returns constant logits over a
 64-token vocabulary, ``rows`` requests decoding together, every control message encoded as it would be sent.
-``--profile N`` adds a cProfile of N rows (the functions where the step's time goes) to the JSON.
+``--lookahead`` runs the decode steps one ahead, as the engine does on CUDA. ``--profile N`` adds a cProfile of N rows (the functions where the step's time goes) to the JSON.
 
 ``--prefill`` measures instead what the rank spends on a batch of ``rows`` new prompts (44 tokens each) from their
 ``RunWalk``s to the ``Emits`` with their first tokens and the prefill walks' ends, beside 32 requests that decode:
@@ -82,9 +82,9 @@ class CountingChannel:
             self.done.extend(body.done)
 
 
-def make_worker(rows: int) -> tuple[Worker, CountingChannel, KVCacheEngine]:
+def make_worker(rows: int, lookahead: bool = False) -> tuple[Worker, CountingChannel, KVCacheEngine]:
     cache = StaticKVCache(n_layers=1, n_kv_heads=1, head_dim=8, max_slots=rows, max_seq_len=4096)
-    engine = KVCacheEngine("LLM", NullModel(), cache, torch.device("cpu"))
+    engine = KVCacheEngine("LLM", NullModel(), cache, torch.device("cpu"), lookahead=lookahead)
     channel = CountingChannel()
     router = Router(global_rank=0, rank_hosts={0: "h"}, transports={}, intra_host="p2p", inter_host="p2p",
                     inline_max_bytes=65536, device=torch.device("cpu"))
@@ -118,8 +118,8 @@ def start_decoding(worker: Worker, channel: CountingChannel, rows: int, limit: i
     channel.done.clear()
 
 
-def run(rows: int, steps: int, profile: bool = False) -> dict:
-    worker, channel, engine = make_worker(rows)
+def run(rows: int, steps: int, profile: bool = False, lookahead: bool = False) -> dict:
+    worker, channel, engine = make_worker(rows, lookahead)
     start_decoding(worker, channel, rows, steps + 10)
     for _ in range(5):  # warm
         worker._step()
@@ -176,6 +176,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--profile", type=int, default=None, help="also profile a run with this many rows")
     p.add_argument("--prefill", action="store_true", help="a batch of new prompts' turn instead of decode steps")
+    p.add_argument("--lookahead", action="store_true",
+                   help="decode steps run one ahead, as on CUDA (the engine's claim of each row; the CPU default is off)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -185,7 +187,7 @@ def main() -> None:
             print(f"{r['rows']:3d} prompts beside {r['decoding']} decoding: {r['batch_us_median']:8.0f} us to their "
                   f"Emits, {r['per_row_us']:6.1f} us/prompt", flush=True)
     else:
-        results = [run(n, args.steps) for n in args.rows]
+        results = [run(n, args.steps, lookahead=args.lookahead) for n in args.rows]
         for r in results:
             print(f"{r['rows']:3d} rows: {r['step_us_median']:8.0f} us/step, {r['per_row_us']:6.1f} us/row, "
                   f"{r['messages_per_step']:.1f} msg/step", flush=True)
@@ -193,7 +195,7 @@ def main() -> None:
         "platform": platform.platform(), "torch": torch.__version__, "python": platform.python_version()},
         "results": results}
     if args.profile and not args.prefill:
-        prof = run(args.profile, args.steps, profile=True)
+        prof = run(args.profile, args.steps, profile=True, lookahead=args.lookahead)
         result["profile"] = prof
         print("\n".join(prof["profile_tottime_top25"][:45]))
     if args.out:

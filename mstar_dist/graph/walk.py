@@ -80,6 +80,10 @@ class _Wiring:
     stream_signals: frozenset[str]
     routes: dict[str, tuple["_Hop", ...]]
     """Node -> where each of its output edges takes a value (``WalkRun._route``, once per call: every decode token)."""
+    self_loops: dict[str, tuple[tuple[str, ...], tuple[tuple[str, str], ...]]]
+    """Nodes that are the whole body of their innermost loop and feed every input they need from their own outputs
+    (an AR decode step: ``Loop(LLM(token) -> token)``), each with the signals it feeds itself and its inbox keys. While such a loop goes on, a call's
+    completion touches nothing but the node itself: ``WalkRun._iterate``."""
 
 
 _STREAM, _EMIT, _OUTPUT, _PUSH = range(4)
@@ -126,18 +130,29 @@ def _wire(section: Section) -> _Wiring:
             if edge_kind(src, dst) == "internal" and isinstance(src[k][0], Parallel):
                 waits[e.dst].add(tuple(i for _, i in src[: k + 1]))
     outputs = [edge for node in iter_nodes(section) for edge in node.outputs]
-    routes = {}
+    routes, self_loops = {}, {}
     for node in iter_nodes(section):
         loops = [sec for sec, _ in trails[node.name] if isinstance(sec, Loop)]  # outermost first, as frame.loops
-        routes[node.name] = tuple(
-            _Hop(e.signal, _STREAM if e.stream else _EMIT if e.dst == EMIT_TO_CLIENT else _OUTPUT if e.dst is None
-                 else _PUSH, e.dst, (node.name, index) in leaves,
-                 tuple(depth for depth, loop in enumerate(loops)
-                       if e.signal in loop.outputs or e.signal in loop.accumulated_outputs))
-            for index, e in enumerate(node.outputs))
+        recorded: set[str] = set()  # two edges of one signal carry one value: the loops record it once
+        hops = []
+        for index, e in enumerate(node.outputs):
+            records = () if e.signal in recorded else tuple(
+                depth for depth, loop in enumerate(loops)
+                if e.signal in loop.outputs or e.signal in loop.accumulated_outputs)
+            recorded.add(e.signal)
+            hops.append(_Hop(e.signal, _STREAM if e.stream else _EMIT if e.dst == EMIT_TO_CLIENT
+                             else _OUTPUT if e.dst is None else _PUSH, e.dst, (node.name, index) in leaves, records))
+        routes[node.name] = tuple(hops)
+        fed = [h.signal for h in hops if h.kind == _PUSH]
+        if (loops and loops[-1].section is node and not loops[-1].accumulated_outputs and node.name not in waits
+                and all(h.dst == node.name for h in hops if h.kind == _PUSH) and len(set(fed)) == len(fed)
+                and set(node.inputs) <= set(fed) <= set(node.inputs) | set(node.optional_inputs)):
+            self_loops[node.name] = (tuple(fed), tuple((node.name, signal)
+                                                       for signal in (*node.inputs, *node.optional_inputs)))
     return _Wiring(walk_io(section), {name: frozenset(p) for name, p in waits.items()},
                    persist_signals=frozenset(e.signal for e in outputs if e.persist),
-                   stream_signals=frozenset(e.signal for e in outputs if e.stream), routes=routes)
+                   stream_signals=frozenset(e.signal for e in outputs if e.stream), routes=routes,
+                   self_loops=self_loops)
 
 
 class _Frame:
@@ -346,8 +361,11 @@ class WalkRun:
         if frame is None:
             raise GraphError(f"walk {self.walk!r}: complete() for a call of node {call.node!r} that is not "
                              f"outstanding (completed already, or from another walk)")
-        if call in self._fresh:
+        if self._fresh and call in self._fresh:
             self._fresh.remove(call)
+        self_loop = self._wiring.self_loops.get(call.node)
+        if self_loop is not None and self._iterate(frame, result, *self_loop):
+            return
         self._route(frame, result)
         if result.stop and frame.loops and frame.loops[-1].stopped is None:
             frame.loops[-1].stopped = "stop"
@@ -438,6 +456,46 @@ class WalkRun:
                 self.outputs[hop.signal] = value
             elif self.emitting_nodes is None or name in self.emitting_nodes:
                 (self.on_stream if hop.kind == _STREAM else self.on_emit)(hop.signal, value)
+
+    def _iterate(self, frame: _NodeFrame, result: NodeResult, fed: tuple[str, ...],
+                 keys: tuple[tuple[str, str], ...]) -> bool:
+        """``complete`` for a self-loop node (``_Wiring.self_loops``) whose loop goes on after this iteration, with
+        nothing queued for the node from outside: route the outputs, end the iteration and issue the next call, as
+        ``_route``, ``ran`` and ``_pump`` would, in one pass (every row of every decode step comes here). False, with
+        nothing changed, when the generic path must run (the loop ends or stops, an output is missing, a value waits
+        in the node's inbox)."""
+        loop = frame.loops[-1]
+        if result.stop or loop.stopped is not None or loop.iteration + 1 >= loop.limit:
+            return False
+        outputs = result.outputs
+        for signal in fed:
+            if signal not in outputs:
+                return False
+        inbox = self._inbox
+        for key in keys:
+            if inbox.get(key):
+                return False
+        name = frame.node.name
+        hops = self._wiring.routes[name]
+        inputs = {}
+        for hop in hops:
+            if hop.signal not in outputs:
+                continue
+            value = outputs[hop.signal]
+            for depth in hop.records:
+                frame.loops[depth].record(hop.signal, value)
+            if hop.kind == _PUSH:
+                inputs[hop.signal] = value
+            elif hop.kind == _OUTPUT:
+                self.outputs[hop.signal] = value
+            elif self.emitting_nodes is None or name in self.emitting_nodes:
+                (self.on_stream if hop.kind == _STREAM else self.on_emit)(hop.signal, value)
+        loop.current = {}
+        loop.iteration += 1
+        call = NodeCall(run=self, node=name, inputs=inputs, iteration=loop.iteration)
+        self._outstanding[call] = frame  # the frame stays "running": its next run is handed out at once
+        self._fresh.append(call)
+        return True
 
     def _push(self, node: str, signal: str, value: Any, *, source: str | None, latest_only: bool = False) -> None:
         frame = self._nodes[node]
