@@ -222,18 +222,20 @@ class KVCacheEngine(Component):
         prefilling = {rid for batch in self._launched for rid in batch.ids}
         decode: list[int] = []
         prefill: list[tuple[int, torch.Tensor]] = []
+        seqs, max_len = self._seqs, self.cache.max_seq_len
         for i, call in enumerate(calls):
-            if call in on_gpu:
+            if on_gpu and call in on_gpu:
                 continue  # answered when its batch is finished
             try:
-                if call.request_id in prefilling:
-                    raise RuntimeError(f"request {call.request_id!r} already has a prefill on the GPU of {self.name!r}")
-                if "input_ids" in call.inputs:
+                rid = call.request_id
+                if prefilling and rid in prefilling:
+                    raise RuntimeError(f"request {rid!r} already has a prefill on the GPU of {self.name!r}")
+                inputs = call.inputs
+                if "input_ids" in inputs:
                     prefill.append((i, self._prompt(call)))
-                elif self._ensure_seq(call):
-                    if self._seqs[call.request_id].length + 1 > self.cache.max_seq_len:
-                        raise RuntimeError(f"request {call.request_id!r} reached the context limit "
-                                           f"{self.cache.max_seq_len}")
+                elif (rid in seqs and "kv" not in inputs) or self._ensure_seq(call):  # the first: a decode row's turn
+                    if seqs[rid].length + 1 > max_len:
+                        raise RuntimeError(f"request {rid!r} reached the context limit {max_len}")
                     decode.append(i)
             except Exception as exc:  # one request's failure must not take the batch down
                 results[i] = exc
@@ -721,8 +723,19 @@ class KVCacheEngine(Component):
     def _claim(self, ahead: _Ahead, calls: list[NodeCall], seqs: list[_Seq]) -> dict[int, int]:
         """{call index: lookahead row} for the calls the lookahead already ran; drops (and rewinds the generators
         of) the rows no call claims."""
-        row_of = {rid: row for row, rid in enumerate(ahead.request_ids)} if ahead.inputs else {}
         claimed: dict[int, int] = {}
+        if ahead.inputs and not ahead.given and len(calls) == len(ahead.rows):
+            # the common turn: every row of the step before, in its order, each routed the tensor it was handed
+            for i, (call, seq, was, length, handed) in enumerate(zip(calls, seqs, ahead.seqs, ahead.lengths,
+                                                                      ahead.handed)):
+                if seq is not was or length != seq.length or call.inputs["token"] is not handed:
+                    claimed.clear()
+                    break
+                claimed[i] = i
+            else:
+                self.ahead_rows_used += len(claimed)
+                return claimed
+        row_of = {rid: row for row, rid in enumerate(ahead.request_ids)} if ahead.inputs else {}
         for i, (call, seq) in enumerate(zip(calls, seqs)):
             row = row_of.get(call.request_id)
             token = call.inputs["token"]

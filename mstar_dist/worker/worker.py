@@ -661,9 +661,10 @@ class Worker:
     def _collect(self) -> dict[str, list[NodeCall]]:
         """Every runnable call (new ones and ones a component asked to retry), grouped by component."""
         by_component: dict[str, list[NodeCall]] = collections.defaultdict(list)
+        spans = self._spans
         for key, run in self._runs.items():
             run.ready()
-            span = self._spans.get(key)
+            span = spans.get(key) if spans else None
             for call in run.outstanding:
                 if span is None or span.is_local(call.node):  # another rank runs it: its NodeDone completes it
                     by_component[call.node].append(call)
@@ -688,16 +689,20 @@ class Worker:
                     results = [exc] * len(calls)
                 if node in self.tp_roles:
                     results = [_tp_failure(self.tp_roles[node], r) for r in results]
+            runs, spans = self._runs, self._spans
             for call, result in zip(calls, results):
+                if result is None:
+                    continue  # retry later
                 run = call.run
-                if result is None or self._runs.get((run.request_id, run.walk)) is not run:
-                    continue  # retry later, or the request failed in another component's batch this turn
+                key = (run.request_id, run.walk)
+                if runs.get(key) is not run:
+                    continue  # the request failed in another component's batch this turn
                 progressed = True
                 if isinstance(result, BaseException):
                     self._fail_run(run, result)
                     continue
                 try:
-                    span = self._spans.get((run.request_id, run.walk))
+                    span = spans.get(key) if spans else None
                     if span is not None:
                         self._announce(span, run, call, result)
                     run.complete(call, result)
