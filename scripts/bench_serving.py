@@ -210,13 +210,35 @@ CLIENT_STREAMS_PER_PROCESS = 8
 """Above this many streams the clients run in several processes: one Python process parsing every streamed line
 of 64 streams would measure its own GIL rather than the server."""
 _clients: cf.ProcessPoolExecutor | None = None
+CLIENT_CPUS: frozenset[int] | None = None
+"""``--client-cpus``: the cores the client processes run on (every client then runs in one; the server gets the
+others)."""
+
+
+def cpu_list(text: str) -> frozenset[int]:
+    """``"8-15"``, ``"2,4-6"`` -> the CPU numbers. ValueError naming the text when it is not such a list."""
+    cpus: set[int] = set()
+    try:
+        for part in text.split(","):
+            first, _, last = part.partition("-")
+            cpus.update(range(int(first), int(last or first) + 1))
+    except ValueError:
+        raise ValueError(f"--client-cpus: expected a CPU list such as 8-15 or 2,4-6, got {text!r}") from None
+    if not cpus:
+        raise ValueError(f"--client-cpus: no CPU in {text!r}")
+    return frozenset(cpus)
+
+
+def _pin(cpus: frozenset[int]) -> None:
+    os.sched_setaffinity(0, cpus)
 
 
 def client_processes(streams: int) -> cf.ProcessPoolExecutor:
     """Client processes for up to ``streams`` streams, spawned (not forked: the caller may hold a CUDA context) and
     all up before anything is timed."""
     workers = -(-streams // CLIENT_STREAMS_PER_PROCESS)
-    pool = cf.ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
+    pool = cf.ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
+                                  initializer=_pin if CLIENT_CPUS else None, initargs=(CLIENT_CPUS,) if CLIENT_CPUS else ())
     list(pool.map(time.sleep, [1.0] * workers))
     return pool
 
@@ -228,7 +250,7 @@ def run_streams(base_url: str, prompts: list[str], streams: int, max_tokens: int
     wall-clock start, end)."""
     run = CLIENTS[client]
     procs = -(-streams // CLIENT_STREAMS_PER_PROCESS)
-    if procs == 1 or pool is None:
+    if (procs == 1 and not CLIENT_CPUS) or pool is None:
         return run(base_url, prompts, streams, max_tokens)
     share = [prompts[i::procs] for i in range(procs)]
     parts = [f.result() for f in [pool.submit(run, base_url, part, -(-streams // procs), max_tokens)
@@ -241,7 +263,7 @@ def ours(base_url: str, streams: int, max_tokens: int, n_requests: int, client: 
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(n_requests)]
     before = _server_ttft(base_url)
     engine_before = _engine_counts(base_url)
-    if streams > CLIENT_STREAMS_PER_PROCESS and _clients is None:
+    if (streams > CLIENT_STREAMS_PER_PROCESS or CLIENT_CPUS) and _clients is None:
         _clients = client_processes(64)
     results, start, end = run_streams(base_url, prompts, streams, max_tokens, _clients, client)
     server_ttft = _server_ttft(base_url) if before is not None else None
@@ -353,7 +375,7 @@ def bare(model, cfg, ids_list: list[list[int]], batch: int, max_tokens: int, dev
 
 
 def main() -> None:
-    global CLIENT_STREAMS_PER_PROCESS
+    global CLIENT_STREAMS_PER_PROCESS, CLIENT_CPUS
     p = argparse.ArgumentParser()
     p.add_argument("--config", action="append", default=None, metavar="PATH:NPROC",
                    help="a deployment to serve, with its rank count (repeatable; default "
@@ -390,8 +412,19 @@ def main() -> None:
                    help="on CUDA, the bare loops run the blocks' pointwise work as torch ops rather than the fused "
                         "Triton kernels the served engine uses where they run "
                         "(for model_kwargs.fused_pointwise: torch)")
+    p.add_argument("--client-cpus", type=cpu_list, default=None, metavar="LIST",
+                   help="run every client in processes pinned to these CPUs (e.g. 8-15) and the server, this process "
+                        "and the bare loops on the others: the clients then take no core from the server, as clients "
+                        "on other machines would not (default: no pinning)")
     args = p.parse_args()
     CLIENT_STREAMS_PER_PROCESS = args.streams_per_process
+    if args.client_cpus:
+        server_cpus = os.sched_getaffinity(0) - args.client_cpus
+        if not server_cpus or not args.client_cpus <= os.sched_getaffinity(0):
+            p.error(f"--client-cpus {sorted(args.client_cpus)} must be some, not all, of this process's CPUs "
+                    f"{sorted(os.sched_getaffinity(0))}")
+        CLIENT_CPUS = args.client_cpus
+        os.sched_setaffinity(0, server_cpus)  # the servers started from here inherit it
     configs = [(c.rsplit(":", 1)[0], int(c.rsplit(":", 1)[1])) for c in
                (args.config or [str(REPO / "launch/configs/smollm2_pd.yaml") + ":2"])]
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
@@ -512,6 +545,7 @@ def main() -> None:
         "max_batch": max_batch,
         "requests_per_stream": args.requests_per_stream,
         "client": args.client,
+        "client_cpus": sorted(CLIENT_CPUS) if CLIENT_CPUS else None,
         "bare_loop": {"yardstick": "decode steps alone (CUDA graphs)" if cuda else "prefill and decode",
                       "fused_pointwise": bool(getattr(our_model, "fused", False)),
                       "decode_attention": "sdpa" if args.bare_sdpa or not cuda else "auto"},

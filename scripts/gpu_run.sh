@@ -4,7 +4,7 @@
 #                                        composite | speech | image | twohost | soak | h11 | parserab | intakes48 |
 #                                        prefillab | engine | ttftab | treeab | intakeab |
 #                                        overlap | streamab | clientab | intaketrace | prefillbench |
-#                                        knobab | gatherab | firstuse | kernels | attn | attnab
+#                                        knobab | gatherab | firstuse | kernels | attn | attnab | pinab
 # Needs, carried from the dev machine (bash scripts/gpu_prepare.sh makes both): .whl/ (wheels the GPU image lacks: fastapi, starlette, pydantic(-core),
 # annotated-types, typing-inspection, opentelemetry-api, uvicorn, httptools, pyzmq, msgspec, py-spy) and .ckpt/smol-shape (config +
 # tokenizer of SmolLM2-135M; a random same-shaped checkpoint is generated there). Results go to $OUT (or bench/results).
@@ -213,6 +213,17 @@ for step in "$@"; do
                ${REQUESTS_PER_STREAM:+--requests-per-stream $REQUESTS_PER_STREAM} \
                --config /tmp/smollm2_single_intakes.yaml:1 --config /tmp/smollm2_single_intakes8.yaml:1 \
                --out "$out/serving_h200_intakes48$tag.json" 2>&1 | grep -A8 '"median_tok_s"\|"ttft_median_s"' ;;
+    pinab)   # the single rank with ${INTAKES:-4} intakes, the clients pinned to CPUs ${CLIENT_CPUS:-8-15} (the server on the
+             # others) against no pinning, alternating, one round each, ${PAIRS:-2} pairs, at ${STREAMS:-1 32 64} streams
+             intakes_config "${INTAKES:-4}"
+             for i in $(seq "${PAIRS:-2}"); do
+               for pin in "--client-cpus ${CLIENT_CPUS:-8-15}" ""; do
+                 name=$([ -n "$pin" ] && echo pinned || echo unpinned)
+                 timeout 150 python3 scripts/bench_serving.py --device cuda --model llama --rounds 1 --max-tokens 256 \
+                   --no-hf --no-eager-bare --streams ${STREAMS:-1 32 64} $pin --config /tmp/smollm2_single_intakes.yaml:1 \
+                   --out "$out/serving_h200_pinab_${name}_$i$tag.json" 2>&1 | grep -A4 '"median_tok_s"\|"ttft_median_s"'
+               done
+             done ;;
     firstuse) # a CUDA graph's first replay and pinned host memory's first use, against the next ones (host time)
              timeout 60 python3 scripts/bench_first_use.py --out "$out/first_use_h200.json" 2>&1 | tail -30 ;;
     engine)  # the engine's CUDA tests: decode and prefill graphs, lookahead
