@@ -38,8 +38,13 @@ for step in "$@"; do
     tpstop)  # TP over NCCL through the launcher, stopped with SIGTERM under load (docs/architecture.md §4b)
              timeout 400 python3 -m pytest -q -p no:cacheprovider tests/e2e/test_tensor_parallel.py \
                -k "tp2_gives or losing" 2>&1 | tee "$out/gpu_tpstop.log" | tail -15 ;;
-    serving) python3 scripts/bench_serving.py --device cuda --model llama --rounds 3 \
-               --config launch/configs/smollm2_single.yaml:1 --out "$out/serving_h200_single.json" 2>&1 | tail -30 ;;
+    serving) # the measurement: the single rank with ${INTAKES:-4} intakes at 1, 8, 32 and 64 streams, 256 tokens,
+             # ${ROUNDS:-3} rounds, against the CUDA-graph bare loop (and HF generate where transformers imports)
+             intakes_config "${INTAKES:-4}"
+             hf=$(python3 -c "import transformers" 2>/dev/null || echo --no-hf)
+             timeout 500 python3 scripts/bench_serving.py --device cuda --model llama --rounds "${ROUNDS:-3}" --max-tokens 256 \
+               --no-eager-bare $hf --streams 1 8 32 64 --config /tmp/smollm2_single_intakes.yaml:1 \
+               --out "$out/serving_h200_single$tag.json" 2>&1 | grep -A20 '"median_tok_s"' | head -60 ;;
     pd)      python3 scripts/bench_serving.py --device cuda --model llama --rounds 3 \
                --config launch/configs/smollm2_pd.yaml:2 --out "$out/serving_h200x2_pd.json" 2>&1 | tail -30 ;;
     pace)    # the single-rank deployment with decode lookahead off, for its share of the gain

@@ -82,8 +82,8 @@ class _Wiring:
     """Node -> where each of its output edges takes a value (``WalkRun._route``, once per call: every decode token)."""
     self_loops: dict[str, tuple[tuple[str, ...], tuple[tuple[str, str], ...]]]
     """Nodes that are the whole body of their innermost loop and feed every input they need from their own outputs
-    (an AR decode step: ``Loop(LLM(token) -> token)``), each with the signals it feeds itself and its inbox keys. While such a loop goes on, a call's
-    completion touches nothing but the node itself: ``WalkRun._iterate``."""
+    (an AR decode step: ``Loop(LLM(token) -> token)``), each with the signals it feeds itself and its inbox keys.
+    While such a loop goes on, a call's completion touches nothing but the node itself: ``WalkRun._iterate``."""
 
 
 _STREAM, _EMIT, _OUTPUT, _PUSH = range(4)

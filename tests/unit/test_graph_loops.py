@@ -3,7 +3,7 @@ that leave a loop. A failure here means a multi-level generation (e.g. tokens x 
 of steps, reuses a stale value from the previous outer iteration, ignores a stop, or reports the wrong finish
 reason."""
 
-from mstar_dist.graph.nodes import Edge, GraphNode, Loop, Sequential
+from mstar_dist.graph.nodes import EMIT_TO_CLIENT, Edge, GraphNode, Loop, Sequential
 from mstar_dist.graph.walk import NodeResult, WalkRun
 
 # outer loop over "tokens": tok feeds t back to itself and h into the inner loop, whose step feeds h back to itself
@@ -142,3 +142,49 @@ def test_many_empty_outer_iterations_do_not_recurse():
                    max_iters=5000, name="outer")
     run = WalkRun("r", "w", section, {"x": 0}, loop_limits={"inner": 0})
     assert run.done and run.ready() == [] and run.finish_reason == "length"
+
+
+# an AR decode loop: the node is the loop's whole body and feeds its own input (WalkRun's one-pass self-loop step)
+AR = Loop(GraphNode("LLM", inputs=("token",), optional_inputs=("kv",),
+                    outputs=(Edge("token", "LLM"), Edge("token", EMIT_TO_CLIENT))),
+          max_iters=6, name="decode", outputs=("token",))
+
+
+def ar_run(scenario: str) -> tuple[list, list, dict, str | None]:
+    """Drive ``AR`` through ``scenario``: (calls as (inputs, iteration), emitted tokens, outputs, finish reason)."""
+    emitted: list[int] = []
+    run = WalkRun("r", "w", AR, {"token": 0}, loop_limits={"decode": 5},
+                  on_emit=lambda signal, value: emitted.append(value))
+    seen = []
+    while not run.done:
+        (call,) = run.ready()
+        seen.append((dict(call.inputs), call.iteration))
+        if scenario == "kv" and call.iteration == 1:
+            run.deliver("LLM", "kv", "kv-from-elsewhere")  # for the node's next run
+        if scenario == "stop_loop" and call.iteration == 2:
+            run.stop_loop("decode")
+        token = call.inputs["token"] + 1
+        run.complete(call, NodeResult({"token": token}, stop=scenario == "eos" and token == 2))
+    return seen, emitted, run.outputs, run.finish_reason
+
+
+def test_a_self_loop_runs_its_iterations_with_limits_stops_and_delivered_inputs():
+    seen, emitted, outputs, reason = ar_run("limit")
+    assert seen == [({"token": i}, i) for i in range(5)] and emitted == [1, 2, 3, 4, 5]
+    assert outputs == {"token": 5} and reason == "length"
+    seen, emitted, _, reason = ar_run("eos")
+    assert emitted == [1, 2] and reason == "stop"
+    seen, emitted, _, reason = ar_run("stop_loop")
+    assert emitted == [1, 2, 3] and reason == "stop"  # ends after the iteration it was asked in
+    seen, _, _, _ = ar_run("kv")
+    assert seen[2] == ({"token": 2, "kv": "kv-from-elsewhere"}, 2) and "kv" not in seen[3][0]
+
+
+def test_the_self_loop_step_in_one_pass_is_the_general_path(monkeypatch):
+    one_pass = WalkRun._iterate
+    taken = []
+    monkeypatch.setattr(WalkRun, "_iterate", lambda self, *args: taken.append(one_pass(self, *args)) or taken[-1])
+    fast = {s: ar_run(s) for s in ("limit", "eos", "stop_loop", "kv")}
+    assert taken.count(True) >= 8  # most steps took the one pass (not the loop's last, a stop, a delivered value)
+    monkeypatch.setattr(WalkRun, "_iterate", lambda self, *args: False)
+    assert {s: ar_run(s) for s in fast} == fast
