@@ -9,7 +9,8 @@ step does (the walk state machine per request, the engine's bookkeeping, samplin
 message) is Python on the thread that feeds the GPU. This measures exactly that part: a real ``Worker`` with the
 Llama chat walks (prefill, decode loop) and a real ``KVCacheEngine`` whose model returns constant logits over a
 64-token vocabulary, ``rows`` requests decoding together, every control message encoded as it would be sent.
-``--lookahead`` runs the decode steps one ahead, as the engine does on CUDA. ``--profile N`` adds a cProfile of N rows (the functions where the step's time goes) to the JSON.
+``--lookahead`` runs the decode steps one ahead, as the engine does on CUDA (and claims each row from the step
+before). ``--profile N`` adds a cProfile of N rows (the functions where the step's time goes) to the JSON.
 
 ``--prefill`` measures instead what the rank spends on a batch of ``rows`` new prompts (44 tokens each) from their
 ``RunWalk``s to the ``Emits`` with their first tokens and the prefill walks' ends, beside 32 requests that decode:
@@ -177,7 +178,7 @@ def main() -> None:
     p.add_argument("--profile", type=int, default=None, help="also profile a run with this many rows")
     p.add_argument("--prefill", action="store_true", help="a batch of new prompts' turn instead of decode steps")
     p.add_argument("--lookahead", action="store_true",
-                   help="decode steps run one ahead, as on CUDA (the engine's claim of each row; the CPU default is off)")
+                   help="decode steps run one ahead, as on CUDA (the engine's claim of each row; off on a CPU)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     torch.set_num_threads(1)

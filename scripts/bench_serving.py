@@ -237,8 +237,8 @@ def client_processes(streams: int) -> cf.ProcessPoolExecutor:
     """Client processes for up to ``streams`` streams, spawned (not forked: the caller may hold a CUDA context) and
     all up before anything is timed."""
     workers = -(-streams // CLIENT_STREAMS_PER_PROCESS)
-    pool = cf.ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
-                                  initializer=_pin if CLIENT_CPUS else None, initargs=(CLIENT_CPUS,) if CLIENT_CPUS else ())
+    pinning = {"initializer": _pin, "initargs": (CLIENT_CPUS,)} if CLIENT_CPUS else {}
+    pool = cf.ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"), **pinning)
     list(pool.map(time.sleep, [1.0] * workers))
     return pool
 
