@@ -25,12 +25,14 @@ import torch
 from mstar_dist import trace
 from mstar_dist.conductor.metrics import Metrics
 from mstar_dist.control import messages as m
+from mstar_dist.control.port import ControlPort
 from mstar_dist.graph.model import CompositeModel, RequestState, WalkStep
 from mstar_dist.graph.io import walk_io
 from mstar_dist.graph.nodes import iter_nodes, node_names
 from mstar_dist.graph.partitions import PartitionTracker, check_partitions
 from mstar_dist.conductor.intake_hub import IntakeHub
 from mstar_dist.conductor.stop_strings import StopTrimmer
+from mstar_dist.topology.placement import Placement
 from mstar_dist.events import BackendError, Finished, GenerationParams, MediaDelta, TextDelta
 from mstar_dist.transport.inline import decode_ids, decode_tensor, encode_tensor
 
@@ -137,8 +139,8 @@ class Conductor:
         self,
         *,
         model: CompositeModel,
-        placement: Any,
-        channel: Any,
+        placement: Placement,
+        channel: ControlPort,
         token: str,
         world_size: int,
         max_concurrent: int,
@@ -200,7 +202,7 @@ class Conductor:
         self.serving = False
         self.stopped = threading.Event()
         self.thread: threading.Thread | None = None
-        """The thread running :meth:`run` (set by whoever starts it)."""
+        """The thread running :meth:`run` (see :meth:`start`)."""
         self._active: dict[str, _Request] = {}  # by the client's request id
         self._by_wire: dict[str, _Request] = {}
         self._incarnation = 0
@@ -231,8 +233,34 @@ class Conductor:
                 self._handle(sender, payload)
         self.serving = True
 
+    def start(self) -> None:
+        """Run :meth:`run` on a daemon thread named ``conductor``; call after :meth:`wait_ready`."""
+        if self.thread is not None:
+            raise RuntimeError("the conductor was started already")
+        self.thread = threading.Thread(target=self.run, name="conductor", daemon=True)
+        self.thread.start()
+
+    @property
+    def alive(self) -> bool:
+        """True while the conductor thread runs."""
+        return self.thread is not None and self.thread.is_alive()
+
+    def stop(self, timeout_s: float = 10.0) -> bool:
+        """Stop the conductor thread: in-flight requests end with a 503 on the way out (see :meth:`run`). Blocks up
+        to ``timeout_s`` for the thread; True when it ended. Only after this returns may another thread use the
+        channel (ZMQ sockets are single-threaded)."""
+        self.stopped.set()
+        self.channel.wake()
+        if self.thread is None:
+            return True
+        self.thread.join(timeout_s)
+        if self.thread.is_alive():
+            log.warning("the conductor thread did not stop within %g s", timeout_s)
+            return False
+        return True
+
     def run(self) -> None:
-        """Serve until ``stop()``. Runs on the conductor thread."""
+        """Serve until :meth:`stop`. Runs on the conductor thread."""
         last_check = last_beat = time.monotonic()
         while not self.stopped.is_set():
             for sender, payload in self.channel.recv(100):

@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         # tokenizer, model family, app and what uvicorn imported as it started leave the collector (heap.py)
         freeze_startup_heap()
         while not stop.wait(0.2):
-            if not conductor.thread.is_alive():
+            if not conductor.alive:
                 raise RuntimeError("the conductor thread died")
             for intake in intakes:
                 if not intake.alive():
@@ -235,9 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         if conductor is not None:
             # in-flight requests get their 503 while HTTP still delivers them; only after the join may this
             # thread use the conductor's socket (ZMQ sockets are single-threaded)
-            conductor.stopped.set()
-            if conductor.thread is not None:
-                conductor.thread.join(timeout=10)
+            conductor.stop(timeout_s=10)
         _stop_all(intakes)  # after the conductor's last word (503 to what was in flight) has reached them
         if conductor is not None:
             _broadcast_shutdown(dep, conductor.channel, world_size, "rank 0 is stopping", error=rc != 0)

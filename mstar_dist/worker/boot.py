@@ -490,8 +490,7 @@ def _start_conductor(dep: Deployment, channel: ControlChannel, timeout_s: float,
     )
     conductor.wait_ready(timeout_s)
     announce(dep.describe())
-    conductor.thread = threading.Thread(target=conductor.run, name="conductor", daemon=True)
-    conductor.thread.start()
+    conductor.start()
     return conductor
 
 

@@ -33,6 +33,7 @@ import torch.distributed  # noqa: F401 -- DistError, for TP batch failures
 
 from mstar_dist import trace
 from mstar_dist.control import messages as m
+from mstar_dist.control.port import ControlPort
 from mstar_dist.engine.component import Component, WalkContext
 from mstar_dist.engine.sampling import SamplingParams
 from mstar_dist.graph.nodes import Section, iter_nodes, node_names
@@ -43,6 +44,7 @@ from mstar_dist.telemetry import process_sample
 from mstar_dist.transport.base import ArenaFull, Done
 from mstar_dist.transport.inline import decode_tensor, encode_tensor
 from mstar_dist.transport.router import Router
+from mstar_dist.transport.store import TensorStore
 from mstar_dist.worker.spans import REMOTE, Arrived, Span, is_remote, receive
 from mstar_dist.worker.tp import Follower, TPRole, shard_uuid, step_for
 
@@ -84,9 +86,9 @@ class Worker:
         global_rank: int,
         graphs: dict[str, Section],
         components: dict[str, Component],
-        channel: Any,
+        channel: ControlPort,
         transport: Router,
-        store: Any,
+        store: TensorStore,
         token: str,
         device: torch.device,
         inline_max_bytes: int,

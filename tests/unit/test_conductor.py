@@ -355,3 +355,35 @@ def test_prompt_ids_an_intake_encoded_reach_the_family_and_a_failed_encoding_lea
     asyncio.run(both())
     submits = [b for b in link.sent if isinstance(b, m.Submit)]
     assert [(s.params.request_id, s.params.prompt_ids) for s in submits] == [("c", [7]), ("d", None)]
+
+
+class _WakingChannel(FakeChannel):
+    """Blocks in ``recv`` like a socket until ``wake``: a stop that forgot to wake the thread would time out."""
+
+    def __init__(self):
+        super().__init__()
+        import threading
+
+        self.woken = threading.Event()
+
+    def recv(self, timeout_ms=0, **_):
+        self.woken.wait(timeout_ms / 1000)
+        return []
+
+    def wake(self):
+        self.woken.set()
+
+
+def test_start_then_stop_ends_the_thread_and_fails_in_flight_requests_with_503():
+    c, _ = make()
+    ch = c.channel = _WakingChannel()
+    c.serving = True
+    events = submit(c, params("r1"))
+    c.start()
+    assert c.alive
+    with pytest.raises(RuntimeError, match="started already"):
+        c.start()
+    assert c.stop(timeout_s=5)
+    assert not c.alive and ch.woken.is_set()
+    errors = [e for e in events if isinstance(e, BackendError)]
+    assert [e.status for e in errors] == [503], events
