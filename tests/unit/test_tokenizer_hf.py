@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from models.llama.chat_template import TemplateRefused
-from models.llama.gguf_import import DEFAULT_SMOLLM2_DIR, default_smollm2_gguf, ensure_smollm2_weights
+from mstar_dist.tools.gguf_import import DEFAULT_SMOLLM2_DIR, default_smollm2_gguf, ensure_smollm2_weights
 from models.llama.tokenizer import ChatTokenizer
 from scripts.bench_detok import TEXT, sentencepiece_style
 

@@ -180,7 +180,8 @@ def _tokenizer_config(meta: _Meta, config: LlamaConfig) -> dict[str, Any]:
     return out
 
 
-def _dequantized_tensors(reader: Any, config: LlamaConfig) -> dict[str, torch.Tensor]:
+def dequantized_tensors(reader: Any, config: LlamaConfig) -> dict[str, torch.Tensor]:
+    """Every tensor of the GGUF `reader` as fp32 under its HF name, Q/K rows back in HF's RoPE order."""
     from gguf.quants import dequantize
 
     out: dict[str, torch.Tensor] = {}
@@ -234,7 +235,7 @@ def prepare_from_gguf(gguf_path: str | Path, out_dir: str | Path,
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
-        tensors = _dequantized_tensors(reader, config)
+        tensors = dequantized_tensors(reader, config)
         size = sum(t.numel() * t.element_size() for t in tensors.values())
         progress(f"[prepare] writing model.safetensors ({size / 2**20:.0f} MiB fp32) and tokenizer")
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from typing import TYPE_CHECKING
 
 import torch
 
-from mstar_dist.engine.kv_cache import StaticKVCache
-from models.llama.model import Llama
+if TYPE_CHECKING:  # annotations only: the loop runs any model with the Llama forward's signature
+    from models.llama.model import Llama
+    from mstar_dist.engine.kv_cache import StaticKVCache
 
 
 @torch.inference_mode()
