@@ -14,7 +14,7 @@ Measures, alternating the contenders round by round so machine noise hits them a
   where they run (in-place decode attention, fused pointwise; ``--bare-sdpa``, ``--bare-unfused``: without); on the
   CPU with the engine's oneDNN-packed weights (``models/common/linear.py``; ``--no-packed-bare``: ``F.linear``).
 Ratios and the targets of "Serve at the GPU's pace" go into the JSON (``--out``, default
-``bench/results/serving_<device>.json``). Every request asks for ``--max-tokens`` greedy tokens; all prompts are
+``bench/raw/serving_<device>.json``, git-ignored). Every request asks for ``--max-tokens`` greedy tokens; all prompts are
 long-answer prompts so EOS rarely ends them early, and tok/s counts the tokens actually produced.
 """
 
@@ -559,7 +559,7 @@ def main() -> None:
         "targets_met": targets,
         "rounds": rows,
     }
-    out = Path(args.out or REPO / f"bench/results/serving_{args.device.split(':')[0]}.json")
+    out = Path(args.out or REPO / f"bench/raw/serving_{args.device.split(':')[0]}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(json.dumps({k: result[k] for k in ("cold_start_to_health_s", "median_tok_s", "ttft_median_s", "e2e_p50_s",

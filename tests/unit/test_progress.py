@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from models.llama.config import LlamaConfig
-from mstar_dist.tools.gguf_import import dequantized_tensors
 from mstar_dist import logs
 from mstar_dist.logs import configure_logging, progress_bar
 from mstar_dist.serve import parse_args
+from mstar_dist.tools.gguf_import import dequantized_tensors
 
 
 class Terminal(io.StringIO):
