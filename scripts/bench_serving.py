@@ -14,8 +14,8 @@ Measures, alternating the contenders round by round so machine noise hits them a
   where they run (in-place decode attention, fused pointwise; ``--bare-sdpa``, ``--bare-unfused``: without); on the
   CPU with the engine's oneDNN-packed weights (``models/common/linear.py``; ``--no-packed-bare``: ``F.linear``).
 Ratios and the targets of "Serve at the GPU's pace" go into the JSON (``--out``, default
-``bench/raw/serving_<device>.json``, git-ignored). Every request asks for ``--max-tokens`` greedy tokens; all prompts are
-long-answer prompts so EOS rarely ends them early, and tok/s counts the tokens actually produced.
+``bench/raw/serving_<device>.json``, git-ignored). Every request asks for ``--max-tokens`` greedy tokens; all prompts
+are long-answer prompts so EOS rarely ends them early, and tok/s counts the tokens actually produced.
 """
 
 from __future__ import annotations

@@ -64,7 +64,10 @@ ab() {  # the generic A/B (see the `ab` step below); $1: SETTING
   intakes_config "${INTAKES:-4}"
   local a_tree=. b_tree=. a_cfg="$base_cfg" b_cfg="$base_cfg" a_flags=()
   case "$setting" in
-    tree) [ -d .ab_base/scripts ] || { echo "ab tree: no .ab_base/scripts (carry a git archive of the base tree)"; return 2; }
+    tree) if [ ! -d .ab_base/scripts ]; then
+            echo "ab tree: no .ab_base/scripts (carry a git archive of the base tree)"
+            return 2
+          fi
           b_tree="$PWD/.ab_base" ;;
     --*)  read -r -a a_flags <<< "$setting" ;;
     *)    a_cfg=/tmp/ab_setting.yaml
@@ -115,8 +118,9 @@ while [ $# -gt 0 ]; do
     kernels) # GPU time and kernel counts of one captured decode step (rows ${DECODE:-1 32 64} at ${POSITION:-300})
              # and of batched prefills (${PREFILL:-1x48 16x48 32x48}: prompts x tokens); COMPILE=1 adds a
              # torch.compile'd graph of each (slow: about a minute a shape)
-             timeout 480 python3 scripts/bench_kernels.py --weights /tmp/smol-rand $([ -n "${COMPILE:-}" ] || echo --no-compile) \
-               --decode ${DECODE:-1 32 64} --prefill ${PREFILL:-1x48 16x48 32x48} --position "${POSITION:-300}" \
+             timeout 480 python3 scripts/bench_kernels.py --weights /tmp/smol-rand \
+               $([ -n "${COMPILE:-}" ] || echo --no-compile) --decode ${DECODE:-1 32 64} \
+               --prefill ${PREFILL:-1x48 16x48 32x48} --position "${POSITION:-300}" \
                --out "$out/kernels_h200${NAME:+_$NAME}.json" 2>&1 | grep -v "^W1\|^  warnings" | tail -30 ;;
     trace)   # where TTFT goes: the phase trace (MSTAR_DIST_TRACE_DIR) of the single rank with ${INTAKES:-4} intakes at
              # 1 and 32 streams (REQUESTS_PER_STREAM=K: K requests per client stream); every event in the .events.jsonl
@@ -136,13 +140,14 @@ while [ $# -gt 0 ]; do
     tp)      # two GPUs: TP2 against TP1 of a Qwen3-MoE-shaped checkpoint (NCCL check, then serving at 1 and 32 streams)
              timeout 540 python3 scripts/bench_tp.py --make medium --weights /tmp/moe-medium --streams 1 32 \
                --max-tokens 128 --out "$out/tp_h200x2.json" 2>&1 | tail -30 ;;
-    soak)    # two GPUs, detached: starts a ${SOAK_SECONDS:-600} s soak unless one is in /tmp/soak, waits up to SOAK_WAIT s;
-             # collect the rest at once in the next command: bash scripts/gpu_soak.sh collect 540
+    soak)    # two GPUs, detached: starts a ${SOAK_SECONDS:-600} s soak unless one is in /tmp/soak, waits up to
+             # SOAK_WAIT s; collect the rest at once in the next command: bash scripts/gpu_soak.sh collect 540
              bash scripts/gpu_soak.sh auto "${SOAK_SECONDS:-600}" "${SOAK_WAIT:-480}" 2>&1 | tail -60 ;;
     ab)      # one A/B: the single rank with ${INTAKES:-4} intakes, ${STREAMS:-1 32 64} streams, 256 greedy tokens,
              # ${REQUESTS_PER_STREAM:-4} requests per client stream, side B then side A, one round each, ${PAIRS:-2}
              # alternated pairs, into ab_${NAME:-ab}_{b,a}_N.json. The next argument is the SETTING of side A:
-             #   tree              A: this tree, B: the tree in .ab_base (carried; e.g. git archive HEAD~1 | tar -x -C .ab_base)
+             #   tree              A: this tree, B: the tree in .ab_base (carried; e.g.
+             #                     mkdir .ab_base && git archive HEAD~1 | tar -x -C .ab_base)
              #   '{YAML mapping}'  A: the deployment with the mapping merged in, e.g. '{server: {http_processes: 8}}' or
              #                     '{model_kwargs: {decode_yield_ms: 16}}'; B: the deployment as it is
              #   '--FLAG ...'      A: bench_serving with these flags, e.g. '--client-cpus 8-15'; B: without them
