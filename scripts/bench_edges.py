@@ -90,7 +90,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--spin-us", type=float, default=None,
                    help="a receiver waiting for a descriptor polls without blocking this long before it blocks "
                         "(default: what a rank of this device does, transport.spin_us: 200 on cuda, 0 on cpu)")
-    p.add_argument("--out", default=None, help="JSON path (default bench/results/edges_<device>.json)")
+    p.add_argument("--out", default=None, help="JSON path (default bench/raw/edges_<device>.json)")
     return p.parse_args(argv)
 
 
@@ -468,7 +468,7 @@ def _report(args, rank: int, device: str, channel: ControlChannel, planes: dict,
     # Mooncake moves host memory only: on CUDA our transport stages every tensor through its pool (counted)
     assert all(st["host_staging_copies"] == 0 for name, st in stats.items()
                if not (name == "mooncake" and args.device == "cuda")), stats
-    out = Path(args.out) if args.out else REPO / "bench" / "results" / f"edges_{args.device}.json"
+    out = Path(args.out) if args.out else REPO / "bench" / "raw" / f"edges_{args.device}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {out}", flush=True)

@@ -18,7 +18,7 @@ of R rows x L tokens of the same model on one GPU, side by side in one run:
 
 Exploratory (what fusion is worth before building it into the engine), CUDA only, never a test:
 
-    python scripts/bench_kernels.py --weights /tmp/smol-rand --out bench/results/kernels_h200.json
+    python scripts/bench_kernels.py --weights /tmp/smol-rand --out bench/raw/kernels_h200.json
 
 The JSON is rewritten after every case, so a run cut short keeps what it measured.
 """
@@ -105,7 +105,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--position", type=int, default=300, help="the position decode rows write (their context - 1)")
-    p.add_argument("--out", default="bench/results/kernels.json")
+    p.add_argument("--out", default="bench/raw/kernels.json")
     args = p.parse_args()
     device = torch.device("cuda")
     torch.manual_seed(0)

@@ -8,14 +8,14 @@ Measures, alternating the contenders round by round so machine noise hits them a
 - ours, for every ``--config PATH:NPROC`` (P/D split, single rank, ...): output tok/s and median TTFT at each
   ``--streams`` concurrency (streaming ``/generate``, ``2 x streams`` requests, at least 4);
 - HF ``generate`` (greedy) at batch 1 and batched at 8 (left-padded) on the same weights and prompts;
-- the bare loop (our model + KV cache, no serving; ``models/llama/bare_loop.py``) at batch = streams, eager and,
+- the bare loop (our model + KV cache, no serving; ``mstar_dist/tools/bare_loop.py``) at batch = streams, eager and,
   on CUDA, replaying CUDA graphs like the engine (the yardstick of the GPU targets, timed over its decode steps
   alone: ``tok_s`` is ``decode_tok_s`` there, the whole run is ``tok_s_with_prefill``) with the engine's Triton kernels
   where they run (in-place decode attention, fused pointwise; ``--bare-sdpa``, ``--bare-unfused``: without); on the
   CPU with the engine's oneDNN-packed weights (``models/common/linear.py``; ``--no-packed-bare``: ``F.linear``).
 Ratios and the targets of "Serve at the GPU's pace" go into the JSON (``--out``, default
-``bench/results/serving_<device>.json``). Every request asks for ``--max-tokens`` greedy tokens; all prompts are
-long-answer prompts so EOS rarely ends them early, and tok/s counts the tokens actually produced.
+``bench/raw/serving_<device>.json``, git-ignored). Every request asks for ``--max-tokens`` greedy tokens; all prompts
+are long-answer prompts so EOS rarely ends them early, and tok/s counts the tokens actually produced.
 """
 
 from __future__ import annotations
@@ -342,7 +342,7 @@ def hf_generate(hf_model, ids_list: list[list[int]], max_tokens: int, device: st
 
 def bare(model, cfg, ids_list: list[list[int]], batch: int, max_tokens: int, device: str, dtype,
          graphs: bool = False, bare_kernel: bool = True) -> dict:
-    from models.llama.bare_loop import bare_generate
+    from mstar_dist.tools.bare_loop import bare_generate
     from mstar_dist.engine import decode_attention
     from mstar_dist.engine.cuda_graphs import DecodeGraphs
     from mstar_dist.engine.kv_cache import StaticKVCache
@@ -559,7 +559,7 @@ def main() -> None:
         "targets_met": targets,
         "rounds": rows,
     }
-    out = Path(args.out or REPO / f"bench/results/serving_{args.device.split(':')[0]}.json")
+    out = Path(args.out or REPO / f"bench/raw/serving_{args.device.split(':')[0]}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(json.dumps({k: result[k] for k in ("cold_start_to_health_s", "median_tok_s", "ttft_median_s", "e2e_p50_s",

@@ -8,7 +8,7 @@
 # started it; a later command collects it (the machine must stay warm in between: issue the next one at once).
 #   bash scripts/gpu_soak.sh start [SECONDS=600]   launch into $SOAK_DIR (/tmp/soak), return at once
 #   bash scripts/gpu_soak.sh collect [WAIT=540]    wait up to WAIT s for the end, copy the JSON + log tails to $OUT
-#                                                  (or bench/results); exit 0 passed, 1 failed, 3 still running
+#                                                  (or bench/raw); exit 0 passed, 1 failed, 3 still running
 #   bash scripts/gpu_soak.sh auto [SECONDS] [WAIT] start unless a soak is in $SOAK_DIR already, then collect
 #   bash scripts/gpu_soak.sh status | stop
 # Env: SOAK_DIR, PYTHON (default python3, or .venv/bin/python where it exists), SOAK_CONCURRENCY_PD / _TP2
@@ -87,7 +87,7 @@ collect() {
       echo "$(date -Is) waiting: $(tail -n 1 "$dir/pd.out" 2>/dev/null) | $(tail -n 1 "$dir/tp2.out" 2>/dev/null)"
     fi
   done
-  out="${OUT:-bench/results}"
+  out="${OUT:-bench/raw}"
   mkdir -p "$out"
   device="$(cat "$dir/device" 2>/dev/null || echo cpu)"
   name=soak_mixed_cpu; [ "$device" = cuda ] && name=soak_h200x2

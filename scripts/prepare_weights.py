@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from models.llama.gguf_import import (  # noqa: E402
+from mstar_dist.tools.gguf_import import (  # noqa: E402
     DEFAULT_SMOLLM2_DIR, default_smollm2_gguf, is_prepared, prepare_from_gguf,
 )
 

@@ -1,7 +1,7 @@
 """Soak: many mixed requests against a deployment this script starts; outcomes, per-rank RSS, leaks, latency.
 
     python scripts/soak.py --config launch/configs/smollm2_pd.yaml --nproc 2 [--requests 1000] [--concurrency 8]
-        [--max-seconds 3600] [--out bench/results/soak_smollm2_pd.json]
+        [--max-seconds 3600] [--out bench/raw/soak_smollm2_pd.json]
 
 The plan is deterministic (``--seed``): native ``/generate`` and OpenAI ``/v1/chat/completions``, streamed and
 not, short and long (``max_tokens`` 4..64), greedy, sampled and seeded, some with stop strings, and one request in
@@ -447,7 +447,7 @@ def main() -> None:
     p.add_argument("--rss-tolerance", type=float, default=0.05)
     p.add_argument("--sample-s", type=float, default=2.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="default bench/results/soak_<config name>.json")
+    p.add_argument("--out", default=None, help="default bench/raw/soak_<config name>.json")
     args = p.parse_args()
     sys.path.insert(0, str(REPO))
     import yaml
@@ -473,7 +473,7 @@ def main() -> None:
     report["checks"] = checks(report)
     if not all(report["checks"].values()):
         report["server_log_tail"] = server.log()
-    out = Path(args.out or REPO / f"bench/results/soak_{config.stem}.json")
+    out = Path(args.out or REPO / f"bench/raw/soak_{config.stem}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
     summary = {k: report[k] for k in ("requests_sent", "counts", "latency_s", "after", "checks")}

@@ -39,10 +39,9 @@ run's time window (every process of the host reads one CLOCK_MONOTONIC, so their
   while the request's prefill waited; and the decode steps (count, ms) between its prefill's end and its first
   Emits leaving the rank;
 - ``client_ttft_ms``: the clients' own TTFT (first streamed line with tokens), median and p90.
-Writes the JSON to ``--out`` (default ``bench/results/ttft_trace_<device>.json``) and prints a compact table.
-``--events-out`` keeps every merged event (JSON lines) for a closer look. On one H200 (the 32-stream TTFT question):
-``bash scripts/gpu_run.sh ttftrace`` (carry ``.whl``, ``.ckpt``), that is ``python3 scripts/ttft_trace.py --device
-cuda --model llama --max-tokens 256 --streams 1 32 --config launch/configs/smollm2_single.yaml:1``.
+Writes the JSON to ``--out`` (default ``bench/raw/ttft_trace_<device>.json``) and prints a compact table.
+``--events-out`` keeps every merged event (JSON lines) for a closer look. On a GPU machine: ``bash
+scripts/gpu_run.sh trace`` (the single rank with 4 intakes; carry ``.whl``, ``.ckpt``).
 """
 
 from __future__ import annotations
@@ -453,7 +452,7 @@ def main() -> None:
             result["machine"]["gpu"] = torch.cuda.get_device_name(0)
         except Exception:  # noqa: BLE001
             pass
-    out = Path(args.out or REPO / f"bench/results/ttft_trace_{args.device.split(':')[0]}.json")
+    out = Path(args.out or REPO / f"bench/raw/ttft_trace_{args.device.split(':')[0]}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     if args.events_out:

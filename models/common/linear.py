@@ -10,8 +10,9 @@ packed layer keeps its dense weight and takes ``F.linear`` below ``PACKED_MIN_RO
 memory of the layers it covers. The copy is a plain attribute, not a buffer (``state_dict`` and ``.to`` leave it
 out): pack a model once it is loaded where it runs.
 
-History (docs/notes.md): it used to multiply ``w @ x^T`` on the CPU for decode-sized inputs, which MKL once ran
-2-3x faster than ``F.linear``; with torch 2.13 that path is 2-3x *slower* than ``F.linear`` at 1-2 rows.
+History (decision D23 in bench/results/README.md): it used to multiply ``w @ x^T`` on the CPU for decode-sized
+inputs, which MKL once ran 2-3x faster than ``F.linear``; with torch 2.13 that path is 2-3x *slower* than
+``F.linear`` at 1-2 rows.
 """
 
 from __future__ import annotations

@@ -286,7 +286,7 @@ class SmolLM2Chat(LlamaChat):
     default_weights_dir = "~/.cache/mstar_dist/smollm2-135m-instruct"  # = gguf_import.DEFAULT_SMOLLM2_DIR
 
     def prepare_weights(self) -> None:
-        from models.llama.gguf_import import ensure_smollm2_weights
+        from mstar_dist.tools.gguf_import import ensure_smollm2_weights
 
         path = Path(self.weights_dir).expanduser()
         if not path.exists() and path != Path(self.default_weights_dir).expanduser():

@@ -9,7 +9,7 @@ the run) instead of 100, and the growth must also stay under 64 MiB. Why: each r
 preallocated KV cache (16 slots x 2048 positions, ~1.4 GiB in fp32) and the weights, so 5% alone is ~125 MiB of
 slack, more than 80 requests leak unless each leaks well over a MiB; 64 MiB is still several times the few MiB a
 short run moves (allocator pools, first-seen batch and sequence sizes: 4-7 MiB measured after 20 requests), which is
-why the baseline waits for 40 requests. The full runs (bench/results/soak_*.json) check 5% after 100 of 1000.
+why the baseline waits for 40 requests. The full runs (bench/results/soak_smollm2_pd.json) check 5% after 100 of 1000.
 """
 
 from __future__ import annotations

@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from models.common.linear import Linear, pack_for_cpu
-from models.llama.bare_loop import bare_generate
-from models.llama.gguf_import import DEFAULT_SMOLLM2_DIR, default_smollm2_gguf, ensure_smollm2_weights, \
-    prepare_from_gguf
 from models.llama.tokenizer import ChatTokenizer
 from models.llama.weights import load_llama
 from mstar_dist.engine.kv_cache import StaticKVCache
+from mstar_dist.tools.bare_loop import bare_generate
+from mstar_dist.tools.gguf_import import DEFAULT_SMOLLM2_DIR, default_smollm2_gguf, ensure_smollm2_weights, \
+    prepare_from_gguf
 
 transformers = pytest.importorskip("transformers")
 

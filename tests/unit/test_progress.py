@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from models.llama.config import LlamaConfig
-from models.llama.gguf_import import _dequantized_tensors
 from mstar_dist import logs
 from mstar_dist.logs import configure_logging, progress_bar
 from mstar_dist.serve import parse_args
+from mstar_dist.tools.gguf_import import dequantized_tensors
 
 
 class Terminal(io.StringIO):
@@ -84,7 +84,7 @@ def test_gguf_dequantization_shows_a_bar_per_tensor(restore, monkeypatch):
                for name in ("token_embd.weight", "output_norm.weight")]
     config = LlamaConfig(vocab_size=4, hidden_size=4, intermediate_size=8, n_layers=1, n_heads=2, n_kv_heads=2,
                          head_dim=2)
-    out = _dequantized_tensors(SimpleNamespace(tensors=tensors), config)
+    out = dequantized_tensors(SimpleNamespace(tensors=tensors), config)
     assert set(out) == {"model.embed_tokens.weight", "model.norm.weight"}
     assert "[rank 0 host h] dequantizing GGUF" in stderr.getvalue() and "2/2" in stderr.getvalue()
 

@@ -18,9 +18,44 @@ from pathlib import Path
 import pytest
 
 from models.llama.chat_template import TemplateRefused
-from models.llama.gguf_import import DEFAULT_SMOLLM2_DIR, default_smollm2_gguf, ensure_smollm2_weights
 from models.llama.tokenizer import ChatTokenizer
-from scripts.bench_detok import TEXT, sentencepiece_style
+from mstar_dist.tools.gguf_import import DEFAULT_SMOLLM2_DIR, default_smollm2_gguf, ensure_smollm2_weights
+
+TEXT = """The quick brown fox jumps over the lazy dog; naïve café owners say “déjà vu” at the façade.
+Übergrößenträger müssen die Straße überqueren, während Jürgen Käse isst.
+Съешь же ещё этих мягких французских булок, да выпей чаю.
+Ξεσκεπάζω την ψυχοφθόρα βδελυγμία. مرحبا بالعالم، كيف حالك اليوم؟ नमस्ते दुनिया, आप कैसे हैं?
+东京是日本的首都，人口超过一千三百万。我喜欢吃饺子和包子。 東京は日本の首都です。お寿司が大好きです。
+안녕하세요 세계! 오늘 날씨가 정말 좋네요. 🚀🎉 👩‍👩‍👧‍👦 🇫🇷 ✓ ∑∫√∞ ≤ ≥ ≠ ½ ¾ € £ ¥ ₹
+def fibonacci(n: int) -> int:
+    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)  # O(φⁿ)
+Numbers 0123456789 and a tab\tthen    spaces, then "quotes" and 'apostrophes' and <tags/>.
+"""
+"""Varied text (accented Latin, Cyrillic, Greek, Arabic, Devanagari, CJK, Hangul, emoji with joiners, maths, code)."""
+
+
+def sentencepiece_style(text: str, out_dir: Path) -> ChatTokenizer:
+    """A Llama-2-layout tokenizer (``▁`` for spaces, BPE with <0xNN> byte fallback) trained on ``text``, written
+    as an HF-layout tokenizer directory and loaded as a ChatTokenizer (its decoder is not ByteLevel)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    specials = ["<unk>", "<s>", "</s>"]
+    trainer = trainers.BpeTrainer(vocab_size=1500, special_tokens=specials + [f"<0x{b:02X}>" for b in range(256)],
+                                  limit_alphabet=150, show_progress=False)
+    tok.train_from_iterator([text] * 4, trainer=trainer)
+    # the byte tokens are vocabulary, not special: a decode that skips special tokens must keep them
+    spec = json.loads(tok.to_str())
+    spec["added_tokens"] = [t for t in spec["added_tokens"] if t["content"] in specials]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False))
+    (out_dir / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
+                                                               "unk_token": "<unk>"}))
+    return ChatTokenizer(out_dir)
+
 
 MULTILINGUAL = TEXT + "Ende: ß, é, 中, 🎉, 👩‍👩‍👧‍👦."
 
