@@ -24,9 +24,11 @@ import logging
 import numpy as np
 import torch
 
-from mstar_dist.transport.base import PeerDeadError
+from mstar_dist.control import messages as m
+from mstar_dist.transport.base import ArenaFull, Done, PeerDeadError, Transfer, TransferFailed
+from mstar_dist.transport.inline import str_to_dtype
 
-__all__ = ["ArenaPlane", "FirstFit", "LentSlots", "ReleaseQueue", "copy_into", "copy_into_at", "wrap_bytes"]
+__all__ = ["ArenaTransport", "FirstFit", "LentSlots", "ReleaseQueue", "copy_into", "copy_into_at", "wrap_bytes"]
 
 ALIGN = 64
 """Allocation granularity in bytes: every slot starts on a cache line, so every dtype view is aligned."""
@@ -281,26 +283,190 @@ def wrap_bytes(
     return out
 
 
-class ArenaPlane:
-    """The bookkeeping both arena transports keep around their allocator: dead peers, counters, slots lent, the
-    too-large error. A subclass sets ``name`` and calls ``_init_arena``; ``_on_peer_dead`` drops its own pending
-    work for a peer declared dead, ``_inflight`` counts it for ``stats``."""
+_CPU = torch.device("cpu")
+
+
+class ArenaTransport:
+    """A transport that lends this rank's memory to its consumers until they acknowledge (docs/architecture.md
+    §7): the arena, its allocator, the slots lent, dead peers, counters, and the whole ``DataPlane`` but for what
+    differs between the memories. Implements ``transport.base.DataPlane``.
+
+    A subclass sets ``name``, ``location_type`` (its ``m.Location`` struct) and ``arena_label`` (the arena named in
+    errors), calls ``__init__`` once its memory exists, and implements:
+
+    - ``_location(dst, offset, nbytes, slot)``: the descriptor's location of a slot (``slot`` -1: an empty tensor);
+    - ``_receive(wire, loc, src, target)``: the receive of a non-empty tensor the descriptor names;
+    - ``poll``: hand back what this rank let go, return the acknowledgements to send (``_ack_messages`` helps);
+    - ``_make_room``: take back the slots consumers handed back, before a send reports the arena full;
+    - ``_close``: release what it holds beyond the arena.
+
+    ``_send_in_place`` (expose a tensor without a copy), ``_on_peer_dead`` and ``_inflight`` have defaults.
+    Used from the rank's worker thread only.
+    """
 
     name = "arena"
-    global_rank: int
+    location_type: type = type(None)
+    """The ``m.Location`` struct of this transport's descriptors."""
+    arena_label = "arena"
+    """How errors name this rank's arena ("shared-memory arena <segment>", "Mooncake pool")."""
 
-    def _init_arena(self, size: int, **extra_stats: int) -> None:
-        self._alloc = FirstFit(size)
+    def __init__(self, global_rank: int, device: str | torch.device, arena: np.ndarray, arena_bytes: int,
+                 **extra_stats: int) -> None:
+        """``arena``: a flat uint8 array whose first ``arena_bytes`` bytes (rounded down to ``ALIGN``) are the
+        arena; it stays mapped (and at one address) for the transport's life. ``extra_stats``: the subclass's own
+        counters, with their initial values."""
+        self.global_rank = global_rank
+        self.device = torch.device(device)
+        self._arena = arena
+        self._arena_addr = arena.ctypes.data
+        self._alloc = FirstFit(arena_bytes)
         self._lent = LentSlots()
         self._dead: dict[int, str] = {}
         self._stats = dict(sends=0, recvs=0, bytes_sent=0, bytes_received=0, host_staging_copies=0, **extra_stats)
         self._leases = 0  # received tensors wrapping arena bytes that are still alive here
+        self._closed = False
 
     @property
     def bytes_used(self) -> int:
         """Bytes of this rank's arena in use (lent to consumers and not yet acknowledged, or holding received
         tensors)."""
         return self._alloc.used_bytes
+
+    # -- DataPlane ------------------------------------------------------------------------------------------
+    def post_send(self, tensor: torch.Tensor, dst: int) -> tuple[Transfer, m.Location]:
+        """Lend ``tensor`` to global rank ``dst``: in place where the subclass can expose it, else copied into a
+        slot of this rank's arena (then done at once: the source may be reused). ArenaFull when no block is
+        free even after ``_make_room``; ValueError when the tensor is bigger than the whole arena."""
+        # Runs once per tensor a rank sends, small ones included, so it stays lean: a small send is one
+        # allocation, one memmove and one location (docs/architecture.md §7).
+        if dst in self._dead:
+            self._check_peer(dst)
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes == 0:
+            self._count_send(0)
+            return Done(tensor), self._location(dst, 0, 0, -1)
+        placed = self._send_in_place(tensor, dst, nbytes)
+        if placed is not None:
+            self._count_send(nbytes)
+            return placed
+        alloc = self._alloc
+        offset = alloc.alloc(nbytes) if nbytes <= alloc.size else None
+        if offset is None:
+            offset = self._reserve(tensor, nbytes)
+        if not tensor.is_cpu:
+            self._stats["host_staging_copies"] += 1
+        try:
+            copy_into_at(self._arena, self._arena_addr, offset, tensor, nbytes)
+        except BaseException:  # nothing was lent: the block is ours again
+            alloc.free(offset)
+            raise
+        slot = self._lent.lend(dst, nbytes, lambda: alloc.free(offset))
+        self._count_send(nbytes)
+        return Done(tensor), self._location(dst, offset, nbytes, slot)
+
+    def post_recv(self, wire: m.WireTensor, src: int, device: torch.device | None = None) -> Transfer:
+        """The receive of what global rank ``src`` lent us; ``device`` as in ``DataPlane.post_recv`` (a CUDA
+        target gets a copy of the host bytes, counted in ``host_staging_copies``). TransferFailed for a
+        descriptor that is not this transport's."""
+        if src in self._dead:
+            self._check_peer(src)
+        loc = wire.at
+        if type(loc) is not self.location_type:
+            raise TransferFailed(f"{self.name} descriptor from rank {src} has no {self.location_type.__name__}: "
+                                 f"{loc!r}")
+        stats = self._stats
+        stats["recvs"] += 1
+        stats["bytes_received"] += loc.nbytes
+        target = _CPU if wire.host else (device or self.device)
+        if loc.nbytes == 0 or loc.slot < 0:
+            return Done(torch.empty(wire.shape, dtype=str_to_dtype(wire.dtype), device=target))
+        return self._receive(wire, loc, src, target)
+
+    def flush(self) -> None:
+        """Nothing is deferred: a post has copied or exposed the bytes when it returns."""
+
+    def device_inflight(self) -> bool:
+        return False
+
+    def withdraw(self, transfer: Transfer) -> bool:
+        """A lent slot is taken back through ``on_ack`` (the router does it), not here."""
+        return False
+
+    def on_ack(self, src: int, ack: m.TransferAck) -> None:
+        self._lent.give_back(src, ack.slots)
+
+    def is_dead(self, peer: int) -> bool:
+        return peer in self._dead
+
+    def abort_peer(self, peer: int, reason: str) -> None:
+        if peer in self._dead:
+            return
+        self._dead[peer] = reason
+        n = self._lent.reclaim_peer(peer)
+        self._on_peer_dead(peer)
+        logging.getLogger(type(self).__module__).warning(
+            "rank %d: %s to rank %d is dead (%s); reclaimed %d slot(s)", self.global_rank, self.name, peer, reason, n)
+
+    def stats(self) -> dict:
+        return {**self._stats, "inflight": self._inflight(), "bytes_used": self.bytes_used,
+                "slots_lent": len(self._lent), "leases": self._leases, "arena_bytes": self._alloc.size,
+                "dead_peers": sorted(self._dead)}
+
+    def close(self) -> None:
+        """Release everything this transport holds. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._close()
+
+    # -- for subclasses -------------------------------------------------------------------------------------
+    def _location(self, dst: int, offset: int, nbytes: int, slot: int) -> m.Location:
+        raise NotImplementedError
+
+    def _receive(self, wire: m.WireTensor, loc: m.Location, src: int, target: torch.device) -> Transfer:
+        raise NotImplementedError
+
+    def _make_room(self) -> int:
+        """Take back what consumers handed back without a message; returns how many slots came back."""
+        return 0
+
+    def _close(self) -> None:
+        """Release what the subclass holds (segments, registrations)."""
+
+    def _send_in_place(self, tensor: torch.Tensor, dst: int, nbytes: int) -> tuple[Transfer, m.Location] | None:
+        """Expose ``tensor`` to ``dst`` where it is, if this transport can (then lend the slot here); None: copy
+        it into the arena."""
+        return None
+
+    def _on_peer_dead(self, peer: int) -> None:
+        """Drop this transport's own pending work with ``peer`` (after its lent slots came back)."""
+
+    def _inflight(self) -> int:
+        return 0
+
+    def _reserve(self, tensor: torch.Tensor, nbytes: int) -> int:
+        """Offset of a free block of ``nbytes`` once the first try found none: after ``_make_room``, else
+        ArenaFull naming the arena (ValueError when the tensor is bigger than the whole arena)."""
+        self._check_fits(tensor, nbytes)
+        alloc = self._alloc
+        offset = alloc.alloc(nbytes) if self._make_room() else None
+        if offset is None:
+            raise ArenaFull(f"rank {self.global_rank}'s {self.arena_label} has {self.bytes_used} of {alloc.size} "
+                            f"bytes in use (lent to consumers, or holding received tensors) and no free block of "
+                            f"{nbytes} bytes (largest {alloc.largest_free})")
+        return offset
+
+    def _to_target(self, out: torch.Tensor, target: torch.device) -> torch.Tensor:
+        """A received host tensor where its consumer wants it (a device copy, counted as host staging)."""
+        if target.type == "cpu":
+            return out
+        self._stats["host_staging_copies"] += 1
+        return out.to(target)
+
+    def _ack_messages(self, slots_by_peer: dict[int, list[int]]) -> list[tuple[int, m.TransferAck]]:
+        """The ``TransferAck`` to send to each producer for ``slots``, none to dead peers, in rank order."""
+        return [(peer, m.TransferAck(via=self.name, slots=slots))
+                for peer, slots in sorted(slots_by_peer.items()) if peer not in self._dead]
 
     def _check_peer(self, peer: int) -> None:
         reason = self._dead.get(peer)
@@ -316,26 +482,3 @@ class ArenaPlane:
     def _count_send(self, nbytes: int) -> None:
         self._stats["sends"] += 1
         self._stats["bytes_sent"] += nbytes
-
-    def is_dead(self, peer: int) -> bool:
-        return peer in self._dead
-
-    def abort_peer(self, peer: int, reason: str) -> None:
-        if peer in self._dead:
-            return
-        self._dead[peer] = reason
-        n = self._lent.reclaim_peer(peer)
-        self._on_peer_dead(peer)
-        logging.getLogger(type(self).__module__).warning(
-            "rank %d: %s to rank %d is dead (%s); reclaimed %d slot(s)", self.global_rank, self.name, peer, reason, n)
-
-    def _on_peer_dead(self, peer: int) -> None:
-        """Drop this transport's own pending work with ``peer`` (after its lent slots came back)."""
-
-    def _inflight(self) -> int:
-        return 0
-
-    def stats(self) -> dict:
-        return {**self._stats, "inflight": self._inflight(), "bytes_used": self.bytes_used,
-                "slots_lent": len(self._lent), "leases": self._leases, "arena_bytes": self._alloc.size,
-                "dead_peers": sorted(self._dead)}
