@@ -39,14 +39,24 @@ from mstar_dist.control import messages as m
 from mstar_dist.transport.arena import ArenaTransport, ReleaseQueue, wrap_bytes
 from mstar_dist.transport.base import Transfer, TransferFailed
 from mstar_dist.transport.inline import str_to_dtype
+from mstar_dist.transport.registry import TransportSetup
 
-__all__ = ["MooncakeTransport", "PROTOCOLS", "REGISTER_MIN_BYTES"]
+__all__ = ["MooncakeTransport", "PROTOCOLS", "REGISTER_MIN_BYTES", "build"]
 
 log = logging.getLogger(__name__)
 
 PROTOCOLS = ("tcp", "rdma")
 REGISTER_MIN_BYTES = 1 << 20
 """Host tensors at least this big are registered in place over tcp instead of copied into the pool."""
+
+
+def build(setup: TransportSetup) -> MooncakeTransport:
+    """This rank's Mooncake transport (the registry's factory): the engine on this host's address, over
+    ``transport.mooncake_protocol`` (rdma on the host's ``transfer_device``), with a pool of
+    ``transport.arena_bytes``."""
+    cfg = setup.config
+    return MooncakeTransport(setup.global_rank, host_addr=setup.host_addr, protocol=cfg.mooncake_protocol,
+                             device_name=setup.transfer_device, arena_bytes=cfg.arena_bytes, device=setup.device)
 
 
 def _engine_class():

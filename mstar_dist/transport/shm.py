@@ -51,8 +51,9 @@ from mstar_dist.control import messages as m
 from mstar_dist.transport.arena import ArenaTransport, ReleaseQueue, wrap_bytes
 from mstar_dist.transport.base import Done, TransferFailed
 from mstar_dist.transport.inline import str_to_dtype
+from mstar_dist.transport.registry import TransportSetup
 
-__all__ = ["SEGMENT_PREFIX", "ShmTransport", "sweep_orphans"]
+__all__ = ["SEGMENT_PREFIX", "ShmTransport", "build", "sweep_orphans"]
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +105,14 @@ def sweep_orphans(directory: Path = SHM_DIR) -> list[str]:
     if removed:
         log.warning("removed %d shared-memory segment(s) left by dead servers: %s", len(removed), ", ".join(removed))
     return removed
+
+
+def build(setup: TransportSetup) -> ShmTransport:
+    """This rank's shm transport (the registry's factory): first the segments dead servers left behind go, then
+    this rank's own is made (``transport.arena_bytes``, named by the launch)."""
+    sweep_orphans()
+    return ShmTransport(setup.global_rank, launch_id=setup.launch_id, arena_bytes=setup.config.arena_bytes,
+                        device=setup.device)
 
 
 class _Segment:
