@@ -1,5 +1,7 @@
-"""What the arena transports (shm, mooncake) share: a first-fit allocator over one buffer, the table of slots
-lent to peers until they acknowledge, and tensors that wrap arena bytes and report when they are let go.
+"""What the arena transports (shm, mooncake) share: the ``ArenaTransport`` base (the whole ``DataPlane`` of a
+transport that lends its own memory until the consumer acknowledges), a first-fit allocator over one buffer,
+the table of slots lent to peers, host copies into the arena, and tensors that wrap arena bytes and report when
+they are let go.
 
 Lifetime of a slot (docs/architecture.md §7): the producer allocates it and copies the tensor in (or registers
 the tensor's own memory), the descriptor names it, the consumer wraps (shm) or reads (mooncake) it and sends a
@@ -15,11 +17,10 @@ import bisect
 import collections
 import concurrent.futures
 import ctypes
+import logging
 import os
 import weakref
 from typing import Callable
-
-import logging
 
 import numpy as np
 import torch
@@ -131,9 +132,6 @@ class LentSlots:
     def __len__(self) -> int:
         return len(self._slots)
 
-    def to(self, peer: int) -> int:
-        return sum(1 for lent in self._slots.values() if lent[0] == peer)
-
 
 class ReleaseQueue:
     """Collects (peer, slot) pairs of wrapped tensors that were let go; drained by the worker thread."""
@@ -174,7 +172,7 @@ _copy_pool: concurrent.futures.ThreadPoolExecutor | None = None
 
 def copy_threads() -> int:
     """Threads a large host copy is split over: the CPUs this process may run on, at most 4 (one memcpy stream
-    per core; on the 2-core CI machine two threads copy 64 MiB in about half the time of one)."""
+    per core: one core's memcpy is what limits a large copy)."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -187,7 +185,7 @@ def copy_into(dst: torch.Tensor | np.ndarray, tensor: torch.Tensor) -> None:
     exactly its bytes.
 
     A contiguous host tensor goes through numpy's ``copyto`` (libc ``memcpy``: non-temporal stores for large
-    blocks), about 1.4x the speed of ``Tensor.copy_``'s element loop at 64 MiB into a shared mapping; from
+    blocks), faster than ``Tensor.copy_``'s element loop into a shared mapping; from
     ``SPLIT_COPY_BYTES`` on, in equal parts on ``copy_threads()`` threads at once (numpy lets the GIL go while it
     copies), since one core's memcpy is what limits an arena transfer (docs/architecture.md §7). A lazily
     conjugated or negated view (``x.conj()``, ``x.conj().imag``) is resolved first: its raw bytes are not its
@@ -222,9 +220,8 @@ def copy_into_at(base: np.ndarray, address: int, offset: int, tensor: torch.Tens
     """``copy_into(base[offset:offset + nbytes], tensor)``, where ``address`` is the address of ``base``'s first
     byte and ``nbytes`` the tensor's size.
 
-    A contiguous host tensor below ``SPLIT_COPY_BYTES`` is one ``memmove`` from its data pointer: a few hundred
-    nanoseconds, against several microseconds of views for numpy's copy, which is most of a small arena send's
-    cost (docs/architecture.md §7). Lazily conjugated or negated views take ``copy_into``, which resolves them."""
+    A contiguous host tensor below ``SPLIT_COPY_BYTES`` is one ``memmove`` from its data pointer: the views numpy's
+    copy builds first would be most of a small arena send's cost (docs/architecture.md §7). Lazily conjugated or negated views take ``copy_into``, which resolves them."""
     if (nbytes < SPLIT_COPY_BYTES and tensor.is_cpu and tensor.is_contiguous() and not tensor.is_neg()
             and not tensor.is_conj()):
         _memmove(address + offset, tensor.data_ptr(), nbytes)
@@ -263,8 +260,8 @@ def wrap_bytes(
 
     The tensor's storage holds a numpy view of those bytes; every tensor view derived from it shares that
     storage, so the numpy view dies (and a weak reference to it calls ``on_release``) only after the last of
-    them does. A plain weak reference kept in a table, not ``weakref.finalize`` (0.2 us against 5 here), which
-    counts on every small arena receive (docs/architecture.md §7).
+    them does. A plain weak reference kept in a table, not ``weakref.finalize`` (far dearer to set up), since
+    that cost counts on every small arena receive (docs/architecture.md §7).
     """
     view = base[offset:offset + nbytes]
     np_dtype = _NUMPY_DTYPES.get(dtype)

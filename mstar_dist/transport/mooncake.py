@@ -39,7 +39,7 @@ from mstar_dist.control import messages as m
 from mstar_dist.transport.arena import ArenaTransport, ReleaseQueue, wrap_bytes
 from mstar_dist.transport.base import Transfer, TransferFailed
 from mstar_dist.transport.inline import str_to_dtype
-from mstar_dist.transport.registry import TransportSetup
+from mstar_dist.transport.plane import TransportSetup
 
 __all__ = ["MooncakeTransport", "PROTOCOLS", "REGISTER_MIN_BYTES", "build"]
 

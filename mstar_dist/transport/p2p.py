@@ -59,7 +59,7 @@ import torch.distributed as dist
 from mstar_dist.distributed.groups import PairGroup
 from mstar_dist.transport.base import PeerDeadError
 from mstar_dist.transport.inline import str_to_dtype
-from mstar_dist.transport.registry import TransportSetup
+from mstar_dist.transport.plane import TransportSetup
 
 __all__ = ["P2PTransport", "PairDeadError", "Transfer", "build"]
 
@@ -208,7 +208,7 @@ class Transfer:
 
     def _wait_cuda(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        spin_until = time.monotonic() + 2e-3  # spin briefly: small transfers finish in tens of µs
+        spin_until = time.monotonic() + 2e-3  # spin briefly: a small transfer ends before a sleep would
         while not self._work.is_completed():
             now = time.monotonic()
             if now > deadline:

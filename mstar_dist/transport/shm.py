@@ -51,7 +51,7 @@ from mstar_dist.control import messages as m
 from mstar_dist.transport.arena import ArenaTransport, ReleaseQueue, wrap_bytes
 from mstar_dist.transport.base import Done, TransferFailed
 from mstar_dist.transport.inline import str_to_dtype
-from mstar_dist.transport.registry import TransportSetup
+from mstar_dist.transport.plane import TransportSetup
 
 __all__ = ["SEGMENT_PREFIX", "ShmTransport", "build", "sweep_orphans"]
 
@@ -68,7 +68,7 @@ _SWEEPABLE = re.compile(r"mstar_dist\.[0-9A-Za-z_-]+\.r\d+\.p\d+|\.mstar_dist\.t
 """Segments, and segments that a process died creating (before it renamed them)."""
 TMP_GRACE_S = 60.0
 """A half-made segment younger than this is never swept: its creator opens it before it can lock it, and a sweep of
-another rank starting on the host in that moment unlinked it (the creator's rename then failed: seen in CI)."""
+another rank starting on the host in that moment would unlink it (and the creator's rename then fail)."""
 
 
 def sweep_orphans(directory: Path = SHM_DIR) -> list[str]:
@@ -127,7 +127,7 @@ class _Segment:
         self.address = self.array.ctypes.data
         """Address of the segment's first byte in this process (valid while the mapping lives: our lifetime)."""
         # the release rings: a memoryview of 8-byte words reads and writes plain ints, each one aligned 8-byte
-        # load or store, at half the cost of numpy's scalars (the producer reads a ring every turn of its loop)
+        # load or store, cheaper than numpy's scalars (the producer reads a ring every turn of its loop)
         self.words = memoryview(self.map)[:size - size % 8].cast("Q")
 
 

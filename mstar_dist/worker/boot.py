@@ -253,7 +253,7 @@ def build_data_plane(dep: Deployment, info: RankInfo, device: str, timeout_s: fl
     some peer of this rank uses them, behind the per-tensor router."""
     from mstar_dist.distributed.groups import create_pair_groups, warm_pairs
     from mstar_dist.distributed.init import backend_for_device
-    from mstar_dist.transport.registry import TransportSetup, build_transports
+    from mstar_dist.transport.plane import TransportSetup, build_transports
     from mstar_dist.transport.router import Router
 
     rank, cfg = info.global_rank, dep.config.transport

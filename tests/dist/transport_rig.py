@@ -16,7 +16,7 @@ from mstar_dist.distributed.groups import create_pair_groups, warm_pairs
 from mstar_dist.distributed.init import init_distributed, shutdown_distributed
 from mstar_dist.transport.base import ArenaFull, DataPlane, Transfer
 from mstar_dist.transport.inline import dtype_to_str
-from mstar_dist.transport.registry import TransportSetup, build_transports
+from mstar_dist.transport.plane import TransportSetup, build_transports
 
 TOKEN = "transport-test"
 

@@ -1,4 +1,5 @@
-"""The transport registry (mstar_dist/transport/registry.py): a new transport is one file plus one registry entry.
+"""The transport registry (mstar_dist/transport/registry.py, built by transport/plane.py): a new transport is one
+file plus one registry entry.
 
 A failure means adding a transport takes more than that (the command line or the rank's startup still names the
 transports itself), or a mistake in a registration (an unknown name, a factory building another transport than
@@ -16,7 +17,8 @@ from mstar_dist.config.deployment import TransportConfig
 from mstar_dist.control import messages as m
 from mstar_dist.transport import registry
 from mstar_dist.transport.base import Done
-from mstar_dist.transport.registry import TransportSetup, build, build_transports, names, register, unregister
+from mstar_dist.transport.plane import TransportSetup, build, build_transports
+from mstar_dist.transport.registry import names, register, unregister
 from mstar_dist.transport.router import Router
 
 _WIRE: collections.deque = collections.deque()
