@@ -31,7 +31,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import time
 
 import torch
 
@@ -94,7 +93,6 @@ class _RecvTransfer:
         self._offset: int | None = None
         self._batch: int | None = None
         self._result: torch.Tensor | None = None
-        self._started = time.monotonic()
 
     @property
     def tensor(self) -> torch.Tensor:

@@ -193,13 +193,13 @@ class ShmTransport(ArenaTransport):
         if loc.offset < 0 or loc.offset + nbytes > seg.size:
             raise TransferFailed(f"shm descriptor from rank {src} points past segment {loc.segment} "
                                  f"({loc.offset}+{nbytes} > {seg.size})")
-        released, slot = self._released, loc.slot
-        self._leases += 1
         if loc.ring >= 0 and src not in self._peer_rings:
             if loc.ring % 8 or not seg.size - RINGS * RING_ENTRIES * 8 <= loc.ring <= seg.size - RING_ENTRIES * 8:
                 raise TransferFailed(f"shm descriptor from rank {src} names a release ring at {loc.ring}, "
                                      f"outside segment {loc.segment}'s rings")
             self._peer_rings[src] = [seg, loc.ring // 8, 0]
+        released, slot = self._released, loc.slot
+        self._leases += 1  # until the release comes back through ``poll`` (also when the wrap fails: it releases)
         out = wrap_bytes(seg.array, loc.offset, nbytes, str_to_dtype(wire.dtype), wire.shape,
                          lambda: released.put(src, slot))
         return Done(self._to_target(out, target))
