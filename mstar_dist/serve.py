@@ -12,6 +12,8 @@ import os
 import socket
 import sys
 
+from mstar_dist.transport import registry
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="mstar-dist", description="Serve a composite model across torchrun ranks.")
@@ -26,9 +28,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-body-bytes", type=int, default=None, help="overrides server.max_body_bytes (413 above)")
     p.add_argument("--http-processes", type=int, default=None,
                    help="overrides server.http_processes (processes parsing HTTP on the port; default 1)")
-    p.add_argument("--intra-host-tensor-protocol", choices=["p2p", "mooncake", "shm"], default=None,
+    p.add_argument("--intra-host-tensor-protocol", choices=registry.names(), default=None,
                    help="transport for tensors whose consumer is on the same host (overrides transport.intra_host)")
-    p.add_argument("--inter-host-tensor-protocol", choices=["p2p", "mooncake", "shm"], default=None,
+    p.add_argument("--inter-host-tensor-protocol", choices=registry.names(), default=None,
                    help="transport for tensors whose consumer is on another host (overrides transport.inter_host)")
     p.add_argument("--startup-timeout", type=float, default=300.0,
                    help="seconds every rank has to join, load and report READY (default 300)")

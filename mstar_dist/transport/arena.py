@@ -1,5 +1,7 @@
-"""What the arena transports (shm, mooncake) share: a first-fit allocator over one buffer, the table of slots
-lent to peers until they acknowledge, and tensors that wrap arena bytes and report when they are let go.
+"""What the arena transports (shm, mooncake) share: the ``ArenaTransport`` base (the whole ``DataPlane`` of a
+transport that lends its own memory until the consumer acknowledges), a first-fit allocator over one buffer,
+the table of slots lent to peers, host copies into the arena, and tensors that wrap arena bytes and report when
+they are let go.
 
 Lifetime of a slot (docs/architecture.md §7): the producer allocates it and copies the tensor in (or registers
 the tensor's own memory), the descriptor names it, the consumer wraps (shm) or reads (mooncake) it and sends a
@@ -15,18 +17,19 @@ import bisect
 import collections
 import concurrent.futures
 import ctypes
+import logging
 import os
 import weakref
 from typing import Callable
 
-import logging
-
 import numpy as np
 import torch
 
-from mstar_dist.transport.base import PeerDeadError
+from mstar_dist.control import messages as m
+from mstar_dist.transport.base import ArenaFull, Done, PeerDeadError, Transfer, TransferFailed
+from mstar_dist.transport.inline import str_to_dtype
 
-__all__ = ["ArenaPlane", "FirstFit", "LentSlots", "ReleaseQueue", "copy_into", "copy_into_at", "wrap_bytes"]
+__all__ = ["ArenaTransport", "FirstFit", "LentSlots", "ReleaseQueue", "copy_into", "copy_into_at", "wrap_bytes"]
 
 ALIGN = 64
 """Allocation granularity in bytes: every slot starts on a cache line, so every dtype view is aligned."""
@@ -129,9 +132,6 @@ class LentSlots:
     def __len__(self) -> int:
         return len(self._slots)
 
-    def to(self, peer: int) -> int:
-        return sum(1 for lent in self._slots.values() if lent[0] == peer)
-
 
 class ReleaseQueue:
     """Collects (peer, slot) pairs of wrapped tensors that were let go; drained by the worker thread."""
@@ -172,7 +172,7 @@ _copy_pool: concurrent.futures.ThreadPoolExecutor | None = None
 
 def copy_threads() -> int:
     """Threads a large host copy is split over: the CPUs this process may run on, at most 4 (one memcpy stream
-    per core; on the 2-core CI machine two threads copy 64 MiB in about half the time of one)."""
+    per core: one core's memcpy is what limits a large copy)."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -185,7 +185,7 @@ def copy_into(dst: torch.Tensor | np.ndarray, tensor: torch.Tensor) -> None:
     exactly its bytes.
 
     A contiguous host tensor goes through numpy's ``copyto`` (libc ``memcpy``: non-temporal stores for large
-    blocks), about 1.4x the speed of ``Tensor.copy_``'s element loop at 64 MiB into a shared mapping; from
+    blocks), faster than ``Tensor.copy_``'s element loop into a shared mapping; from
     ``SPLIT_COPY_BYTES`` on, in equal parts on ``copy_threads()`` threads at once (numpy lets the GIL go while it
     copies), since one core's memcpy is what limits an arena transfer (docs/architecture.md §7). A lazily
     conjugated or negated view (``x.conj()``, ``x.conj().imag``) is resolved first: its raw bytes are not its
@@ -220,9 +220,8 @@ def copy_into_at(base: np.ndarray, address: int, offset: int, tensor: torch.Tens
     """``copy_into(base[offset:offset + nbytes], tensor)``, where ``address`` is the address of ``base``'s first
     byte and ``nbytes`` the tensor's size.
 
-    A contiguous host tensor below ``SPLIT_COPY_BYTES`` is one ``memmove`` from its data pointer: a few hundred
-    nanoseconds, against several microseconds of views for numpy's copy, which is most of a small arena send's
-    cost (docs/architecture.md §7). Lazily conjugated or negated views take ``copy_into``, which resolves them."""
+    A contiguous host tensor below ``SPLIT_COPY_BYTES`` is one ``memmove`` from its data pointer: the views numpy's
+    copy builds first would be most of a small arena send's cost (docs/architecture.md §7). Lazily conjugated or negated views take ``copy_into``, which resolves them."""
     if (nbytes < SPLIT_COPY_BYTES and tensor.is_cpu and tensor.is_contiguous() and not tensor.is_neg()
             and not tensor.is_conj()):
         _memmove(address + offset, tensor.data_ptr(), nbytes)
@@ -261,8 +260,8 @@ def wrap_bytes(
 
     The tensor's storage holds a numpy view of those bytes; every tensor view derived from it shares that
     storage, so the numpy view dies (and a weak reference to it calls ``on_release``) only after the last of
-    them does. A plain weak reference kept in a table, not ``weakref.finalize`` (0.2 us against 5 here), which
-    counts on every small arena receive (docs/architecture.md §7).
+    them does. A plain weak reference kept in a table, not ``weakref.finalize`` (far dearer to set up), since
+    that cost counts on every small arena receive (docs/architecture.md §7).
     """
     view = base[offset:offset + nbytes]
     np_dtype = _NUMPY_DTYPES.get(dtype)
@@ -281,26 +280,190 @@ def wrap_bytes(
     return out
 
 
-class ArenaPlane:
-    """The bookkeeping both arena transports keep around their allocator: dead peers, counters, slots lent, the
-    too-large error. A subclass sets ``name`` and calls ``_init_arena``; ``_on_peer_dead`` drops its own pending
-    work for a peer declared dead, ``_inflight`` counts it for ``stats``."""
+_CPU = torch.device("cpu")
+
+
+class ArenaTransport:
+    """A transport that lends this rank's memory to its consumers until they acknowledge (docs/architecture.md
+    §7): the arena, its allocator, the slots lent, dead peers, counters, and the whole ``DataPlane`` but for what
+    differs between the memories. Implements ``transport.base.DataPlane``.
+
+    A subclass sets ``name``, ``location_type`` (its ``m.Location`` struct) and ``arena_label`` (the arena named in
+    errors), calls ``__init__`` once its memory exists, and implements:
+
+    - ``_location(dst, offset, nbytes, slot)``: the descriptor's location of a slot (``slot`` -1: an empty tensor);
+    - ``_receive(wire, loc, src, target)``: the receive of a non-empty tensor the descriptor names;
+    - ``poll``: hand back what this rank let go, return the acknowledgements to send (``_ack_messages`` helps);
+    - ``_make_room``: take back the slots consumers handed back, before a send reports the arena full;
+    - ``_close``: release what it holds beyond the arena.
+
+    ``_send_in_place`` (expose a tensor without a copy), ``_on_peer_dead`` and ``_inflight`` have defaults.
+    Used from the rank's worker thread only.
+    """
 
     name = "arena"
-    global_rank: int
+    location_type: type = type(None)
+    """The ``m.Location`` struct of this transport's descriptors."""
+    arena_label = "arena"
+    """How errors name this rank's arena ("shared-memory arena <segment>", "Mooncake pool")."""
 
-    def _init_arena(self, size: int, **extra_stats: int) -> None:
-        self._alloc = FirstFit(size)
+    def __init__(self, global_rank: int, device: str | torch.device, arena: np.ndarray, arena_bytes: int,
+                 **extra_stats: int) -> None:
+        """``arena``: a flat uint8 array whose first ``arena_bytes`` bytes (rounded down to ``ALIGN``) are the
+        arena; it stays mapped (and at one address) for the transport's life. ``extra_stats``: the subclass's own
+        counters, with their initial values."""
+        self.global_rank = global_rank
+        self.device = torch.device(device)
+        self._arena = arena
+        self._arena_addr = arena.ctypes.data
+        self._alloc = FirstFit(arena_bytes)
         self._lent = LentSlots()
         self._dead: dict[int, str] = {}
         self._stats = dict(sends=0, recvs=0, bytes_sent=0, bytes_received=0, host_staging_copies=0, **extra_stats)
         self._leases = 0  # received tensors wrapping arena bytes that are still alive here
+        self._closed = False
 
     @property
     def bytes_used(self) -> int:
         """Bytes of this rank's arena in use (lent to consumers and not yet acknowledged, or holding received
         tensors)."""
         return self._alloc.used_bytes
+
+    # -- DataPlane ------------------------------------------------------------------------------------------
+    def post_send(self, tensor: torch.Tensor, dst: int) -> tuple[Transfer, m.Location]:
+        """Lend ``tensor`` to global rank ``dst``: in place where the subclass can expose it, else copied into a
+        slot of this rank's arena (then done at once: the source may be reused). ArenaFull when no block is
+        free even after ``_make_room``; ValueError when the tensor is bigger than the whole arena."""
+        # Runs once per tensor a rank sends, small ones included, so it stays lean: a small send is one
+        # allocation, one memmove and one location (docs/architecture.md §7).
+        if dst in self._dead:
+            self._check_peer(dst)
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes == 0:
+            self._count_send(0)
+            return Done(tensor), self._location(dst, 0, 0, -1)
+        placed = self._send_in_place(tensor, dst, nbytes)
+        if placed is not None:
+            self._count_send(nbytes)
+            return placed
+        alloc = self._alloc
+        offset = alloc.alloc(nbytes) if nbytes <= alloc.size else None
+        if offset is None:
+            offset = self._reserve(tensor, nbytes)
+        if not tensor.is_cpu:
+            self._stats["host_staging_copies"] += 1
+        try:
+            copy_into_at(self._arena, self._arena_addr, offset, tensor, nbytes)
+        except BaseException:  # nothing was lent: the block is ours again
+            alloc.free(offset)
+            raise
+        slot = self._lent.lend(dst, nbytes, lambda: alloc.free(offset))
+        self._count_send(nbytes)
+        return Done(tensor), self._location(dst, offset, nbytes, slot)
+
+    def post_recv(self, wire: m.WireTensor, src: int, device: torch.device | None = None) -> Transfer:
+        """The receive of what global rank ``src`` lent us; ``device`` as in ``DataPlane.post_recv`` (a CUDA
+        target gets a copy of the host bytes, counted in ``host_staging_copies``). TransferFailed for a
+        descriptor that is not this transport's."""
+        if src in self._dead:
+            self._check_peer(src)
+        loc = wire.at
+        if type(loc) is not self.location_type:
+            raise TransferFailed(f"{self.name} descriptor from rank {src} has no {self.location_type.__name__}: "
+                                 f"{loc!r}")
+        stats = self._stats
+        stats["recvs"] += 1
+        stats["bytes_received"] += loc.nbytes
+        target = _CPU if wire.host else (device or self.device)
+        if loc.nbytes == 0 or loc.slot < 0:
+            return Done(torch.empty(wire.shape, dtype=str_to_dtype(wire.dtype), device=target))
+        return self._receive(wire, loc, src, target)
+
+    def flush(self) -> None:
+        """Nothing is deferred: a post has copied or exposed the bytes when it returns."""
+
+    def device_inflight(self) -> bool:
+        return False
+
+    def withdraw(self, transfer: Transfer) -> bool:
+        """A lent slot is taken back through ``on_ack`` (the router does it), not here."""
+        return False
+
+    def on_ack(self, src: int, ack: m.TransferAck) -> None:
+        self._lent.give_back(src, ack.slots)
+
+    def is_dead(self, peer: int) -> bool:
+        return peer in self._dead
+
+    def abort_peer(self, peer: int, reason: str) -> None:
+        if peer in self._dead:
+            return
+        self._dead[peer] = reason
+        n = self._lent.reclaim_peer(peer)
+        self._on_peer_dead(peer)
+        logging.getLogger(type(self).__module__).warning(
+            "rank %d: %s to rank %d is dead (%s); reclaimed %d slot(s)", self.global_rank, self.name, peer, reason, n)
+
+    def stats(self) -> dict:
+        return {**self._stats, "inflight": self._inflight(), "bytes_used": self.bytes_used,
+                "slots_lent": len(self._lent), "leases": self._leases, "arena_bytes": self._alloc.size,
+                "dead_peers": sorted(self._dead)}
+
+    def close(self) -> None:
+        """Release everything this transport holds. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._close()
+
+    # -- for subclasses -------------------------------------------------------------------------------------
+    def _location(self, dst: int, offset: int, nbytes: int, slot: int) -> m.Location:
+        raise NotImplementedError
+
+    def _receive(self, wire: m.WireTensor, loc: m.Location, src: int, target: torch.device) -> Transfer:
+        raise NotImplementedError
+
+    def _make_room(self) -> int:
+        """Take back what consumers handed back without a message; returns how many slots came back."""
+        return 0
+
+    def _close(self) -> None:
+        """Release what the subclass holds (segments, registrations)."""
+
+    def _send_in_place(self, tensor: torch.Tensor, dst: int, nbytes: int) -> tuple[Transfer, m.Location] | None:
+        """Expose ``tensor`` to ``dst`` where it is, if this transport can (then lend the slot here); None: copy
+        it into the arena."""
+        return None
+
+    def _on_peer_dead(self, peer: int) -> None:
+        """Drop this transport's own pending work with ``peer`` (after its lent slots came back)."""
+
+    def _inflight(self) -> int:
+        return 0
+
+    def _reserve(self, tensor: torch.Tensor, nbytes: int) -> int:
+        """Offset of a free block of ``nbytes`` once the first try found none: after ``_make_room``, else
+        ArenaFull naming the arena (ValueError when the tensor is bigger than the whole arena)."""
+        self._check_fits(tensor, nbytes)
+        alloc = self._alloc
+        offset = alloc.alloc(nbytes) if self._make_room() else None
+        if offset is None:
+            raise ArenaFull(f"rank {self.global_rank}'s {self.arena_label} has {self.bytes_used} of {alloc.size} "
+                            f"bytes in use (lent to consumers, or holding received tensors) and no free block of "
+                            f"{nbytes} bytes (largest {alloc.largest_free})")
+        return offset
+
+    def _to_target(self, out: torch.Tensor, target: torch.device) -> torch.Tensor:
+        """A received host tensor where its consumer wants it (a device copy, counted as host staging)."""
+        if target.type == "cpu":
+            return out
+        self._stats["host_staging_copies"] += 1
+        return out.to(target)
+
+    def _ack_messages(self, slots_by_peer: dict[int, list[int]]) -> list[tuple[int, m.TransferAck]]:
+        """The ``TransferAck`` to send to each producer for ``slots``, none to dead peers, in rank order."""
+        return [(peer, m.TransferAck(via=self.name, slots=slots))
+                for peer, slots in sorted(slots_by_peer.items()) if peer not in self._dead]
 
     def _check_peer(self, peer: int) -> None:
         reason = self._dead.get(peer)
@@ -316,26 +479,3 @@ class ArenaPlane:
     def _count_send(self, nbytes: int) -> None:
         self._stats["sends"] += 1
         self._stats["bytes_sent"] += nbytes
-
-    def is_dead(self, peer: int) -> bool:
-        return peer in self._dead
-
-    def abort_peer(self, peer: int, reason: str) -> None:
-        if peer in self._dead:
-            return
-        self._dead[peer] = reason
-        n = self._lent.reclaim_peer(peer)
-        self._on_peer_dead(peer)
-        logging.getLogger(type(self).__module__).warning(
-            "rank %d: %s to rank %d is dead (%s); reclaimed %d slot(s)", self.global_rank, self.name, peer, reason, n)
-
-    def _on_peer_dead(self, peer: int) -> None:
-        """Drop this transport's own pending work with ``peer`` (after its lent slots came back)."""
-
-    def _inflight(self) -> int:
-        return 0
-
-    def stats(self) -> dict:
-        return {**self._stats, "inflight": self._inflight(), "bytes_used": self.bytes_used,
-                "slots_lent": len(self._lent), "leases": self._leases, "arena_bytes": self._alloc.size,
-                "dead_peers": sorted(self._dead)}

@@ -2,13 +2,15 @@
 
 A transport moves one tensor from a producer rank to a consumer rank. The producer posts the send and gets back
 where the bytes are (``Location``) for the descriptor it then puts on the control plane; the consumer posts the
-receive when that descriptor arrives. Implementations, one file each:
+receive when that descriptor arrives. Implementations, one file each, listed by name in ``registry.py`` (which
+says how to add one):
 
 - ``p2p.py``: the directed pair groups (NCCL / gloo); FIFO per pair, no location;
 - ``shm.py``: a shared-memory arena per rank for ranks of one host; the consumer wraps the bytes in place and
   acknowledges when it lets them go;
 - ``mooncake.py``: the Mooncake transfer engine; the consumer reads one-sided, then acknowledges.
-``router.py`` picks one per tensor (inline when small, else by the consumer's host) and is what the worker holds.
+``shm`` and ``mooncake`` share ``arena.py``'s ``ArenaTransport``. ``router.py`` picks one per tensor (inline when
+small, else by the consumer's host), meters every transfer, and is what the worker holds.
 
 Arena transports lend producer memory until the consumer's ``TransferAck``: ``poll`` returns the
 acknowledgements this rank owes (the worker sends them), ``on_ack`` takes the ones it is owed. A post that finds
@@ -74,7 +76,7 @@ class DataPlane(Protocol):
     """A transport between this rank and its peers."""
 
     name: str
-    """The transport's name in descriptors and config: "p2p", "shm" or "mooncake"."""
+    """The transport's name in descriptors and config: its key in ``registry.TRANSPORTS``."""
 
     def post_send(self, tensor: torch.Tensor, dst: int) -> tuple[Transfer, m.Location | None]:
         """Start moving ``tensor`` to global rank ``dst``; returns the transfer and where the consumer finds the

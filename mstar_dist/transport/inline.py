@@ -1,7 +1,7 @@
 """Inline transport: a tensor encoded as bytes inside a control message.
 
 Small tensors (token ids, short chunks, scalars) ride inside the INPUTS message instead of going over a pair
-group: one eager NCCL/gloo op costs ~50 µs, a few hundred bytes of msgpack cost far less (docs/architecture.md §7).
+group: one eager NCCL/gloo op costs far more than a few hundred bytes of msgpack (docs/architecture.md §7).
 
 `InlineTensor` is the wire type the control messages embed. The bytes are the tensor's raw memory in row-major
 order and the host's byte order (little-endian on every machine we run on), so encode/decode is one copy each
@@ -21,7 +21,7 @@ import torch
 
 from mstar_dist.control.messages import InlineTensor  # the wire type lives with the messages (no torch there)
 
-__all__ = ["InlineTensor", "encode_tensor", "encode_ids", "decode_ids", "decode_tensor", "dtype_to_str",
+__all__ = ["encode_tensor", "encode_ids", "decode_ids", "decode_tensor", "dtype_to_str",
            "str_to_dtype"]
 
 
@@ -39,7 +39,7 @@ _DTYPES: dict[str, torch.dtype] = {
 _NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in _DTYPES.items()}
 _NUMPY = {name: np.dtype(name) for name in ("float64", "float32", "float16", "int64", "int32", "int16", "int8",
                                             "uint8", "bool")}
-"""Wire dtypes numpy reads the same way torch does: decoded through numpy, half the per-call overhead of torch's
+"""Wire dtypes numpy reads the same way torch does: decoded through numpy, less per-call overhead than torch's
 frombuffer/view/reshape (a decode step's tokens are many one-element tensors)."""
 
 
@@ -71,7 +71,6 @@ def encode_tensor(t: torch.Tensor) -> InlineTensor:
     """
     if t.dtype is torch.int64 and t.is_cpu and t.numel() == 1:
         # one token id, every row of every decode step: no numpy round trip and no torch.device built for the test
-        # (7 us -> 1.9 -> 0.8 on the 2-core VM)
         return InlineTensor("int64", [1] if t.dim() == 1 else list(t.shape), _INT64(t.item()))
     dtype = dtype_to_str(t.dtype)
     shape = list(t.shape)
@@ -86,8 +85,8 @@ def encode_tensor(t: torch.Tensor) -> InlineTensor:
 
 def encode_ids(ids: Sequence[int]) -> InlineTensor:
     """A prompt's token ids as the 1-d int64 `InlineTensor` that `encode_tensor` makes of them, built straight from
-    the ints: the tensor the conductor used to make of a prompt only to turn it back into bytes cost it ~60 us of a
-    request's ~110 on the 2-core VM (``torch.tensor`` then ``encode_tensor``), and the conductor admits a burst's
+    the ints: a tensor made of a prompt only to be turned back into bytes (``torch.tensor`` then
+    ``encode_tensor``) would be most of the conductor's work per request, and the conductor admits a burst's
     requests one after another (docs/architecture.md §2). OverflowError for an id outside int64."""
     raw = _wire_order(array("q", ids))
     return InlineTensor(dtype="int64", shape=[len(raw)], data=raw.tobytes())

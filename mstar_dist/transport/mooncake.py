@@ -31,22 +31,31 @@ from __future__ import annotations
 import json
 import logging
 import os
-import time
 
 import torch
 
 from mstar_dist.control import messages as m
-from mstar_dist.transport.arena import ArenaPlane, ReleaseQueue, copy_into, wrap_bytes
-from mstar_dist.transport.base import ArenaFull, Done, Transfer, TransferFailed
+from mstar_dist.transport.arena import ArenaTransport, ReleaseQueue, wrap_bytes
+from mstar_dist.transport.base import Transfer, TransferFailed
 from mstar_dist.transport.inline import str_to_dtype
+from mstar_dist.transport.plane import TransportSetup
 
-__all__ = ["MooncakeTransport", "PROTOCOLS", "REGISTER_MIN_BYTES"]
+__all__ = ["MooncakeTransport", "PROTOCOLS", "REGISTER_MIN_BYTES", "build"]
 
 log = logging.getLogger(__name__)
 
 PROTOCOLS = ("tcp", "rdma")
 REGISTER_MIN_BYTES = 1 << 20
 """Host tensors at least this big are registered in place over tcp instead of copied into the pool."""
+
+
+def build(setup: TransportSetup) -> MooncakeTransport:
+    """This rank's Mooncake transport (the registry's factory): the engine on this host's address, over
+    ``transport.mooncake_protocol`` (rdma on the host's ``transfer_device``), with a pool of
+    ``transport.arena_bytes``."""
+    cfg = setup.config
+    return MooncakeTransport(setup.global_rank, host_addr=setup.host_addr, protocol=cfg.mooncake_protocol,
+                             device_name=setup.transfer_device, arena_bytes=cfg.arena_bytes, device=setup.device)
 
 
 def _engine_class():
@@ -84,7 +93,6 @@ class _RecvTransfer:
         self._offset: int | None = None
         self._batch: int | None = None
         self._result: torch.Tensor | None = None
-        self._started = time.monotonic()
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -128,12 +136,9 @@ class _RecvTransfer:
         t, offset = self._t, self._offset
         t._acks.put(self.src, self.loc.slot)  # the producer's slot is free now
         t._leases += 1
-        out = wrap_bytes(t._pool_np, offset, self.loc.nbytes, str_to_dtype(self.wire.dtype), self.wire.shape,
+        out = wrap_bytes(t._arena, offset, self.loc.nbytes, str_to_dtype(self.wire.dtype), self.wire.shape,
                          lambda: t._local_free.put(-1, offset))
-        if not self.wire.host and self.device.type != "cpu":
-            t._stats["host_staging_copies"] += 1
-            out = out.to(self.device)
-        self._result = out
+        self._result = t._to_target(out, self.device)
         t._pending.discard(self)
 
     def _drop(self) -> None:
@@ -148,10 +153,12 @@ class _RecvTransfer:
         self._offset = None
 
 
-class MooncakeTransport(ArenaPlane):
+class MooncakeTransport(ArenaTransport):
     """This rank's transfer engine and registered pool. Implements ``transport.base.DataPlane``."""
 
     name = "mooncake"
+    location_type = m.MooncakeLocation
+    arena_label = "Mooncake pool"
 
     def __init__(self, global_rank: int, *, host_addr: str, protocol: str = "tcp", device_name: str | None = None,
                  arena_bytes: int, device: str | torch.device = "cpu") -> None:
@@ -160,8 +167,6 @@ class MooncakeTransport(ArenaPlane):
         RuntimeError naming the address, protocol and device when the engine cannot start or register."""
         if protocol not in PROTOCOLS:
             raise ValueError(f"mooncake protocol {protocol!r} is not one of {', '.join(PROTOCOLS)}")
-        self.global_rank = global_rank
-        self.device = torch.device(device)
         self.protocol = protocol
         if protocol == "tcp":
             os.environ["MC_FORCE_TCP"] = "1"  # protocol "tcp" alone still uses RDMA NICs when it finds them
@@ -175,19 +180,58 @@ class MooncakeTransport(ArenaPlane):
         self.session = f"{host_addr}:{self._engine.get_rpc_port()}"
         self._check_started(where, device_name)
         self._pool = torch.empty(arena_bytes, dtype=torch.uint8)
-        self._pool_np = self._pool.numpy()
         self._pool_addr = self._pool.data_ptr()
         rc = self._engine.register_memory(self._pool_addr, arena_bytes)
         if rc != 0:
             raise RuntimeError(f"{where}: registering the {arena_bytes}-byte pool failed with code {rc}")
-        self._init_arena(arena_bytes, registered_sends=0)
+        super().__init__(global_rank, device, self._pool.numpy(), arena_bytes, registered_sends=0)
         self._acks = ReleaseQueue()  # (producer, slot) to acknowledge
         self._local_free = ReleaseQueue()  # (-1, offset) of our pool let go by wrapped tensors
-        self._registered: dict[int, list] = {}  # data_ptr -> [nbytes, refcount]
+        self._registered: dict[int, list] = {}  # data_ptr -> [nbytes, number of sends lent from it]
         self._pending: set[_RecvTransfer] = set()
         self._zombies: list[tuple[int, int]] = []  # (batch, offset) of reads abandoned mid-flight
-        self._closed = False
         log.info("rank %d: Mooncake session %s (%s), pool %d bytes", global_rank, self.session, protocol, arena_bytes)
+
+    def poll(self) -> list[tuple[int, m.TransferAck]]:
+        """Free our pool's blocks that received tensors let go; acknowledge the reads that completed."""
+        if not (self._local_free or self._zombies or self._acks):  # nothing to do: most turns of the loop
+            return []
+        self._reclaim_local()
+        return self._ack_messages(self._acks.drain())
+
+    # -- ArenaTransport -------------------------------------------------------------------------------------
+    def _location(self, dst: int, offset: int, nbytes: int, slot: int) -> m.MooncakeLocation:
+        return m.MooncakeLocation(self.session, self._pool_addr + offset if slot >= 0 else 0, nbytes, slot)
+
+    def _send_in_place(self, tensor: torch.Tensor, dst: int, nbytes: int):
+        """A tensor in our pool (one we received, or a view of it) is readable where it is; a large contiguous
+        host tensor over tcp is registered where it is. Else None: copy it into the pool."""
+        if self._in_pool(tensor, nbytes):
+            transfer = _SendTransfer(self, tensor, dst)
+            slot = self._lent.lend(dst, nbytes, lambda: setattr(transfer, "acked", True))
+            return transfer, m.MooncakeLocation(self.session, tensor.data_ptr(), nbytes, slot)
+        if (self.protocol == "tcp" and nbytes >= REGISTER_MIN_BYTES and tensor.device.type == "cpu"
+                and tensor.is_contiguous()):
+            return self._register(tensor, dst, nbytes)
+        return None
+
+    def _receive(self, wire: m.WireTensor, loc: m.MooncakeLocation, src: int, target: torch.device) -> Transfer:
+        """Read what global rank ``src`` exposed into our pool (asynchronous; poll ``done()``)."""
+        tr = _RecvTransfer(self, wire, loc, src, target)
+        self._pending.add(tr)
+        self._reclaim_local()
+        tr.done()  # start it now if the pool has room
+        return tr
+
+    def _make_room(self) -> int:
+        return self._reclaim_local()
+
+    def _close(self) -> None:
+        """Drop every registration we made; the engine and pool go with the process."""
+        self._lent.reclaim_all()
+        for ptr in list(self._registered):
+            self._engine.unregister_memory(ptr)
+        self._registered.clear()
 
     def _on_peer_dead(self, peer: int) -> None:
         for tr in [t for t in self._pending if t.src == peer]:
@@ -195,85 +239,6 @@ class MooncakeTransport(ArenaPlane):
 
     def _inflight(self) -> int:
         return len(self._pending)
-
-    # -- DataPlane ------------------------------------------------------------------------------------------
-    def post_send(self, tensor: torch.Tensor, dst: int) -> tuple[Transfer, m.MooncakeLocation]:
-        """Expose ``tensor`` for global rank ``dst`` to read (in place when possible, else a pool copy)."""
-        self._check_peer(dst)
-        nbytes = tensor.numel() * tensor.element_size()
-        if nbytes == 0:
-            self._count_send(0)
-            return Done(tensor), m.MooncakeLocation(self.session, 0, 0, -1)
-        if self._in_pool(tensor, nbytes):  # a tensor we received (or one of its views): readable where it is
-            transfer = _SendTransfer(self, tensor, dst)
-            slot = self._lent.lend(dst, nbytes, lambda: setattr(transfer, "acked", True))
-            self._count_send(nbytes)
-            return transfer, m.MooncakeLocation(self.session, tensor.data_ptr(), nbytes, slot)
-        if (self.protocol == "tcp" and nbytes >= REGISTER_MIN_BYTES and tensor.device.type == "cpu"
-                and tensor.is_contiguous()):
-            placed = self._register(tensor, dst, nbytes)
-            if placed is not None:
-                self._count_send(nbytes)
-                return placed
-        self._check_fits(tensor, nbytes)
-        self._reclaim_local()
-        offset = self._alloc.alloc(nbytes)
-        if offset is None:
-            raise ArenaFull(f"rank {self.global_rank}'s Mooncake pool has {self.bytes_used} of {self._alloc.size} "
-                            f"bytes in use and no free block of {nbytes} bytes")
-        if tensor.device.type != "cpu":
-            self._stats["host_staging_copies"] += 1
-        copy_into(self._pool[offset:offset + nbytes], tensor)
-        slot = self._lent.lend(dst, nbytes, lambda: self._alloc.free(offset))
-        self._count_send(nbytes)
-        return Done(tensor), m.MooncakeLocation(self.session, self._pool_addr + offset, nbytes, slot)
-
-    def post_recv(self, wire: m.WireTensor, src: int, device: torch.device | None = None) -> Transfer:
-        """Read what global rank ``src`` exposed into our pool (asynchronous; poll ``done()``)."""
-        self._check_peer(src)
-        loc = wire.at
-        if not isinstance(loc, m.MooncakeLocation):
-            raise TransferFailed(f"mooncake descriptor from rank {src} has no Mooncake location: {loc!r}")
-        self._stats["recvs"] += 1
-        self._stats["bytes_received"] += loc.nbytes
-        target = torch.device("cpu") if wire.host else (device or self.device)
-        if loc.nbytes == 0 or loc.slot < 0:
-            return Done(torch.empty(wire.shape, dtype=str_to_dtype(wire.dtype), device=target))
-        tr = _RecvTransfer(self, wire, loc, src, target)
-        self._pending.add(tr)
-        self._reclaim_local()
-        tr.done()  # start it now if the pool has room
-        return tr
-
-    def flush(self) -> None:
-        """Nothing is deferred: a post has copied or exposed the bytes when it returns."""
-
-    def device_inflight(self) -> bool:
-        return False
-
-    def withdraw(self, transfer) -> bool:
-        """A lent slot is taken back through ``on_ack`` (the router does it), not here."""
-        return False
-
-    def poll(self) -> list[tuple[int, m.TransferAck]]:
-        if not (self._local_free or self._zombies or self._acks):  # nothing to do: most turns of the loop
-            return []
-        self._reclaim_local()
-        return [(peer, m.TransferAck(via=self.name, slots=slots))
-                for peer, slots in sorted(self._acks.drain().items()) if peer not in self._dead]
-
-    def on_ack(self, src: int, ack: m.TransferAck) -> None:
-        self._lent.give_back(src, ack.slots)
-
-    def close(self) -> None:
-        """Drop every registration we made; the engine and pool go with the process. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        self._lent.reclaim_all()
-        for ptr in list(self._registered):
-            self._engine.unregister_memory(ptr)
-        self._registered.clear()
 
     # -- internals ------------------------------------------------------------------------------------------
     def _check_started(self, where: str, device_name: str | None) -> None:
@@ -318,9 +283,13 @@ class MooncakeTransport(ArenaPlane):
         return (tensor.device.type == "cpu" and tensor.is_contiguous() and self._pool_addr <= ptr
                 and ptr + nbytes <= self._pool_addr + self._pool.numel())
 
-    def _reclaim_local(self) -> None:
+    def _reclaim_local(self) -> int:
+        """Free our pool's blocks that wrapped tensors let go, and those of abandoned reads the engine has
+        finished with; returns how many."""
+        n = 0
         for offsets in self._local_free.drain().values():
             self._leases -= len(offsets)
+            n += len(offsets)
             for offset in offsets:
                 self._alloc.free(offset)
         if self._zombies:
@@ -330,4 +299,6 @@ class MooncakeTransport(ArenaPlane):
                     still.append((batch, offset))
                 else:
                     self._alloc.free(offset)
+                    n += 1
             self._zombies = still
+        return n

@@ -59,8 +59,9 @@ import torch.distributed as dist
 from mstar_dist.distributed.groups import PairGroup
 from mstar_dist.transport.base import PeerDeadError
 from mstar_dist.transport.inline import str_to_dtype
+from mstar_dist.transport.plane import TransportSetup
 
-__all__ = ["P2PTransport", "PairDeadError", "Transfer"]
+__all__ = ["P2PTransport", "PairDeadError", "Transfer", "build"]
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,11 @@ _NATIVE_DTYPES = frozenset(
     {torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int8,
      torch.uint8, torch.bool}
 )
+
+
+def build(setup: TransportSetup) -> P2PTransport:
+    """This rank's p2p transport (the registry's factory) over the pair groups every rank created beforehand."""
+    return P2PTransport(setup.global_rank, dict(setup.pair_groups), setup.device)
 
 
 class PairDeadError(PeerDeadError):
@@ -202,7 +208,7 @@ class Transfer:
 
     def _wait_cuda(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        spin_until = time.monotonic() + 2e-3  # spin briefly: small transfers finish in tens of µs
+        spin_until = time.monotonic() + 2e-3  # spin briefly: a small transfer ends before a sleep would
         while not self._work.is_completed():
             now = time.monotonic()
             if now > deadline:
@@ -237,7 +243,8 @@ class P2PTransport:
 
     name = "p2p"
 
-    def __init__(self, global_rank: int, pair_groups: dict[tuple[int, int], PairGroup], device: str) -> None:
+    def __init__(self, global_rank: int, pair_groups: dict[tuple[int, int], PairGroup],
+                 device: str | torch.device) -> None:
         """`pair_groups`: this rank's pairs from `create_pair_groups`; `device`: the rank's compute device,
         the default for received tensors ("cpu" or "cuda:N")."""
         self.global_rank = global_rank

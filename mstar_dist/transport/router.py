@@ -8,16 +8,16 @@ this host". The descriptor (``WireTensor.via`` / ``.at``) says which transport c
 receive goes to that transport. Each peer is reached through exactly one transport (its host decides), so
 aborting a peer and asking whether it is dead need no transport name.
 
-Per-edge statistics (``--log-stats``, /metrics): every received value is counted under (walk, producer ->
+Metering (``--log-stats``, /metrics; ``metering.py``): every received value is counted under (walk, producer ->
 consumer, signal, transport) with its bytes and its transfer time (descriptor arrival to data ready, seen when
-the worker polls), see :class:`EdgeStats`.
+the worker polls), and every transfer a transport carries fills that transport's size and time histograms.
+The router meters every transport alike, so a transport never measures itself.
 
 Ranks are global ranks; used from the rank's worker thread only.
 """
 
 from __future__ import annotations
 
-import collections
 import gc
 import math
 import time
@@ -28,62 +28,9 @@ import torch
 from mstar_dist.control import messages as m
 from mstar_dist.transport.base import DataPlane, Done, PeerDeadError, Transfer
 from mstar_dist.transport.inline import decode_tensor, dtype_to_str, encode_tensor, str_to_dtype
+from mstar_dist.transport.metering import EdgeStats, MeteredSend, TimedRecv, TransferMeter
 
-__all__ = ["EdgeStats", "Router"]
-
-
-class EdgeStats:
-    """Count, bytes and recent transfer times per (walk, src, dst, signal, transport)."""
-
-    WINDOW = 1024
-    """Quantiles are over the last this-many transfers of each edge."""
-
-    def __init__(self) -> None:
-        self._edges: dict[tuple[str, int, int, str, str], list] = {}
-
-    def record(self, walk: str, src: int, dst: int, signal: str, via: str, nbytes: int, seconds: float) -> None:
-        entry = self._edges.get((walk, src, dst, signal, via))
-        if entry is None:
-            entry = self._edges[(walk, src, dst, signal, via)] = [0, 0, collections.deque(maxlen=self.WINDOW)]
-        entry[0] += 1
-        entry[1] += nbytes
-        entry[2].append(seconds)
-
-    def snapshot(self) -> list[m.EdgeStat]:
-        out = []
-        for (walk, src, dst, signal, via), (count, nbytes, times) in sorted(self._edges.items()):
-            ordered = sorted(times)
-            out.append(m.EdgeStat(walk=walk, src=src, dst=dst, signal=signal, via=via, count=count, nbytes=nbytes,
-                                  p50_s=_quantile(ordered, 0.5), p99_s=_quantile(ordered, 0.99)))
-        return out
-
-
-def _quantile(ordered: list[float], q: float) -> float:
-    if not ordered:
-        return 0.0
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-class _Timed:
-    """A receive that records its edge statistics the first time it is seen complete."""
-
-    __slots__ = ("_inner", "_stats", "_key", "_nbytes", "_t0", "_recorded")
-
-    def __init__(self, inner: Transfer, stats: EdgeStats, key: tuple, nbytes: int) -> None:
-        self._inner, self._stats, self._key, self._nbytes = inner, stats, key, nbytes
-        self._t0 = time.perf_counter()
-        self._recorded = False
-
-    @property
-    def tensor(self) -> torch.Tensor:
-        return self._inner.tensor
-
-    def done(self) -> bool:
-        finished = self._inner.done()
-        if finished and not self._recorded:
-            self._recorded = True
-            self._stats.record(*self._key, self._nbytes, time.perf_counter() - self._t0)
-        return finished
+__all__ = ["Router"]
 
 
 class Router:
@@ -101,6 +48,7 @@ class Router:
         self._transports = dict(transports)
         self._intra, self._inter = intra_host, inter_host
         self.edges = EdgeStats()
+        self._meters = {name: TransferMeter(name) for name in self._transports}
         self._last_gc = 0.0
 
     @property
@@ -112,27 +60,31 @@ class Router:
         """The transport for tensors between this rank and global rank ``peer``."""
         return self._intra if self._host.get(peer) == self._host.get(self.global_rank) else self._inter
 
-    def transport_for(self, peer: int) -> DataPlane:
+    def _name_for(self, peer: int) -> str:
+        """``via(peer)``, which this rank must run (PeerDeadError naming it otherwise)."""
         name = self.via(peer)
-        try:
-            return self._transports[name]
-        except KeyError:
+        if name not in self._transports:
             raise PeerDeadError(f"rank {self.global_rank} has no {name} transport to rank {peer} "
-                                f"(transports here: {sorted(self._transports)})") from None
+                                f"(transports here: {sorted(self._transports)})")
+        return name
 
     # -- sending --------------------------------------------------------------------------------------------
     def post_send(self, tensor: torch.Tensor, dst: int) -> tuple[Transfer, m.Carried]:
         """Start sending ``tensor`` to global rank ``dst``; returns the transfer and the value to put in the
         message (inline bytes, or the descriptor). Raises like the transport's ``post_send`` (ArenaFull,
         PeerDeadError, ...); nothing is lent or posted when it raises."""
-        if tensor.numel() * tensor.element_size() <= self.inline_max_bytes or dst == self.global_rank:
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes <= self.inline_max_bytes or dst == self.global_rank:
             return Done(tensor), encode_tensor(tensor)  # to this rank itself (a stream between two partitions
             # placed on one rank): inline at any size, no transport serves a rank to itself
-        plane = self.transport_for(dst)
+        name = self._name_for(dst)
+        plane = self._transports[name]
         dtype = dtype_to_str(tensor.dtype)  # before the post: a dtype the wire cannot name must not lend a slot
         transfer, at = plane.post_send(tensor, dst)
-        return transfer, m.WireTensor(shape=list(tensor.shape), dtype=dtype, host=tensor.is_cpu, via=plane.name,
-                                      at=at)
+        meter = self._meters[name]
+        meter.bytes["send"].observe(nbytes)
+        return MeteredSend(transfer, meter.seconds["send"]), m.WireTensor(
+            shape=list(tensor.shape), dtype=dtype, host=tensor.is_cpu, via=plane.name, at=at)
 
     def flush(self) -> None:
         """Issue the sends deferred until their descriptors went out (p2p; the worker calls this right after
@@ -153,7 +105,7 @@ class Router:
         plane = self._transports[value.via]
         slot = -1 if value.at is None else value.at.slot
         if value.at is None:
-            if not plane.withdraw(transfer):
+            if not plane.withdraw(transfer.inner if isinstance(transfer, MeteredSend) else transfer):
                 plane.abort_peer(dst, reason)
         elif slot >= 0:
             plane.on_ack(dst, m.TransferAck(via=value.via, slots=[slot]))
@@ -173,7 +125,10 @@ class Router:
                                 f"not run (transports here: {sorted(self._transports)})") from None
         nbytes = _nbytes(value)
         transfer = plane.post_recv(value, src, None)
-        return _Timed(transfer, self.edges, (walk, src, self.global_rank, signal, plane.name), nbytes)
+        meter = self._meters[value.via]
+        meter.bytes["recv"].observe(nbytes)
+        return TimedRecv(transfer, self.edges, (walk, src, self.global_rank, signal, plane.name), nbytes,
+                         meter.seconds["recv"])
 
     # -- the rest of DataPlane ------------------------------------------------------------------------------
     def poll(self) -> list[tuple[int, m.TransferAck]]:
@@ -219,7 +174,7 @@ class Router:
         per = {name: plane.stats() for name, plane in sorted(self._transports.items())}
         total = {key: sum(int(st.get(key, 0)) for st in per.values())
                  for key in ("sends", "recvs", "bytes_sent", "bytes_received", "host_staging_copies", "inflight")}
-        histograms = [h for st in per.values() for h in st.get("histograms", ())]  # metered transports' (telemetry)
+        histograms = [h for name in sorted(self._meters) for h in self._meters[name].snapshot()]
         return {**total, "transports": per, "histograms": histograms}
 
     def close(self) -> None:

@@ -48,11 +48,12 @@ import numpy as np
 import torch
 
 from mstar_dist.control import messages as m
-from mstar_dist.transport.arena import ArenaPlane, ReleaseQueue, copy_into_at, wrap_bytes
-from mstar_dist.transport.base import ArenaFull, Done, Transfer, TransferFailed
+from mstar_dist.transport.arena import ArenaTransport, ReleaseQueue, wrap_bytes
+from mstar_dist.transport.base import Done, TransferFailed
 from mstar_dist.transport.inline import str_to_dtype
+from mstar_dist.transport.plane import TransportSetup
 
-__all__ = ["SEGMENT_PREFIX", "ShmTransport", "sweep_orphans"]
+__all__ = ["SEGMENT_PREFIX", "ShmTransport", "build", "sweep_orphans"]
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ _SWEEPABLE = re.compile(r"mstar_dist\.[0-9A-Za-z_-]+\.r\d+\.p\d+|\.mstar_dist\.t
 """Segments, and segments that a process died creating (before it renamed them)."""
 TMP_GRACE_S = 60.0
 """A half-made segment younger than this is never swept: its creator opens it before it can lock it, and a sweep of
-another rank starting on the host in that moment unlinked it (the creator's rename then failed: seen in CI)."""
+another rank starting on the host in that moment would unlink it (and the creator's rename then fail)."""
 
 
 def sweep_orphans(directory: Path = SHM_DIR) -> list[str]:
@@ -106,6 +107,14 @@ def sweep_orphans(directory: Path = SHM_DIR) -> list[str]:
     return removed
 
 
+def build(setup: TransportSetup) -> ShmTransport:
+    """This rank's shm transport (the registry's factory): first the segments dead servers left behind go, then
+    this rank's own is made (``transport.arena_bytes``, named by the launch)."""
+    sweep_orphans()
+    return ShmTransport(setup.global_rank, launch_id=setup.launch_id, arena_bytes=setup.config.arena_bytes,
+                        device=setup.device)
+
+
 class _Segment:
     """A mapped segment (ours, or a peer's) with a numpy view over all of it."""
 
@@ -118,14 +127,15 @@ class _Segment:
         self.address = self.array.ctypes.data
         """Address of the segment's first byte in this process (valid while the mapping lives: our lifetime)."""
         # the release rings: a memoryview of 8-byte words reads and writes plain ints, each one aligned 8-byte
-        # load or store, at half the cost of numpy's scalars (the producer reads a ring every turn of its loop)
+        # load or store, cheaper than numpy's scalars (the producer reads a ring every turn of its loop)
         self.words = memoryview(self.map)[:size - size % 8].cast("Q")
 
 
-class ShmTransport(ArenaPlane):
+class ShmTransport(ArenaTransport):
     """This rank's arena plus the peers' segments it reads from. Implements ``transport.base.DataPlane``."""
 
     name = "shm"
+    location_type = m.ShmLocation
 
     def __init__(self, global_rank: int, *, launch_id: str, arena_bytes: int, device: str | torch.device = "cpu",
                  directory: Path = SHM_DIR) -> None:
@@ -134,104 +144,24 @@ class ShmTransport(ArenaPlane):
         space when /dev/shm cannot hold it."""
         if not re.fullmatch(r"[0-9A-Za-z_-]+", launch_id):
             raise ValueError(f"launch id {launch_id!r} must be letters, digits, '-' or '_'")
-        self.global_rank = global_rank
-        self.device = torch.device(device)
         self._dir = Path(directory)
         arena_bytes -= arena_bytes % 64
-        self._own = self._create(f"{SEGMENT_PREFIX}{launch_id}.r{global_rank}.p{os.getpid()}",
-                                 arena_bytes + RINGS * RING_ENTRIES * 8)
+        self._own = _create(self._dir, f"{SEGMENT_PREFIX}{launch_id}.r{global_rank}.p{os.getpid()}", arena_bytes,
+                            global_rank)
         self._segment = self._own.path.name
-        self._init_arena(arena_bytes, slots_back_by_ring=0, slots_back_by_message=0)
+        self.arena_label = f"shared-memory arena {self._segment}"
+        super().__init__(global_rank, device, self._own.array, arena_bytes, slots_back_by_ring=0,
+                         slots_back_by_message=0)
         self._released = ReleaseQueue()
         self._peers: dict[str, _Segment] = {}
         self._rings: dict[int, list[int]] = {}  # consumer -> [byte offset of its ring here, next entry to read]
         self._peer_rings: dict[int, list] = {}  # producer -> [its segment, word index of our ring there, next entry]
-        self._closed = False
         log.info("rank %d: shared-memory arena %s (%d bytes)", global_rank, self._own.path, self._own.size)
 
     @property
     def segment(self) -> str:
         """This rank's segment name (under /dev/shm)."""
         return self._segment
-
-    # -- DataPlane ------------------------------------------------------------------------------------------
-    def post_send(self, tensor: torch.Tensor, dst: int) -> tuple[Transfer, m.ShmLocation]:
-        """Copy ``tensor`` into a slot of this rank's arena lent to global rank ``dst``; done at once."""
-        # Every line here runs once per tensor a rank sends over shm, small ones included: it stays lean
-        # (docs/architecture.md §7; a small send is one allocation, one memmove and one tuple).
-        if dst in self._dead:
-            self._check_peer(dst)
-        nbytes = tensor.numel() * tensor.element_size()
-        if nbytes == 0:
-            self._count_send(0)
-            return Done(tensor), m.ShmLocation(self._segment, 0, 0, -1)
-        alloc = self._alloc
-        if nbytes > alloc.size:
-            self._check_fits(tensor, nbytes)
-        offset = alloc.alloc(nbytes)
-        if offset is None and self._read_rings():
-            offset = alloc.alloc(nbytes)
-        if offset is None:
-            raise ArenaFull(f"rank {self.global_rank}'s shared-memory arena {self.segment} has {self.bytes_used} of "
-                            f"{alloc.size} bytes lent to consumers and no free block of {nbytes} bytes "
-                            f"(largest {alloc.largest_free})")
-        if not tensor.is_cpu:
-            self._stats["host_staging_copies"] += 1
-        try:
-            copy_into_at(self._own.array, self._own.address, offset, tensor, nbytes)
-        except BaseException:  # nothing was lent: the block is ours again
-            alloc.free(offset)
-            raise
-        slot = self._lent.lend(dst, nbytes, lambda: alloc.free(offset))
-        self._count_send(nbytes)
-        ring = self._rings.get(dst)
-        return Done(tensor), m.ShmLocation(self._segment, offset, nbytes, slot,
-                                           self._ring_for(dst) if ring is None else ring[0])
-
-    def post_recv(self, wire: m.WireTensor, src: int, device: torch.device | None = None) -> Transfer:
-        """Wrap the bytes global rank ``src`` lent us (no copy; CUDA consumers get a device copy and the slot back
-        at once). The slot is acknowledged when the returned tensor is let go."""
-        if src in self._dead:
-            self._check_peer(src)
-        loc = wire.at
-        if type(loc) is not m.ShmLocation:
-            raise TransferFailed(f"shm descriptor from rank {src} has no shared-memory location: {loc!r}")
-        dtype = str_to_dtype(wire.dtype)
-        nbytes = loc.nbytes
-        stats = self._stats
-        stats["recvs"] += 1
-        stats["bytes_received"] += nbytes
-        if nbytes == 0 or loc.slot < 0:
-            out = torch.empty(wire.shape, dtype=dtype)
-        else:
-            seg = self._peers.get(loc.segment) or self._peer_segment(loc.segment, src)
-            if loc.offset < 0 or loc.offset + nbytes > seg.size:
-                raise TransferFailed(f"shm descriptor from rank {src} points past segment {loc.segment} "
-                                     f"({loc.offset}+{nbytes} > {seg.size})")
-            released, slot = self._released, loc.slot
-            self._leases += 1
-            if loc.ring >= 0 and src not in self._peer_rings:
-                if loc.ring % 8 or not seg.size - RINGS * RING_ENTRIES * 8 <= loc.ring <= seg.size - RING_ENTRIES * 8:
-                    raise TransferFailed(f"shm descriptor from rank {src} names a release ring at {loc.ring}, "
-                                         f"outside segment {loc.segment}'s rings")
-                self._peer_rings[src] = [seg, loc.ring // 8, 0]
-            out = wrap_bytes(seg.array, loc.offset, nbytes, dtype, wire.shape, lambda: released.put(src, slot))
-        if not wire.host:
-            target = device or self.device
-            if target.type != "cpu":
-                stats["host_staging_copies"] += 1
-                out = out.to(target)
-        return Done(out)
-
-    def flush(self) -> None:
-        """Nothing is deferred: a post has copied or exposed the bytes when it returns."""
-
-    def device_inflight(self) -> bool:
-        return False
-
-    def withdraw(self, transfer) -> bool:
-        """A lent slot is taken back through ``on_ack`` (the router does it), not here."""
-        return False
 
     def poll(self) -> list[tuple[int, m.TransferAck]]:
         """Free the slots our consumers handed back through their rings; hand back the ones we let go (through
@@ -245,20 +175,40 @@ class ShmTransport(ArenaPlane):
             self._leases -= 1
             if peer not in self._dead and not self._write_ring(peer, slot):
                 spill.setdefault(peer, []).append(slot)
-        acks = []
-        for peer, slots in sorted(spill.items()):
-            self._stats["slots_back_by_message"] += len(slots)
-            acks.append((peer, m.TransferAck(via=self.name, slots=slots)))
-        return acks
+        self._stats["slots_back_by_message"] += sum(len(slots) for slots in spill.values())
+        return self._ack_messages(spill)
 
-    def on_ack(self, src: int, ack: m.TransferAck) -> None:
-        self._lent.give_back(src, ack.slots)
+    # -- ArenaTransport -------------------------------------------------------------------------------------
+    def _location(self, dst: int, offset: int, nbytes: int, slot: int) -> m.ShmLocation:
+        if slot < 0:
+            return m.ShmLocation(self._segment, 0, 0, -1)
+        ring = self._rings.get(dst)
+        return m.ShmLocation(self._segment, offset, nbytes, slot, self._ring_for(dst) if ring is None else ring[0])
 
-    def close(self) -> None:
-        """Unlink this rank's segment and drop the peers' mappings. Idempotent; never raises."""
-        if self._closed:
-            return
-        self._closed = True
+    def _receive(self, wire: m.WireTensor, loc: m.ShmLocation, src: int, target: torch.device) -> Done:
+        """Wrap the bytes global rank ``src`` lent us (no copy; a CUDA consumer gets a device copy, and the slot
+        goes back at once). The slot is handed back when the tensor is let go."""
+        seg = self._peers.get(loc.segment) or self._peer_segment(loc.segment, src)
+        nbytes = loc.nbytes
+        if loc.offset < 0 or loc.offset + nbytes > seg.size:
+            raise TransferFailed(f"shm descriptor from rank {src} points past segment {loc.segment} "
+                                 f"({loc.offset}+{nbytes} > {seg.size})")
+        if loc.ring >= 0 and src not in self._peer_rings:
+            if loc.ring % 8 or not seg.size - RINGS * RING_ENTRIES * 8 <= loc.ring <= seg.size - RING_ENTRIES * 8:
+                raise TransferFailed(f"shm descriptor from rank {src} names a release ring at {loc.ring}, "
+                                     f"outside segment {loc.segment}'s rings")
+            self._peer_rings[src] = [seg, loc.ring // 8, 0]
+        released, slot = self._released, loc.slot
+        self._leases += 1  # until the release comes back through ``poll`` (also when the wrap fails: it releases)
+        out = wrap_bytes(seg.array, loc.offset, nbytes, str_to_dtype(wire.dtype), wire.shape,
+                         lambda: released.put(src, slot))
+        return Done(self._to_target(out, target))
+
+    def _make_room(self) -> int:
+        return self._read_rings()
+
+    def _close(self) -> None:
+        """Unlink this rank's segment and drop the peers' mappings; never raises."""
         for seg in [self._own, *self._peers.values()]:
             try:
                 os.close(seg.fd)
@@ -310,28 +260,6 @@ class ShmTransport(ArenaPlane):
         return True
 
     # -- internals ------------------------------------------------------------------------------------------
-    def _create(self, name: str, size: int) -> _Segment:
-        path = self._dir / name
-        tmp = self._dir / f".{SEGMENT_PREFIX}tmp.{uuid.uuid4().hex}"
-        fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH)  # held for life: the sweeper's sign that we are alive
-            try:
-                os.posix_fallocate(fd, 0, size)
-            except OSError as exc:
-                free = _free_bytes(self._dir)
-                raise OSError(exc.errno, f"cannot reserve {size} bytes for rank {self.global_rank}'s shared-memory "
-                              f"arena {path} (transport.arena_bytes {size - RINGS * RING_ENTRIES * 8} and "
-                              f"{RINGS * RING_ENTRIES * 8} of release rings; {os.strerror(exc.errno)}; {free} "
-                              f"bytes free there): lower "
-                              f"transport.arena_bytes or enlarge {self._dir}") from None
-            os.rename(tmp, path)
-        except BaseException:
-            os.close(fd)
-            tmp.unlink(missing_ok=True)
-            raise
-        return _Segment(path, fd, size)
-
     def _peer_segment(self, name: str, src: int) -> _Segment:
         seg = self._peers.get(name)
         if seg is not None:
@@ -349,6 +277,30 @@ class ShmTransport(ArenaPlane):
         seg = _Segment(path, fd, os.fstat(fd).st_size)
         self._peers[name] = seg
         return seg
+
+
+def _create(directory: Path, name: str, arena_bytes: int, global_rank: int) -> _Segment:
+    """Create, lock (shared, for life) and map segment ``name``: the arena plus the release rings behind it."""
+    size = arena_bytes + RINGS * RING_ENTRIES * 8
+    path = directory / name
+    tmp = directory / f".{SEGMENT_PREFIX}tmp.{uuid.uuid4().hex}"
+    fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)  # held for life: the sweeper's sign that we are alive
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as exc:
+            raise OSError(exc.errno, f"cannot reserve {size} bytes for rank {global_rank}'s shared-memory arena "
+                          f"{path} (transport.arena_bytes {arena_bytes} and {size - arena_bytes} of release rings; "
+                          f"{os.strerror(exc.errno)}; {_free_bytes(directory)} bytes free there): lower "
+                          f"transport.arena_bytes or enlarge {directory}") from None
+        os.rename(tmp, path)
+    except BaseException:
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
+    return _Segment(path, fd, size)
+
 
 def _free_bytes(directory: Path) -> int:
     try:

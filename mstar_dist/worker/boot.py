@@ -46,7 +46,6 @@ from mstar_dist.graph.model import CompositeModel, Layout
 from mstar_dist.heap import freeze_startup_heap
 from mstar_dist.logs import announce, configure_logging
 from mstar_dist.graph.nodes import iter_nodes, node_names
-from mstar_dist.telemetry import MeteredTransport
 from mstar_dist.topology.cuts import flows
 from mstar_dist.topology.placement import Placement
 from mstar_dist.worker.worker import CONDUCTOR, Worker, rank_name
@@ -254,30 +253,17 @@ def build_data_plane(dep: Deployment, info: RankInfo, device: str, timeout_s: fl
     some peer of this rank uses them, behind the per-tensor router."""
     from mstar_dist.distributed.groups import create_pair_groups, warm_pairs
     from mstar_dist.distributed.init import backend_for_device
-    from mstar_dist.transport.p2p import P2PTransport
+    from mstar_dist.transport.plane import TransportSetup, build_transports
     from mstar_dist.transport.router import Router
 
     rank, cfg = info.global_rank, dep.config.transport
-    needed = {dep.via(rank, peer) for peer in dep.placement.peers_of(rank)}
-    transports: dict[str, Any] = {}
     pairs = create_pair_groups(dep.p2p_pairs, global_rank=rank, backend=backend_for_device(device),
                                timeout_s=timeout_s)
     warm_pairs(pairs, rank, device)
-    if "p2p" in needed:
-        transports["p2p"] = MeteredTransport(P2PTransport(rank, pairs, torch.device(device)), "p2p")
-    if "shm" in needed:
-        from mstar_dist.transport.shm import ShmTransport, sweep_orphans
-
-        sweep_orphans()
-        transports["shm"] = MeteredTransport(ShmTransport(rank, launch_id=dep.token[:16], arena_bytes=cfg.arena_bytes,
-                                                          device=device), "shm")
-    if "mooncake" in needed:
-        from mstar_dist.transport.mooncake import MooncakeTransport
-
-        host = dep.cluster.hosts[info.node_rank]
-        transports["mooncake"] = MeteredTransport(MooncakeTransport(
-            rank, host_addr=info.addr, protocol=cfg.mooncake_protocol, device_name=host.transfer_device,
-            arena_bytes=cfg.arena_bytes, device=device), "mooncake")
+    setup = TransportSetup(global_rank=rank, device=torch.device(device), config=cfg, launch_id=dep.token[:16],
+                           host_addr=info.addr, transfer_device=dep.cluster.hosts[info.node_rank].transfer_device,
+                           pair_groups=pairs)
+    transports = build_transports({dep.via(rank, peer) for peer in dep.placement.peers_of(rank)}, setup)
     log.info("rank %d data plane: %s to peers %s", rank, ", ".join(sorted(transports)) or "none",
              list(dep.placement.peers_of(rank)))
     return Router(global_rank=rank, rank_hosts=dep.cluster.rank_hosts(), transports=transports,

@@ -133,8 +133,7 @@ class Follower:
                 for signal in call.ctx.export:
                     value = result.outputs.get(signal)
                     if isinstance(value, torch.Tensor):
-                        self.kept[(call.request_id, signal)] = store.put(value, refs=0, persist=True,
-                                                                         tag=call.request_id)
+                        self.kept[(call.request_id, signal)] = store.put(value, tag=call.request_id)
 
     def forget(self, request_id: str) -> None:
         """The leader released the request (in its step order): drop its walk contexts."""

@@ -794,7 +794,7 @@ class Worker:
                 continue
             nbytes = value.numel() * value.element_size()
             if signal in run.persist_signals or nbytes > self.inline_max_bytes:
-                uuid = self.store.put(value, refs=0, persist=True, tag=run.request_id)
+                uuid = self.store.put(value, tag=run.request_id)
                 if self.tp_roles:
                     self._kept_signal[uuid] = (run.request_id, signal)
                 outputs[signal] = m.TensorRef(

@@ -9,13 +9,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mstar_dist.config.deployment import TransportConfig
 from mstar_dist.control import messages as m
 from mstar_dist.control.channel import ControlChannel, default_store, lookup_endpoint, publish_endpoint
 from mstar_dist.distributed.groups import create_pair_groups, warm_pairs
 from mstar_dist.distributed.init import init_distributed, shutdown_distributed
 from mstar_dist.transport.base import ArenaFull, DataPlane, Transfer
 from mstar_dist.transport.inline import dtype_to_str
-from mstar_dist.transport.p2p import P2PTransport
+from mstar_dist.transport.plane import TransportSetup, build_transports
 
 TOKEN = "transport-test"
 
@@ -68,22 +69,17 @@ class Rig:
 
 
 def setup(rank: int, names: tuple[str, ...], *, arena_bytes: int = 64 << 20, launch_id: str = "test") -> Rig:
-    """init gloo, and build the transports in ``names`` between ranks 0 and 1 (p2p groups only if asked)."""
+    """init gloo, and build the transports in ``names`` between ranks 0 and 1 through the registry, as a rank
+    does (p2p groups only if asked)."""
     world = int(os.environ["WORLD_SIZE"])
     init_distributed(global_rank=rank, world_size=world, device="cpu", timeout_s=30)
-    planes: dict[str, DataPlane] = {}
+    groups = {}
     if "p2p" in names:
         groups = create_pair_groups([(0, 1), (1, 0)], global_rank=rank, backend="gloo", timeout_s=30)
         warm_pairs(groups, rank, "cpu", timeout_s=30)
-        planes["p2p"] = P2PTransport(rank, groups, "cpu")
-    if "shm" in names:
-        from mstar_dist.transport.shm import ShmTransport
-
-        planes["shm"] = ShmTransport(rank, launch_id=launch_id, arena_bytes=arena_bytes)
-    if "mooncake" in names:
-        from mstar_dist.transport.mooncake import MooncakeTransport
-
-        planes["mooncake"] = MooncakeTransport(rank, host_addr="127.0.0.1", protocol="tcp", arena_bytes=arena_bytes)
+    planes = build_transports(names, TransportSetup(
+        global_rank=rank, device=torch.device("cpu"), config=TransportConfig(arena_bytes=arena_bytes),
+        launch_id=launch_id, host_addr="127.0.0.1", pair_groups=groups))
     channel = ControlChannel(f"rank{rank}", "127.0.0.1")
     store = default_store()
     publish_endpoint(store, f"rank{rank}", channel.endpoint)

@@ -5,8 +5,8 @@ import msgspec
 import pytest
 import torch
 
-from mstar_dist.transport.inline import (InlineTensor, decode_ids, decode_tensor, dtype_to_str, encode_ids,
-                                        encode_tensor, str_to_dtype)
+from mstar_dist.control.messages import InlineTensor
+from mstar_dist.transport.inline import decode_ids, decode_tensor, dtype_to_str, encode_ids, encode_tensor, str_to_dtype
 
 CASES = [
     torch.randn(3, 4),

@@ -14,7 +14,7 @@ from starlette.testclient import TestClient
 
 from mstar_dist.control import messages as m
 from mstar_dist.server.app import build_app
-from mstar_dist.telemetry import MeteredTransport, process_sample
+from mstar_dist.telemetry import process_sample
 from tests.fakes import FakeBackend
 from mstar_dist.transport.inline import encode_tensor
 from tests.unit.test_conductor import emit, from_rank, make, params, submit, walks_sent
@@ -149,6 +149,8 @@ class _Transfer:
 class _Plane:
     """A data-plane transport (post_send / post_recv, mstar_dist/transport/base.py) whose transfers end on demand."""
 
+    name = "p2p"
+
     def __init__(self):
         self.sends, self.recvs = [], []
 
@@ -167,22 +169,25 @@ class _Plane:
         return False
 
 
-def test_metered_transport_counts_bytes_and_times_each_transfer_once():
+def test_the_router_meters_bytes_and_times_each_transfer_of_a_transport_once():
     from mstar_dist.control import messages as m
+    from mstar_dist.transport.router import Router
 
     inner = _Plane()
-    metered = MeteredTransport(inner, "p2p")
-    sent, location = metered.post_send(torch.zeros(300, dtype=torch.float32), 2)  # 1200 bytes
-    got = metered.post_recv(m.WireTensor(shape=[10], dtype="int64"), 2)  # 80 bytes
-    assert location is None and not sent.done() and got.tensor.shape == (10,)  # attributes pass through
+    router = Router(global_rank=1, rank_hosts={1: "h", 2: "h"}, intra_host="p2p", inter_host="p2p",
+                    transports={"p2p": inner}, inline_max_bytes=0, device=torch.device("cpu"))
+    sent, wire = router.post_send(torch.zeros(300, dtype=torch.float32), 2)  # 1200 bytes
+    got = router.post_recv(m.WireTensor(shape=[10], dtype="int64"), 2)  # 80 bytes
+    assert wire.at is None and not sent.done() and got.tensor.shape == (10,)  # the transfers' tensors pass through
     inner.sends[0].finished = inner.recvs[0].finished = True
     assert sent.done() and sent.done() and got.done()
-    hists = {(h.direction, h.unit): h for h in metered.stats()["histograms"]}
+    hists = {(h.direction, h.unit): h for h in router.stats()["histograms"]}
+    assert all(h.transport == "p2p" for h in hists.values())
     assert hists["send", "bytes"].total == 1200 and sum(hists["send", "bytes"].counts) == 1
     assert hists["send", "bytes"].counts[hists["send", "bytes"].bounds.index(4096.0)] == 1
     assert hists["recv", "bytes"].counts[0] == 1
     assert sum(hists["send", "seconds"].counts) == 1 and sum(hists["recv", "seconds"].counts) == 1
-    assert metered.is_dead(1) is False  # everything else reaches the transport
+    assert router.is_dead(2) is False  # everything else reaches the transport
 
 
 def test_the_worker_reports_process_metrics_and_edge_histograms_in_stats():
@@ -190,7 +195,7 @@ def test_the_worker_reports_process_metrics_and_edge_histograms_in_stats():
 
     worker, channel, transport, *_ = make_worker()
     worker.transport = Router(global_rank=1, rank_hosts={0: "h", 1: "h", 2: "h"}, intra_host="p2p",
-                              inter_host="p2p", transports={"p2p": MeteredTransport(transport, "p2p")},
+                              inter_host="p2p", transports={"p2p": transport},
                               inline_max_bytes=1024, device=torch.device("cpu"))
     deliver(worker, channel, run_walk("a", 0))
     turn(worker)

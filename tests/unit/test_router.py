@@ -126,3 +126,15 @@ def test_a_dtype_the_wire_cannot_name_is_refused_before_any_transport_is_posted(
     with pytest.raises(ValueError, match="cannot be put on the wire"):
         r.post_send(torch.ones(100).to(torch.float8_e4m3fnuz), 1)  # above inline_max_bytes: would take a slot
     assert planes["shm"].sent == []  # nothing lent that no descriptor would ever name
+
+
+def test_cancel_hands_the_transport_the_deferred_send_it_made_not_the_routers_metered_one():
+    """The router wraps each send to time it; withdrawing must see the transport's own transfer, else a p2p send
+    that was still deferred is taken for an issued one and its pair aborted for nothing."""
+    r, planes = router()
+    p2p = planes["p2p"]
+    p2p.post_send = lambda tensor, dst: (SimpleNamespace(deferred=True, tensor=tensor, done=lambda: False), None)
+    transfer, value = r.post_send(torch.ones(100), 2)
+    assert not transfer.done()
+    r.cancel(2, transfer, value, "the message never left")
+    assert p2p.aborted == [] and not r.is_dead(2)
