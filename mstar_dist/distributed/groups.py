@@ -32,7 +32,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["PairGroup", "TPGroup", "create_pair_groups", "create_tp_groups", "warm_pairs"]
+from mstar_dist.distributed.tp import TPGroup
+
+__all__ = ["PairGroup", "create_pair_groups", "create_tp_groups", "warm_pairs"]
 
 
 @dataclass(frozen=True)
@@ -51,17 +53,6 @@ class PairGroup:
     @property
     def pair(self) -> tuple[int, int]:
         return (self.src, self.dst)
-
-
-@dataclass(frozen=True)
-class TPGroup:
-    """One tensor-parallel group, as seen by one of its members."""
-
-    ranks: tuple[int, ...]
-    """Global ranks of the members, ascending."""
-    group: dist.ProcessGroup
-    rank_in_group: int
-    """This rank's index inside `ranks` / `group`."""
 
 
 def create_pair_groups(
@@ -109,7 +100,7 @@ def create_tp_groups(
         desc = "tp_" + "_".join(map(str, ranks))
         group = dist.new_group(list(ranks), timeout=timeout, backend=backend, group_desc=desc)
         if global_rank in ranks:
-            out[ranks] = TPGroup(ranks, group, ranks.index(global_rank))
+            out[ranks] = TPGroup(group=group, rank=ranks.index(global_rank), size=len(ranks), ranks=ranks)
     return out
 
 
