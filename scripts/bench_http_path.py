@@ -119,7 +119,7 @@ class _AnsweringLink:
 
 async def measure_intake(weights: str, requests: int) -> dict:
     from models.llama.tokenizer import ChatTokenizer
-    from mstar_dist.conductor.intake import IntakeBackend
+    from mstar_dist.server.intake_backend import IntakeBackend
     from mstar_dist.server.http_metrics import HttpStats
 
     link, stats = _AnsweringLink(), HttpStats()

@@ -26,7 +26,7 @@ import torch  # noqa: E402
 from mstar_dist.config.deployment import parse_config  # noqa: E402
 from mstar_dist.server.backend import GenerationParams  # noqa: E402
 from mstar_dist.telemetry import process_sample  # noqa: E402
-from mstar_dist.worker.boot import Deployment  # noqa: E402
+from mstar_dist.runtime.deployment import Deployment  # noqa: E402
 from tests.inproc import InProcDeployment  # noqa: E402
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing".split()

@@ -92,10 +92,10 @@ def main() -> None:
         procs = {p: _cmdline(p) for p in descendants(server.proc.pid)}
         targets |= {
             "rank0": min(p for p, c in procs.items() if b"mstar_dist.serve" in c and b"torch.distributed" not in c),
-            "frontend": next(p for p, c in procs.items() if b"mstar_dist.conductor.process" in c),
+            "frontend": next(p for p, c in procs.items() if b"mstar_dist.runtime.frontend" in c),
         }
         intakes = sorted((c.split(b"\0")[c.split(b"\0").index(b"--index") + 1].decode(), p)
-                         for p, c in procs.items() if b"mstar_dist.conductor.intake" in c)
+                         for p, c in procs.items() if b"mstar_dist.runtime.intake" in c)
         targets.update({f"intake{k}": p for k, p in intakes})
         run_streams(server.base_url, ["hi"], 1, 8, None)  # warm-up, untimed
         prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.waves * args.streams)]

@@ -16,7 +16,7 @@ from models.llama.config import LlamaConfig
 from models.llama.gguf_import import _dequantized_tensors
 from mstar_dist import logs
 from mstar_dist.logs import configure_logging, progress_bar
-from mstar_dist.serve import parse_args
+from mstar_dist.runtime.cli import parse_args
 
 
 class Terminal(io.StringIO):
