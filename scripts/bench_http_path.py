@@ -13,7 +13,7 @@ time (a VM's stolen time does not count in the latter). Not included: the HTTP
 parser, the chat template and tokenizer, the link to the conductor. Run it from another tree (for
 example a `git archive` of an older commit) to compare.
 
-``--intake WEIGHTS_DIR`` puts an intake process's own backend under the app instead (``conductor/intake.py``'s
+``--intake WEIGHTS_DIR`` puts an intake process's own backend under the app instead (``server/intake_backend.py``'s
 ``IntakeBackend``: the chat template and tokenizer of WEIGHTS_DIR, the ``Submit`` encoded as for the wire), over a
 link that answers every request at once with two text deltas, and sends a streamed ``/generate`` (what
 ``bench_serving.py``'s clients send) whose prompt differs on every request, so no cache sees a prompt twice.
