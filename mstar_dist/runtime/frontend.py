@@ -21,6 +21,7 @@ here is pickled: the handshake is JSON over a pipe and stdin.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import logging
 import os
@@ -70,7 +71,7 @@ class Frontend:
     """The front end's parts, built step by step (module docstring), and their teardown. Parts not built yet are
     None."""
 
-    def __init__(self, args: Any, lc: Lifecycle, host_name: str, addr: str) -> None:
+    def __init__(self, args: argparse.Namespace, lc: Lifecycle, host_name: str, addr: str) -> None:
         self.args, self.lc, self.host_name, self.addr = args, lc, host_name, addr
         self.parent = ParentPipe()
         self.http_sock: socket.socket | None = socket.socket(fileno=int(os.environ[HTTP_FD_ENV]))

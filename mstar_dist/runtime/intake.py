@@ -22,7 +22,6 @@ import asyncio
 import logging
 import socket
 import sys
-import time
 from typing import Any
 
 from mstar_dist.control.channel import CONDUCTOR, ControlChannel
@@ -137,11 +136,8 @@ class Intake:
                                 encoder=load_prompt_encoder(handover.get("prompt_encoder")))
         self.link.backend = backend
         self.link.thread.start()
-        deadline = time.monotonic() + HEALTH_WAIT_S
-        while self.link.health is None:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"no word from the conductor within {HEALTH_WAIT_S:g} s")
-            time.sleep(0.005)
+        if not self.link.heard.wait(HEALTH_WAIT_S):
+            raise RuntimeError(f"no word from the conductor within {HEALTH_WAIT_S:g} s")
         return backend
 
     def check(self) -> None:

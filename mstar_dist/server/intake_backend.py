@@ -46,6 +46,8 @@ class ConductorLink:
         self._handover = threading.Event()
         self.health: tuple[bool, str] | None = None
         """The conductor's last word on whether the deployment serves (None until its first ``Health``)."""
+        self.heard = threading.Event()
+        """Set with the conductor's first ``Health`` (an intake starts serving only then)."""
         self.backend: IntakeBackend | None = None
         self.thread = threading.Thread(target=self._run, name="conductor-link", daemon=True)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -151,6 +153,7 @@ class ConductorLink:
                 items.extend(body.items)
             elif isinstance(body, m.Health):
                 self.health = (body.serving, body.reason)
+                self.heard.set()
             elif isinstance(body, m.MetricsText):
                 items.append(body)
         return items if self.backend is not None else []
