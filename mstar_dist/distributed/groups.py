@@ -9,8 +9,8 @@ on the group's store prefix through a world-wide counter; NCCL with a bound devi
 from the world communicator, which every rank must join). Every rank must therefore create the same groups in
 the same order, or the world deadlocks or pairs up the wrong peers. We sort the pairs (and TP groups) here, so
 callers may pass them in any order, but every rank must pass the same set; `create_*` checks that with one
-world all-reduce of a digest and raises ValueError instead of hanging. Caller's order across kinds (docs/architecture.md §2):
-TP groups first, then pairs.
+world all-reduce of a digest and raises ValueError instead of hanging. Caller's order across kinds
+(docs/architecture.md §2): TP groups first, then pairs.
 
 Backend: the groups take the deployment's backend string. On CUDA that is `cuda:nccl,cpu:gloo`, so each pair
 group holds both an NCCL communicator (CUDA tensors, device to device) and a gloo context (host tensors); torch

@@ -1,6 +1,7 @@
 """Running an ASGI app under uvicorn on a thread of its own, with its own asyncio loop: the HTTP thread of the front
-end (``runtime/frontend.py``) or of an intake (``runtime/intake.py``), docs/architecture.md §2 "Threads". The conductor thread hands events to this loop with
-``call_soon_threadsafe`` (``conductor/backend.py``); nothing else runs on it.
+end (``runtime/frontend.py``) or of an intake (``runtime/intake.py``), docs/architecture.md §2 "Threads". The
+conductor thread hands events to this loop with ``call_soon_threadsafe`` (``conductor/backend.py``); nothing else
+runs on it.
 
 uvicorn parses HTTP with httptools (a dependency; h11 where it cannot be imported): an intake takes a burst's requests
 one after another, and httptools costs each of them markedly less of the server's CPU than h11 (docs/architecture.md

@@ -1,7 +1,7 @@
 """Relaying one backend generation to one HTTP response, for every route.
 
-Owns the app's per-request guarantees (docs/architecture.md §9, §10): a backend failure becomes an :class:`ApiError` for that
-request only; the backend generator is always closed, and closed early (which aborts the request in the
+Owns the app's per-request guarantees (docs/architecture.md §9, §10): a backend failure becomes an :class:`ApiError`
+for that request only; the backend generator is always closed, and closed early (which aborts the request in the
 backend) when the client goes away first. Everything here runs on the HTTP server's loop.
 """
 
