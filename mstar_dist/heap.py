@@ -2,8 +2,8 @@
 
 Every process of the runtime (a rank, the front end, an intake) builds a large heap before it serves: imports, the
 model's modules and parameters, tokenizer tables, the app's routes and validators (about 180,000 objects in a front
-end). A full collection walks all of it and stops every thread of the process meanwhile: ~75-110 ms on the 2-core
-CI machine, in the middle of someone's request. Serving itself allocates mostly short-lived objects, which the young
+end). A full collection walks all of it and stops every thread of the process meanwhile, in the middle of someone's
+request. Serving itself allocates mostly short-lived objects, which the young
 generations collect cheaply. So once a process is ready, what is alive then is moved out of the collector's reach.
 """
 

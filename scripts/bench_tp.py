@@ -36,7 +36,7 @@ def check(weights: str) -> None:
     """One rank of the NCCL correctness check (run under torchrun with 2 processes)."""
     import torch.distributed as dist
 
-    from models.common.tp import TPGroup
+    from mstar_dist.distributed.tp import TPGroup
     from models.moe.weights import load_moe
     from mstar_dist.engine.kv_cache import StaticKVCache
 

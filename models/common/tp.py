@@ -8,9 +8,9 @@ A TP group of `size` ranks splits every big matmul of a model (Megatron style):
   its slice of the input and produces a partial sum of the full output, summed over the group by one all-reduce
   (or left partial with ``reduce=False`` for a caller that sums several partial outputs and reduces once).
 
-Index spaces: `TPGroup.rank` is the rank *inside the TP group* (rank_in_group, 0..size-1), never a global rank;
-every collective here runs on `TPGroup.group` and its peers are exactly the group's members. Nothing here looks
-at the world group. With `TPGroup.single()` (no TP) the layers are plain `Linear`s: same shapes, no
+The group is the runtime's `mstar_dist.distributed.tp.TPGroup` (the rank inside the group, its process group, its
+size). Every collective here runs on `TPGroup.group` and its peers are exactly the group's members. Nothing here
+looks at the world group. With `TPGroup.single()` (no TP) the layers are plain `Linear`s: same shapes, no
 collective.
 
 Loaders: `shard_rows` / `shard_cols` take a full tensor *or* a safetensors slice (`safe_open(...).get_slice`);
@@ -21,64 +21,14 @@ sharded part by part and the shards concatenated (`ColumnParallelLinear.weight_l
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
-import torch.distributed as dist
 
 from models.common.linear import Linear
+from mstar_dist.distributed.tp import TPGroup
 
-__all__ = ["TPGroup", "ColumnParallelLinear", "RowParallelLinear", "shard_rows", "shard_cols", "split_heads"]
-
-
-@dataclass(frozen=True)
-class TPGroup:
-    """One tensor-parallel group as seen by one of its members."""
-
-    group: dist.ProcessGroup | None
-    """The group's process group (gloo or NCCL); None only for a group of one (no TP)."""
-    rank: int
-    """rank_in_group: this rank's index inside `group` (0..size-1), not a global rank."""
-    size: int
-    """Members of the group (the TP degree). 1 means disabled."""
-
-    def __post_init__(self) -> None:
-        if self.size < 1 or not 0 <= self.rank < self.size:
-            raise ValueError(f"TPGroup: rank_in_group ({self.rank}) must be in [0, size={self.size})")
-        if self.size > 1 and self.group is None:
-            raise ValueError(f"TPGroup: size {self.size} needs a process group")
-
-    @classmethod
-    def single(cls) -> "TPGroup":
-        """No tensor parallelism: one rank, no process group, no collectives."""
-        return cls(group=None, rank=0, size=1)
-
-    @classmethod
-    def from_process_group(cls, group: dist.ProcessGroup) -> "TPGroup":
-        """The TP group formed by `group`'s members (e.g. mstar_dist.distributed.groups.TPGroup.group)."""
-        return cls(group=group, rank=dist.get_rank(group), size=dist.get_world_size(group))
-
-    @property
-    def rank_in_group(self) -> int:
-        return self.rank
-
-    def split(self, n: int, what: str) -> int:
-        """n // size; ValueError naming `what`, n and the TP size when n does not divide evenly."""
-        if n % self.size:
-            raise ValueError(f"{what} ({n}) is not divisible by tp_size ({self.size})")
-        return n // self.size
-
-    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum `t` over the group in place and return it (a no-op for a group of one).
-
-        Collective on `group`: every member must call it with a tensor of the same shape, in the same order.
-        Blocks until the sum is done (gloo); on NCCL it is enqueued on the current stream. `t` must be
-        contiguous. Every member ends with the same values (the reduced tensor is the group's, not a rank's).
-        """
-        if self.size > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
-        return t
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "shard_rows", "shard_cols", "split_heads"]
 
 
 def _shape(t: Any) -> list[int]:

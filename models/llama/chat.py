@@ -121,10 +121,10 @@ class LlamaChat(CompositeModel):
         return dtype
 
     def build_component(self, node: str, *, device: str, walks: set[str], tp=None) -> KVCacheEngine:
-        """The ``LLM`` engine on this rank; with ``tp`` (models.common.tp.TPGroup) only this rank's shard of the
-        model and a KV cache for the shard's KV heads (every member of the group drives its engine in lockstep)."""
+        """The ``LLM`` engine on this rank; with ``tp`` (mstar_dist.distributed.tp.TPGroup) only this rank's shard of
+        the model and a KV cache for the shard's KV heads (every member of the group drives its engine in lockstep)."""
         from models.common.linear import pack_for_cpu
-        from models.common.tp import TPGroup
+        from mstar_dist.distributed.tp import TPGroup
 
         if node != LLM:
             raise ValueError(f"{self.name}: no component named {node!r} (only {LLM!r})")

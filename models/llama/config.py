@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-_ROPE_KEYS = frozenset({"rope_type", "type", "rope_theta", *_LLAMA3_KEYS})  # all that `_rope_from_hf` reads
+_ROPE_KEYS = frozenset({"rope_type", "type", "rope_theta", *_LLAMA3_KEYS})  # all that `rope_from_hf` reads
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class Llama3RopeScaling:
                 "original_max_position_embeddings": self.original_max_position_embeddings}
 
 
-def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
+def rope_from_hf(hf: dict[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
     """(rope_theta, scaling) from a config.json dict; ValueError for a RoPE variant we do not run.
 
     Reads transformers 4's layout (top-level `rope_theta`, `rope_scaling` with `rope_type` or the older
@@ -130,7 +130,7 @@ class LlamaConfig:
                     "num_attention_heads"):
             if key not in hf:
                 raise ValueError(f"config.json: missing key {key!r}")
-        rope_theta, rope_scaling = _rope_from_hf(hf)
+        rope_theta, rope_scaling = rope_from_hf(hf)
         for key in ("attention_bias", "mlp_bias"):
             if hf.get(key):
                 raise ValueError(f"config.json: {key}={hf[key]!r} is not supported")

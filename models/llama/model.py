@@ -28,7 +28,8 @@ from torch import nn
 
 from models.common import fused
 from models.common.linear import Linear
-from models.common.tp import ColumnParallelLinear, RowParallelLinear, TPGroup, split_heads
+from models.common.tp import ColumnParallelLinear, RowParallelLinear, split_heads
+from mstar_dist.distributed.tp import TPGroup
 from models.llama.config import Llama3RopeScaling, LlamaConfig
 
 if TYPE_CHECKING:

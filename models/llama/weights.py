@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from models.common.checkpoint import SafetensorsDir, load_sharded_state, read_hf_config
-from models.common.tp import TPGroup
+from mstar_dist.distributed.tp import TPGroup
 from models.llama.config import LlamaConfig
 from models.llama.model import Llama
 

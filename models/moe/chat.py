@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from models.common.tp import TPGroup
+from mstar_dist.distributed.tp import TPGroup
 from models.llama.chat import LLM, LlamaChat
 from models.moe.routers import parse_router_spec, resolve_router
 

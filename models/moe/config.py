@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from models.llama.config import Llama3RopeScaling, _rope_from_hf  # the same RoPE keys and checks as Llama
+from models.llama.config import Llama3RopeScaling, rope_from_hf  # the same RoPE keys and checks as Llama
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ class MoEConfig:
                 raise ValueError(f"config.json: {key}={hf[key]!r} is not supported")
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"config.json: hidden_act={hf['hidden_act']!r} is not supported (silu only)")
-        rope_theta, rope_scaling = _rope_from_hf(hf)
+        rope_theta, rope_scaling = rope_from_hf(hf)
         n_heads = hf["num_attention_heads"]
         eos = hf.get("eos_token_id")
         return cls(

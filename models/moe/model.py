@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.common.linear import Linear
-from models.common.tp import ColumnParallelLinear, RowParallelLinear, TPGroup, shard_cols, shard_rows, split_heads
+from models.common.tp import ColumnParallelLinear, RowParallelLinear, shard_cols, shard_rows, split_heads
+from mstar_dist.distributed.tp import TPGroup
 from models.llama.model import DecoderLM, RMSNorm, apply_rope
 from models.moe.config import MoEConfig
 from models.moe.routers import build_router, check_router_output

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from models.common.checkpoint import SafetensorsDir, load_sharded_state, read_hf_config
-from models.common.tp import TPGroup
+from mstar_dist.distributed.tp import TPGroup
 from models.moe.config import MoEConfig
 from models.moe.model import Qwen3Moe
 from models.moe.routers import probe_router

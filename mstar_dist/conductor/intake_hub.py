@@ -12,10 +12,10 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from mstar_dist.conductor.metrics import render_counts
 from mstar_dist.control import messages as m
 from mstar_dist.control.channel import ChannelFullError
 from mstar_dist.events import BackendError, Finished, MediaDelta, TextDelta
-from mstar_dist.server.http_metrics import render_counts
 
 if TYPE_CHECKING:
     from mstar_dist.conductor.conductor import Conductor

@@ -244,17 +244,7 @@ def identify(spec: ClusterSpec, env: Mapping[str, str], hostnames: set[str] | No
     local_world_size = _env_int(env, ENV_LOCAL_WORLD_SIZE)
     group_rank = _env_int(env, ENV_GROUP_RANK, required=False)
     n_hosts = len(spec.hosts)
-    if world_size != spec.world_size:
-        raise ValueError(
-            f"torchrun started WORLD_SIZE={world_size} processes but the cluster spec lists {spec.world_size} "
-            f"devices over {n_hosts} hosts ({', '.join(f'{h.name!r}: {len(h.devices)}' for h in spec.hosts)})"
-        )
-    group_world_size = _env_int(env, ENV_GROUP_WORLD_SIZE, required=False)
-    if group_world_size is not None and group_world_size != n_hosts:
-        raise ValueError(
-            f"torchrun runs GROUP_WORLD_SIZE={group_world_size} nodes but the cluster spec lists {n_hosts} hosts "
-            f"({_host_list(spec.hosts)})"
-        )
+    _check_world(spec, env, world_size)
     node_rank, how = _node_rank(spec, env, hostnames, group_rank)
     if not 0 <= node_rank < n_hosts:
         raise ValueError(
@@ -281,6 +271,23 @@ def identify(spec: ClusterSpec, env: Mapping[str, str], hostnames: set[str] | No
     return RankInfo(
         info.global_rank, info.node_rank, info.host_name, info.addr, info.local_rank, info.device_index, torch_rank
     )
+
+
+def _check_world(spec: ClusterSpec, env: Mapping[str, str], world_size: int) -> None:
+    """torchrun's WORLD_SIZE (and GROUP_WORLD_SIZE, when set) against the spec's devices and hosts; ValueError naming
+    both sides."""
+    n_hosts = len(spec.hosts)
+    if world_size != spec.world_size:
+        raise ValueError(
+            f"torchrun started WORLD_SIZE={world_size} processes but the cluster spec lists {spec.world_size} "
+            f"devices over {n_hosts} hosts ({', '.join(f'{h.name!r}: {len(h.devices)}' for h in spec.hosts)})"
+        )
+    group_world_size = _env_int(env, ENV_GROUP_WORLD_SIZE, required=False)
+    if group_world_size is not None and group_world_size != n_hosts:
+        raise ValueError(
+            f"torchrun runs GROUP_WORLD_SIZE={group_world_size} nodes but the cluster spec lists {n_hosts} hosts "
+            f"({_host_list(spec.hosts)})"
+        )
 
 
 def _env_int(env: Mapping[str, str], name: str, required: bool = True) -> int | None:

@@ -9,8 +9,8 @@ connection per sender->receiver direction keeps that direction FIFO.
 Local link: each channel also listens on a Unix seqpacket socket in the abstract namespace under a random name
 (the endpoint carries it: ``tcp://host:port local:<name>``). ``connect`` tries it: it only succeeds from the same
 machine and network namespace, and only a process of the same user is accepted (``SO_PEERCRED``). A message of
-at most ``LOCAL_MAX_BYTES`` then goes over it with one ``sendmsg`` (a ping-pong of two channels in two processes
-on the 2-core CI machine: 24 us one way, against 59 through ZMQ's I/O threads); a bigger one, or one the local socket cannot take without blocking, goes over ZMQ. Each
+at most ``LOCAL_MAX_BYTES`` then goes over it with one ``sendmsg``, straight into the peer's receive queue (no
+hop through ZMQ's I/O threads); a bigger one, or one the local socket cannot take without blocking, goes over ZMQ. Each
 message carries the sender's session (random per channel) and a sequence number per receiver, and the receiver
 hands messages over strictly in that order, whichever way they came, so a direction stays FIFO.
 
@@ -20,6 +20,10 @@ Bounds (no silent hang): each DEALER queues at most `sndhwm` messages not yet ta
 queues at most `rcvhwm` messages per sender. `send` never blocks: when the peer is slow or gone and the bound is
 reached it raises `ChannelFullError` naming the peer. Messages queued before the peer's socket is up are
 delivered once it connects (ZMQ_IMMEDIATE stays off).
+
+Shutdown: ``close()`` drops what ZMQ has not sent yet; ``close(flush_s=...)`` first lets it leave (ZMQ's linger,
+bounded by ``flush_s``: a peer that is gone keeps its messages queued). A local link needs no flush: ``sendmsg`` has
+put the message in the peer's queue by the time it returns.
 
 This module is also the one place that touches torch.distributed's private default-store accessor.
 
@@ -38,12 +42,23 @@ import time
 import zmq
 
 __all__ = [
+    "CONDUCTOR",
     "ChannelFullError",
     "ControlChannel",
     "default_store",
     "lookup_endpoint",
     "publish_endpoint",
+    "rank_name",
 ]
+
+CONDUCTOR = "conductor"
+"""The conductor's name on the control plane (its channel, its endpoint in the store)."""
+
+
+def rank_name(global_rank: int) -> str:
+    """A rank's name on the control plane (``rank3``)."""
+    return f"rank{global_rank}"
+
 
 _ENDPOINT_KEY = "mstar_dist/endpoint/{name}"
 
@@ -201,8 +216,8 @@ class ControlChannel:
         Blocks at most `timeout_ms` (0: poll only; -1: until something arrives). Per-sender order is the
         send order. At most `max_messages` are returned so one busy sender cannot starve the caller's loop.
         `spin_s`: before blocking, poll without blocking for up to this long. A message that comes meanwhile is
-        taken at once instead of after the kernel wakes a sleeping process (tens of microseconds; on the CI
-        machine a 4 KiB inline one-way goes from 67 to 45 us), at the price of a busy core while it spins.
+        taken at once instead of after the kernel wakes a sleeping process, at the price of a busy core while it
+        spins.
         """
         if self._closed:
             self._check_open()
@@ -336,15 +351,19 @@ class ControlChannel:
         except (BlockingIOError, OSError):
             pass  # the pipe is full (a wake-up is pending anyway) or the channel is closing
 
-    def close(self) -> None:
-        """Close every socket at once (linger 0: unsent messages are dropped). Idempotent."""
+    def close(self, flush_s: float = 0.0) -> None:
+        """Close every socket. ``flush_s`` 0: at once, unsent messages are dropped. ``flush_s`` > 0: first let what
+        ZMQ still queues leave (ZMQ's linger), returning as soon as it has, or after ``flush_s`` when a peer does not
+        take it (gone, or never connected); with a context of the caller's, that wait is in the caller's
+        ``Context.term``. Messages sent over a local link are in the peer's queue already. Idempotent."""
         if self._closed:
             return
         self._closed = True
         for fd in (self._wake_r, self._wake_w):
             os.close(fd)
+        linger_ms = max(0, int(flush_s * 1000))
         for sock in self._dealers.values():
-            sock.close(linger=0)
+            sock.close(linger=linger_ms)
         self._dealers.clear()
         for link in [*self._links.values(), *(entry[0] for entry in self._accepted.values())]:
             link.close()
@@ -354,7 +373,7 @@ class ControlChannel:
             self._listener.close()
         self._router.close(linger=0)
         if self._own_ctx:
-            self._ctx.term()
+            self._ctx.term()  # returns once every dealer's queue is empty or its linger has passed
 
     def __enter__(self) -> ControlChannel:
         return self

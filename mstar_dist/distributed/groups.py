@@ -9,8 +9,8 @@ on the group's store prefix through a world-wide counter; NCCL with a bound devi
 from the world communicator, which every rank must join). Every rank must therefore create the same groups in
 the same order, or the world deadlocks or pairs up the wrong peers. We sort the pairs (and TP groups) here, so
 callers may pass them in any order, but every rank must pass the same set; `create_*` checks that with one
-world all-reduce of a digest and raises ValueError instead of hanging. Caller's order across kinds (docs/architecture.md §2):
-TP groups first, then pairs.
+world all-reduce of a digest and raises ValueError instead of hanging. Caller's order across kinds
+(docs/architecture.md §2): TP groups first, then pairs.
 
 Backend: the groups take the deployment's backend string. On CUDA that is `cuda:nccl,cpu:gloo`, so each pair
 group holds both an NCCL communicator (CUDA tensors, device to device) and a gloo context (host tensors); torch
@@ -32,7 +32,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["PairGroup", "TPGroup", "create_pair_groups", "create_tp_groups", "warm_pairs"]
+from mstar_dist.distributed.tp import TPGroup
+
+__all__ = ["PairGroup", "create_pair_groups", "create_tp_groups", "warm_pairs"]
 
 
 @dataclass(frozen=True)
@@ -51,17 +53,6 @@ class PairGroup:
     @property
     def pair(self) -> tuple[int, int]:
         return (self.src, self.dst)
-
-
-@dataclass(frozen=True)
-class TPGroup:
-    """One tensor-parallel group, as seen by one of its members."""
-
-    ranks: tuple[int, ...]
-    """Global ranks of the members, ascending."""
-    group: dist.ProcessGroup
-    rank_in_group: int
-    """This rank's index inside `ranks` / `group`."""
 
 
 def create_pair_groups(
@@ -109,7 +100,7 @@ def create_tp_groups(
         desc = "tp_" + "_".join(map(str, ranks))
         group = dist.new_group(list(ranks), timeout=timeout, backend=backend, group_desc=desc)
         if global_rank in ranks:
-            out[ranks] = TPGroup(ranks, group, ranks.index(global_rank))
+            out[ranks] = TPGroup(group=group, rank=ranks.index(global_rank), size=len(ranks), ranks=ranks)
     return out
 
 

@@ -125,7 +125,7 @@ class CompositeModel(ABC):
     def build_component(self, node: str, *, device: str, walks: set[str]) -> Any:
         """Build and load the component ``node`` for this rank (an :class:`mstar_dist.engine.component.Component`).
         For a node in :attr:`tp_nodes` placed with ``tp_size > 1`` the runtime also passes ``tp``
-        (:class:`models.common.tp.TPGroup`): build only this rank's shard, reduce on ``tp.group``."""
+        (:class:`mstar_dist.distributed.tp.TPGroup`): build only this rank's shard, reduce on ``tp.group``."""
 
     # ---- conductor side (rank 0) ----
     def load_frontend(self) -> None:

@@ -2,8 +2,8 @@
 
 A client keeps its connection (HTTP/1.1 keep-alive), so whichever intake accepts it parses all of that client's
 requests, one after another. With every intake listening on the port (``SO_REUSEPORT``) the kernel picks by a hash of
-the addresses: 32 connections over 4 intakes put 13 on one of them, which took their requests ~0.4 ms apart while
-others idled. Instead the front end accepts every connection (``Acceptor``, one thread) and passes its socket
+the addresses, and a burst's connections pile up on a few intakes, which take their requests one after another while
+others idle. Instead the front end accepts every connection (``Acceptor``, one thread) and passes its socket
 (``SCM_RIGHTS`` over a Unix seqpacket pair, one per intake) to the intake that holds the fewest open connections;
 each intake tells it, over the same pair, when one of them closes. The intake's uvicorn serves passed sockets as if
 it had accepted them (``server/http_server.py``, ``HttpServer.start(handoff=...)``).

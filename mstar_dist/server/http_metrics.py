@@ -1,6 +1,7 @@
 """HTTP-level metrics the app exports on /metrics after the backend's own, with prometheus_client on a registry
 of the app's own (several apps live in one test process). With several intake processes on the port, each
-reports its counts to the conductor and ``/metrics`` shows their sum (``render_counts``)."""
+reports its counts to the conductor and ``/metrics`` shows their sum (``conductor/metrics.render_counts``, which
+writes these same series)."""
 
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ class HttpStats:
 
     def counts(self) -> tuple[dict[str, int], int, int]:
         """(``"route code"`` -> requests answered, requests in flight, client disconnects): what an intake process
-        reports so that ``/metrics`` can show the sum over every process serving the port (``render_counts``)."""
+        reports so that ``/metrics`` can show the sum over every process serving the port
+        (``conductor/metrics.render_counts``)."""
         requests: dict[str, int] = {}
         in_flight = disconnects = 0
         for family in self.registry.collect():
@@ -46,20 +48,6 @@ class HttpStats:
                 elif sample.name == "mstar_http_client_disconnects_total":
                     disconnects = int(sample.value)
         return requests, in_flight, disconnects
-
-
-def render_counts(counts: list[tuple[dict[str, int], int, int]]) -> str:
-    """The HTTP metrics of several processes (``HttpStats.counts`` of each) summed, as ``HttpStats.render``
-    writes them."""
-    total = HttpStats()
-    for requests, in_flight, disconnects in counts:
-        for key, n in requests.items():
-            route, code = key.rsplit(" ", 1)
-            total.requests.labels(route=route, code=code).inc(n)
-        total.in_flight.inc(in_flight)
-        total._disconnects.inc(disconnects)
-    # a "_created" series would carry this summing's time, not the counters' start: leave it out
-    return "".join(line for line in total.render().splitlines(keepends=True) if "_created" not in line)
 
 
 class StatsMiddleware:

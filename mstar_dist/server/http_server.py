@@ -1,10 +1,11 @@
 """Running an ASGI app under uvicorn on a thread of its own, with its own asyncio loop: the HTTP thread of the front
-end (``conductor/process.py``, docs/architecture.md §2 "Threads"). The conductor thread hands events to this loop with
-``call_soon_threadsafe`` (``conductor/backend.py``); nothing else runs on it.
+end (``runtime/frontend.py``) or of an intake (``runtime/intake.py``), docs/architecture.md §2 "Threads". The
+conductor thread hands events to this loop with ``call_soon_threadsafe`` (``conductor/backend.py``); nothing else
+runs on it.
 
 uvicorn parses HTTP with httptools (a dependency; h11 where it cannot be imported): an intake takes a burst's requests
-one after another, and over a loopback socket a streamed request cost the server 0.78 ms of CPU with h11 against 0.47
-with httptools on the H200 host (docs/architecture.md §2, "Intake processes"; ``scripts/bench_http_path.py --socket``).
+one after another, and httptools costs each of them markedly less of the server's CPU than h11 (docs/architecture.md
+§2, "Intake processes").
 For the same reason a response's headers wait for its first body chunk and leave with it in one socket write
 (``_HeadersWithBody``, on every connection).
 """

@@ -1,7 +1,7 @@
 """Relaying one backend generation to one HTTP response, for every route.
 
-Owns the app's per-request guarantees (docs/architecture.md §9, §10): a backend failure becomes an :class:`ApiError` for that
-request only; the backend generator is always closed, and closed early (which aborts the request in the
+Owns the app's per-request guarantees (docs/architecture.md §9, §10): a backend failure becomes an :class:`ApiError`
+for that request only; the backend generator is always closed, and closed early (which aborts the request in the
 backend) when the client goes away first. Everything here runs on the HTTP server's loop.
 """
 
@@ -209,8 +209,8 @@ class ClosingStreamingResponse(StreamingResponse):
         """Stream the body while one plain task waits for the client to go away (ASGI spec < 2.4, such as uvicorn's
         h11 and httptools servers, tell it only through ``receive``; their ``send`` to a gone client does nothing),
         and then cancels the streaming, which closes the body and so aborts the backend request. Starlette does the
-        same with an anyio task group and cancel scopes, which cost ~0.1 ms a response (an intake takes its
-        requests one after another: ``scripts/bench_http_path.py``)."""
+        same with an anyio task group and cancel scopes, a cost paid on every response (and an intake takes its
+        requests one after another)."""
         me = asyncio.current_task()
         gone = False
 

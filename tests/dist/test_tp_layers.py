@@ -18,7 +18,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from models.common.linear import Linear
-from models.common.tp import ColumnParallelLinear, RowParallelLinear, TPGroup, shard_cols, shard_rows
+from models.common.tp import ColumnParallelLinear, RowParallelLinear, shard_cols, shard_rows
+from mstar_dist.distributed.tp import TPGroup
 from models.llama.config import LlamaConfig
 from models.llama.model import Llama
 from models.llama.weights import load_llama

@@ -130,7 +130,7 @@ def _to_torch(x):
 def _rank(rank: int, llama_dir: str, smol_dir: str, moe_dirs: dict[str, str], tokens: torch.Tensor) -> dict:
     from mstar_dist.distributed.groups import create_tp_groups
     from mstar_dist.distributed.init import init_distributed, shutdown_distributed
-    from models.common.tp import TPGroup
+    from mstar_dist.distributed.tp import TPGroup
     from models.llama.weights import load_llama
     from models.moe.weights import load_moe
 

@@ -20,7 +20,7 @@ import time
 import httpx
 import pytest
 
-from mstar_dist.conductor.intake import COUNTS_EVERY_S
+from mstar_dist.server.intake_backend import COUNTS_EVERY_S
 from tests.e2e.server import REPO, Server, descendants, metric, wait_for
 
 INTAKES = 3
@@ -49,7 +49,7 @@ def intake_pids(server: Server) -> dict[int, int]:
                 argv = f.read().split(b"\0")
         except OSError:
             continue
-        if b"mstar_dist.conductor.intake" in argv:
+        if b"mstar_dist.runtime.intake" in argv:
             pids[int(argv[argv.index(b"--index") + 1])] = pid
     return pids
 

@@ -125,13 +125,13 @@ def test_http_processes_is_a_checked_config_key_and_flag():
     cfg = parse_config({"model": "m", "node_groups": group, "server": {"http_processes": 4}}, "d.yaml")
     assert cfg.server.http_processes == 4
     assert cfg.with_overrides(http_processes=2).server.http_processes == 2
-    from mstar_dist.serve import parse_args
+    from mstar_dist.runtime.cli import parse_args
 
     assert parse_args(["c.yaml", "--http-processes", "3"]).http_processes == 3
 
 
 def test_serve_flags_take_the_key_from_the_environment(monkeypatch):
-    from mstar_dist.serve import parse_args
+    from mstar_dist.runtime.cli import parse_args
 
     monkeypatch.setenv("MSTAR_API_KEY", "from-env")
     assert parse_args(["c.yaml"]).api_key == "from-env"

@@ -271,3 +271,29 @@ def test_an_event_loop_watching_the_channels_descriptors_gets_every_message_in_o
             mine = [p for s, p in got if s == sender]
             small = [tag + b"%d" % i for i in range(200)]
             assert mine == small[:101] + [b"x" * (LOCAL_MAX_BYTES + 1)] + small[101:]
+
+
+@pytest.mark.parametrize("local", [False, True], ids=["zmq", "local link"])
+def test_a_message_sent_right_before_a_flushing_close_reaches_its_peer(local):
+    """A process's last word (``Shutdown`` to every rank, a rank's ``Leaving``) is sent just before its socket
+    closes: ``close(flush_s)`` lets it leave first, over ZMQ (whose connection may not even be up yet) as over a
+    local link. Without the flush ZMQ drops what it still queues."""
+    with ControlChannel("rank0", "127.0.0.1") as receiver:
+        for i in range(20):
+            sender = ControlChannel("conductor", "127.0.0.1", local=local)  # its own context: close terminates it
+            sender.connect("rank0", receiver.endpoint)
+            sender.send("rank0", b"shutdown %d" % i)
+            sender.close(flush_s=5.0)
+            assert _drain(receiver, 1) == [("conductor", b"shutdown %d" % i)]
+
+
+def test_a_flushing_close_is_bounded_when_the_peer_is_gone():
+    gone = ControlChannel("rank0", "127.0.0.1")
+    endpoint = gone.endpoint
+    gone.close()
+    sender = ControlChannel("conductor", "127.0.0.1")
+    sender.connect("rank0", endpoint)
+    sender.send("rank0", b"nobody reads this")
+    t0 = time.monotonic()
+    sender.close(flush_s=0.3)
+    assert time.monotonic() - t0 < 3

@@ -281,7 +281,7 @@ def test_an_intakes_first_tokens_leave_before_the_next_walks_are_dispatched(toge
 
 
 def test_every_kind_of_event_crosses_to_an_intake_unchanged():
-    from mstar_dist.conductor.intake import _event
+    from mstar_dist.server.intake_backend import _event
     from mstar_dist.events import MediaDelta
 
     c, ch = make()
@@ -310,7 +310,7 @@ def test_prompt_ids_an_intake_encoded_reach_the_family_and_a_failed_encoding_lea
     import asyncio
     import dataclasses
 
-    from mstar_dist.conductor.intake import IntakeBackend
+    from mstar_dist.server.intake_backend import IntakeBackend
 
     c, _ = make()
     seen = []

@@ -245,7 +245,7 @@ def test_every_key_of_the_annotated_example_is_commented():
 
 
 def test_cpu_threads_default_to_an_even_share_and_groups_can_ask_for_more():
-    from mstar_dist.worker.boot import cpu_threads_for
+    from mstar_dist.runtime.rank import cpu_threads_for
 
     cfg = parse_config(BASE, "deploy.yaml")
     assert cpu_threads_for(cfg, 1, ranks_on_host=5, cores=16) == 3

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mstar_dist.serve import main
+from mstar_dist.runtime.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = Path(__file__).parent / "golden"
@@ -57,12 +57,12 @@ def test_dry_run_matches_golden(name, capsys, monkeypatch, tmp_path):
 
 
 def test_a_hosts_env_and_transfer_device_are_set_before_its_ranks_initialise(monkeypatch):
-    """boot.apply_host_env runs right after identify, before init_process_group: the spec's env wins over what
+    """rank.apply_host_env runs right after identify, before init_process_group: the spec's env wins over what
     the process had, and transfer_device becomes NCCL's NIC unless the env names one."""
     import os
 
     from mstar_dist.config.cluster import HostSpec
-    from mstar_dist.worker.boot import apply_host_env
+    from mstar_dist.runtime.rank import apply_host_env
 
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
     monkeypatch.delenv("NCCL_IB_HCA", raising=False)

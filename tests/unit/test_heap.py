@@ -32,5 +32,5 @@ def test_objects_alive_at_startup_leave_the_collector_and_come_back_for_teardown
     finally:
         gc.unfreeze()
     gc.collect()
-    assert watch() is None  # ...until a teardown unfreezes the heap (worker/boot.py)
+    assert watch() is None  # ...until a teardown unfreezes the heap (runtime/rank.py)
     assert gc.get_freeze_count() == 0

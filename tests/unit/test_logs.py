@@ -11,7 +11,7 @@ import logging
 import pytest
 
 from mstar_dist.logs import JsonFormatter, announce, configure_logging
-from mstar_dist.serve import parse_args
+from mstar_dist.runtime.cli import parse_args
 
 
 @pytest.fixture

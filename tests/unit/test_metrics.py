@@ -116,7 +116,8 @@ def test_the_app_metrics_have_help_and_type_and_count_routes():
 
 
 def test_the_http_metrics_of_several_intakes_are_summed():
-    from mstar_dist.server.http_metrics import HttpStats, render_counts
+    from mstar_dist.conductor.metrics import render_counts
+    from mstar_dist.server.http_metrics import HttpStats
 
     a, b = HttpStats(), HttpStats()
     a.requests.labels(route="/generate", code="200").inc(3)
@@ -131,6 +132,18 @@ def test_the_http_metrics_of_several_intakes_are_summed():
     assert got['mstar_http_requests_total{code="400",route="/v1/chat/completions"}'] == 1
     assert got["mstar_http_requests_in_flight"] == 1 and got["mstar_http_client_disconnects_total"] == 1
     assert "_created" not in text  # the time of the summing is no counter's start
+
+
+def test_the_summed_http_metrics_are_the_series_one_http_process_exports():
+    """The conductor sums the intakes' counts without importing HTTP code: its series must stay those of
+    ``HttpStats`` (names, help, type)."""
+    from mstar_dist.conductor.metrics import render_counts
+    from mstar_dist.server.http_metrics import HttpStats
+
+    def heads(text: str) -> list[str]:
+        return [line for line in text.splitlines() if line.startswith("#") and "_created" not in line]
+
+    assert heads(render_counts([])) == heads(HttpStats().render())
 
 
 def test_process_sample_reads_this_process():

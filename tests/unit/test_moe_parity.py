@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from models.common.tp import TPGroup
+from mstar_dist.distributed.tp import TPGroup
 from models.moe.checkpoint import make_moe_checkpoint
 from models.moe.model import Experts
 from models.moe.weights import load_moe

@@ -15,7 +15,7 @@ import pytest
 from models.llama.config import LlamaConfig
 from mstar_dist import logs
 from mstar_dist.logs import configure_logging, progress_bar
-from mstar_dist.serve import parse_args
+from mstar_dist.runtime.cli import parse_args
 from mstar_dist.tools.gguf_import import dequantized_tensors
 
 

@@ -19,8 +19,8 @@ from mstar_dist.control import messages as m
 from mstar_dist.server.backend import BackendError
 from mstar_dist.server.http_server import HttpServer, reserve_port
 from mstar_dist.transport.inline import encode_tensor
-from mstar_dist.serve import main
-from mstar_dist.worker.boot import check_weights
+from mstar_dist.runtime.cli import main
+from mstar_dist.runtime.deployment import check_weights
 from models.llama.chat import SmolLM2Chat
 from tests.toy_model import ToyModel
 from tests.unit.test_conductor import make, params, submit, walks_sent

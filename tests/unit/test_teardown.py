@@ -5,7 +5,7 @@ import threading
 import time
 
 from mstar_dist.engine.component import Component
-from mstar_dist.worker import boot
+from mstar_dist.runtime import rank
 
 
 class _Recorder(Component):
@@ -24,7 +24,7 @@ class _Recorder(Component):
 def test_components_close_before_the_process_groups_are_destroyed_even_when_one_close_fails():
     order: list[str] = []
     comps = {"A": _Recorder("A", order, fail=True), "B": _Recorder("B", order)}
-    assert boot._teardown(comps, lambda: order.append("destroy"), timeout_s=5)
+    assert rank.teardown(comps, lambda: order.append("destroy"), timeout_s=5)
     assert order == ["close A", "close B", "destroy"]
     assert comps == {}  # no reference to the graphs is left behind
 
@@ -33,7 +33,7 @@ def test_a_stuck_process_group_teardown_is_abandoned_after_the_timeout():
     release = threading.Event()
     t0 = time.monotonic()
     try:
-        assert not boot._teardown({}, lambda: release.wait(30), timeout_s=0.3)
+        assert not rank.teardown({}, lambda: release.wait(30), timeout_s=0.3)
         assert time.monotonic() - t0 < 5
     finally:
         release.set()

@@ -252,7 +252,7 @@ def test_an_intake_encodes_prompts_as_the_conductor_would_without_importing_torc
 
     from models.llama.chat import SmolLM2Chat
     from models.speech.orpheus import OrpheusSpeech  # shapes its prompts: no encoder (checked below)
-    from mstar_dist.conductor.intake import load_prompt_encoder
+    from mstar_dist.runtime.registry import load_prompt_encoder
     from mstar_dist.graph.model import RequestState
     from mstar_dist.transport.inline import decode_tensor
 
@@ -270,7 +270,7 @@ def test_an_intake_encodes_prompts_as_the_conductor_would_without_importing_torc
         family.preprocess(given, "ignored when ids are given", None)
         assert given.data["input_ids"] == state.data["input_ids"]
     module = spec[0].partition(":")[0]
-    code = (f"import sys, {module}; from mstar_dist.conductor.intake import load_prompt_encoder; "
+    code = (f"import sys, {module}; from mstar_dist.runtime.registry import load_prompt_encoder; "
             f"load_prompt_encoder({spec!r}); assert 'torch' not in sys.modules, 'torch imported'")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                           cwd=Path(__file__).resolve().parents[2])

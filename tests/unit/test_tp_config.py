@@ -1,4 +1,4 @@
-"""Which placements may use tensor parallelism (mstar_dist/worker/boot.py ``_check_tp``, ``tp_roles_for``).
+"""Which placements may use tensor parallelism (mstar_dist/runtime/: ``deployment.check_tp``, ``rank.tp_roles_for``).
 
 A failure means a family that cannot shard a node is started with tp_size > 1 (it would run unsharded and
 disagree with its replica), a node is sharded differently in two walks (a P/D KV shard would not fit its
@@ -11,7 +11,8 @@ import pytest
 
 from mstar_dist.config.deployment import parse_config
 from mstar_dist.topology.placement import Placement
-from mstar_dist.worker.boot import _check_tp, tp_roles_for
+from mstar_dist.runtime.deployment import check_tp
+from mstar_dist.runtime.rank import tp_roles_for
 from models.moe.chat import MoEChat
 from tests.toy_model import ToyModel
 
@@ -24,14 +25,14 @@ def test_tp_needs_a_family_that_shards_the_node():
     cfg = config([{"node_names": ["ADD"], "ranks": [0, 1], "tp_size": 2, "graph_walks": ["start"]},
                   {"node_names": ["COUNT"], "ranks": [2], "graph_walks": ["count"]}])
     with pytest.raises(ValueError, match=r"node_groups\[0\].tp_size = 2: node 'ADD' of model 'toy' does not support"):
-        _check_tp(cfg, ToyModel(None), {"start": frozenset({"ADD"}), "count": frozenset({"COUNT"})})
+        check_tp(cfg, ToyModel(None), {"start": frozenset({"ADD"}), "count": frozenset({"COUNT"})})
 
 
 def test_a_node_is_sharded_alike_in_every_walk():
     cfg = config([{"node_names": ["LLM"], "ranks": [0, 1], "tp_size": 2, "graph_walks": ["prefill"]},
                   {"node_names": ["LLM"], "ranks": [2], "graph_walks": ["decode"]}])
     with pytest.raises(ValueError, match=r"node_groups\[1\].tp_size = 1: node 'LLM' has tp_size 2 in node_groups\[0\]"):
-        _check_tp(cfg, MoEChat.__new__(MoEChat), {"prefill": frozenset({"LLM"}), "decode": frozenset({"LLM"})})
+        check_tp(cfg, MoEChat.__new__(MoEChat), {"prefill": frozenset({"LLM"}), "decode": frozenset({"LLM"})})
 
 
 def test_roles_follow_the_replica_order():

@@ -108,7 +108,7 @@ def test_a_registered_transport_is_built_and_chosen_by_the_router_for_a_pair_on_
 
 
 def test_the_command_line_offers_a_registered_transport(loop_registered):
-    from mstar_dist.serve import parse_args
+    from mstar_dist.runtime.cli import parse_args
 
     args = parse_args(["x.yaml", "--intra-host-tensor-protocol", "loop", "--inter-host-tensor-protocol", "loop"])
     assert args.intra_host_tensor_protocol == args.inter_host_tensor_protocol == "loop"

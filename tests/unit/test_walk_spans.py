@@ -98,7 +98,7 @@ class _Store:
 
 
 def test_ranks_that_derive_different_walks_refuse_to_start_naming_both():
-    from mstar_dist.worker.boot import check_same_walks
+    from mstar_dist.runtime.deployment import check_same_walks
 
     store = _Store()
     store.set("mstar_dist/walks/0", "aaaa")  # what rank 0 publishes first

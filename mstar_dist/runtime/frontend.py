@@ -1,0 +1,223 @@
+"""The front end (conductor + HTTP server) in its own process on rank 0's host (docs/architecture.md §2).
+
+Detokenisation, stop strings, admission and HTTP framing run here, not under the GIL of the process that feeds
+rank 0's GPU. Rank 0 starts it first thing (so its imports overlap the distributed setup) and owns its life:
+
+1. rank 0 spawns ``python -m mstar_dist.runtime.frontend <the rank's own serve flags>`` with the reserved HTTP
+   socket and a pipe inherited (``children.HTTP_FD_ENV``, ``children.OUT_FD_ENV``);
+2. the front end binds the ``conductor`` control socket and writes ``{"endpoint": ...}`` on the pipe; rank 0
+   publishes it in the torchrun store, where every rank looks it up;
+3. once rank 0 has loaded its components (the weights are on this host then), it writes one JSON line on the
+   front end's stdin: the launch's secret and every rank's control endpoint (``failed`` instead when rank 0
+   could not load: the front end tells every rank to stop and exits);
+4. the front end loads the model's front half (tokenizer), waits for every READY, announces the placement,
+   starts the conductor thread and HTTP (or, with ``server.http_processes`` > 1, its intakes and the acceptor
+   that passes them the connections), and serves until SIGTERM or until its stdin closes (rank 0 is gone); on the
+   way out it fails in-flight requests with 503 and tells every rank to shut down.
+
+Rank 0 stops with an error when the front end exits on its own; the front end exits when rank 0 does. Nothing
+here is pickled: the handshake is JSON over a pipe and stdin.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import socket
+import sys
+from typing import Any
+
+import torch
+
+from mstar_dist.conductor.backend import ConductorBackend
+from mstar_dist.conductor.conductor import Conductor
+from mstar_dist.control import messages as m
+from mstar_dist.control.channel import CONDUCTOR, ControlChannel, rank_name
+from mstar_dist.logs import announce
+from mstar_dist.runtime.children import (
+    HTTP_FD_ENV, ParentPipe, quick_hand_offs, start_watching_parent, stop_all, where_from_env,
+)
+from mstar_dist.runtime.cli import parse_args
+from mstar_dist.runtime.deployment import Deployment, load_deployment, served, torchrun_sizes
+from mstar_dist.runtime.intake import IntakeProcess
+from mstar_dist.runtime.lifecycle import SHUTDOWN_FLUSH_S, Lifecycle
+from mstar_dist.server.app import build_app
+from mstar_dist.server.handoff import Acceptor
+from mstar_dist.server.http_server import HttpServer
+
+log = logging.getLogger(__name__)
+
+CONDUCTOR_STOP_S = 10.0
+"""How long the conductor thread gets to fail in-flight requests with 503 on the way out."""
+INTAKE_WAIT_S = 60.0
+"""How long an intake may take to report its endpoint, and then that it listens."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    host_name, addr = where_from_env()
+    lc = Lifecycle("frontend", log_level=args.log_level, rank=0, host=host_name, log_format=args.log_format,
+                   progress="off")
+    torch.set_num_threads(1)
+    quick_hand_offs()  # the HTTP and conductor threads hand each request over
+    front = Frontend(args, lc, host_name, addr)
+    lc.catch_signals()
+    return lc.run(front.serve, front.failed, front.teardown)
+
+
+class Frontend:
+    """The front end's parts, built step by step (module docstring), and their teardown. Parts not built yet are
+    None."""
+
+    def __init__(self, args: argparse.Namespace, lc: Lifecycle, host_name: str, addr: str) -> None:
+        self.args, self.lc, self.host_name, self.addr = args, lc, host_name, addr
+        self.parent = ParentPipe()
+        self.http_sock: socket.socket | None = socket.socket(fileno=int(os.environ[HTTP_FD_ENV]))
+        """Rank 0's reserved port, until the HTTP server or the acceptor owns it."""
+        self.world_size = 0
+        self.dep: Deployment | None = None
+        self.channel: ControlChannel | None = None
+        self.intakes: list[IntakeProcess] = []
+        self.conductor: Conductor | None = None
+        self.http: HttpServer | None = None
+        self.acceptor: Acceptor | None = None
+
+    def serve(self) -> int:
+        handover = self.prepare()
+        if handover.get("failed"):
+            broadcast_shutdown(self.dep, self.channel, self.world_size, handover["failed"])
+            return 1
+        start_watching_parent(self.lc.stop, "rank 0")
+        for intake in self.intakes:
+            self.channel.connect(intake.name, intake.read(INTAKE_WAIT_S, "its control endpoint")["endpoint"])
+        self.conductor = start_conductor(self.dep, self.channel, self.args.startup_timeout,
+                                         log_stats_s=self.args.log_stats,
+                                         intakes=tuple(intake.name for intake in self.intakes))
+        if self.intakes:  # the acceptor owns the port from here
+            self.acceptor = start_intakes(self.dep, self.intakes, self.http_sock,
+                                          conductor_endpoint=self.channel.endpoint, api_key=self.args.api_key)
+        else:
+            self.http = start_http(self.dep, self.conductor, api_key=self.args.api_key, sock=self.http_sock)
+        self.http_sock = None
+        # tokenizer, model family, app and what uvicorn imported as it started leave the collector (heap.py)
+        self.lc.ready()
+        self.lc.wait(self.check)
+        return 0
+
+    def prepare(self) -> dict[str, Any]:
+        """Steps 2-3: the deployment, the ``conductor`` socket (its endpoint to rank 0), the intakes (spawned now:
+        their imports overlap the ranks' loading), then rank 0's handover, connected. Returns the handover."""
+        world_size, local_ws = torchrun_sizes(os.environ)
+        self.world_size = world_size or 1
+        self.dep = load_deployment(self.args, self.world_size, local_ws)
+        self.channel = ControlChannel(CONDUCTOR, self.addr)
+        self.parent.report({"endpoint": self.channel.endpoint})
+        server = self.dep.config.server
+        if server.http_processes > 1:
+            self.intakes = [IntakeProcess(k, host_name=self.host_name, addr=self.addr, log_level=self.args.log_level,
+                                          log_format=self.args.log_format) for k in range(server.http_processes)]
+        handover = self.parent.read(self.args.startup_timeout + 30)
+        if handover is None:
+            raise RuntimeError(f"rank 0 did not hand over the ranks' endpoints within {self.args.startup_timeout:g} s "
+                               f"(--startup-timeout)")
+        self.dep = dataclasses.replace(self.dep, token=handover["token"])
+        for name, endpoint in sorted(handover["endpoints"].items()):
+            self.channel.connect(name, endpoint)
+        return handover
+
+    def check(self) -> None:
+        if not self.conductor.alive:
+            raise RuntimeError("the conductor thread died")
+        for intake in self.intakes:
+            if not intake.alive():
+                raise RuntimeError(intake.describe_exit())
+
+    def failed(self, exc: Exception) -> None:
+        log.error("the front end failed: %s", exc, exc_info=not isinstance(exc, (TimeoutError, ValueError)))
+        if self.conductor is None and self.channel is not None and self.dep is not None and self.dep.token:
+            broadcast_shutdown(self.dep, self.channel, self.world_size, f"the front end on rank 0's host failed: {exc}")
+
+    def teardown(self, rc: int) -> bool:
+        """No new connections; in-flight requests get their 503 while HTTP still delivers them; the intakes stop
+        after the conductor's last word has reached them; every rank is told to stop; the channel closes once those
+        messages have left."""
+        if self.acceptor is not None:
+            self.acceptor.stop()
+        if self.conductor is not None:
+            # only after the join may this thread use the conductor's socket (ZMQ sockets are single-threaded)
+            self.conductor.stop(timeout_s=CONDUCTOR_STOP_S)
+        stop_all(self.intakes)
+        if self.conductor is not None:
+            broadcast_shutdown(self.dep, self.channel, self.world_size, "rank 0 is stopping", error=rc != 0)
+        if self.http is not None:
+            self.http.stop()
+        if self.http_sock is not None:
+            self.http_sock.close()
+        if self.channel is not None:
+            self.channel.close(flush_s=SHUTDOWN_FLUSH_S)
+        return True
+
+
+def broadcast_shutdown(dep: Deployment, channel: ControlChannel, world_size: int, reason: str,
+                       error: bool = True) -> None:
+    """``Shutdown`` to every rank (a rank that is gone cannot be told); they leave the channel when it closes
+    with a flush."""
+    for peer in range(world_size):
+        try:
+            channel.send(rank_name(peer), m.encode(dep.token, CONDUCTOR, m.Shutdown(reason=reason, error=error)))
+        except Exception:
+            pass
+
+
+def start_conductor(dep: Deployment, channel: ControlChannel, timeout_s: float, log_stats_s: float | None,
+                    intakes: tuple[str, ...] = ()) -> Conductor:
+    """Load the model's front half, wait for every READY, announce the placement, then start the conductor thread
+    (docs/architecture.md §2 step 6)."""
+    cfg = dep.config
+    dep.model.load_frontend()
+    conductor = Conductor(
+        model=dep.model, placement=dep.placement, channel=channel, token=dep.token,
+        world_size=dep.cluster.world_size, max_concurrent=cfg.limits.max_concurrent_requests,
+        max_queued=cfg.limits.max_queued_requests,
+        request_timeout_s=cfg.limits.request_timeout_s, rank_hosts=dep.cluster.rank_hosts(),
+        rank_timeout_s=cfg.limits.rank_timeout_s, log_stats_s=log_stats_s, intakes=intakes,
+    )
+    conductor.wait_ready(timeout_s)
+    announce(dep.describe())
+    conductor.start()
+    return conductor
+
+
+def start_http(dep: Deployment, conductor: Conductor, *, api_key: str | None, sock: socket.socket) -> HttpServer:
+    """Bind HTTP only now that every rank serves (docs/architecture.md §2 step 6)."""
+    cfg = dep.config
+    backend = ConductorBackend(conductor, **served(dep))
+    http = HttpServer(build_app(backend, api_key=api_key, max_body_bytes=cfg.server.max_body_bytes))
+    http.start(cfg.server.host, cfg.server.port, timeout_s=30, sock=sock)
+    announce(f"mstar_dist: serving {cfg.model} on http://{cfg.server.host}:{cfg.server.port}")
+    return http
+
+
+def start_intakes(dep: Deployment, intakes: list[IntakeProcess], sock: socket.socket, *, conductor_endpoint: str,
+                  api_key: str | None) -> Acceptor:
+    """Hand every intake what it serves, wait until each serves, then accept on ``sock`` (the reserved port) and pass
+    the connections to them (docs/architecture.md §2): the running ``Acceptor``."""
+    server = dep.config.server
+    port = sock.getsockname()[1]
+    for intake in intakes:
+        intake.write({"token": dep.token, "conductor": conductor_endpoint, "host": server.host, "port": port,
+                      "api_key": api_key, "max_body_bytes": server.max_body_bytes,
+                      "prompt_encoder": dep.model.prompt_encoder(), **served(dep)})
+    for intake in intakes:
+        intake.read(INTAKE_WAIT_S, "that it listens on the port")
+    acceptor = Acceptor(sock, [intake.link for intake in intakes])
+    acceptor.start()
+    announce(f"mstar_dist: serving {dep.config.model} on http://{server.host}:{port} "
+             f"({len(intakes)} HTTP intake processes)")
+    return acceptor
+
+
+if __name__ == "__main__":
+    sys.exit(main())
