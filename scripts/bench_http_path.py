@@ -109,12 +109,13 @@ class _AnsweringLink:
 
     def send(self, body) -> None:
         from mstar_dist.control import messages as m
+        from mstar_dist.events import Finished, TextDelta
 
         m.encode("t" * 32, "intake0", body)
         if isinstance(body, m.Submit):
             rid = body.params.request_id
-            self.backend.deliver([m.OutText(rid, "hi", 1), m.OutText(rid, " there", 1),
-                                  m.OutFinished(rid, "length", 40, 2)])
+            self.backend.deliver([(rid, TextDelta("hi", 1)), (rid, TextDelta(" there", 1)),
+                                  (rid, Finished("length", 40, 2))])
 
 
 async def measure_intake(weights: str, requests: int) -> dict:

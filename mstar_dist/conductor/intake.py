@@ -38,7 +38,9 @@ from mstar_dist.conductor.process import (
     _OUT_FD, _WHERE, SWITCH_INTERVAL_S, ChildProcess, _read_line, watch_parent,
 )
 from mstar_dist.control import messages as m
-from mstar_dist.events import BackendError, Finished, GenerationEvent, GenerationParams, MediaDelta, TextDelta
+from mstar_dist.events import (
+    BackendError, Failed, Finished, GenerationEvent, GenerationParams, TextDelta, from_wire,
+)
 from mstar_dist.server.handoff import handoff_pair
 
 log = logging.getLogger(__name__)
@@ -210,8 +212,7 @@ class ConductorLink:
         except Exception as exc:  # the conductor does not read: its requests fail here instead of hanging
             log.error("%s: cannot reach the conductor: %s", self.name, exc)
             if isinstance(body, m.Submit) and self.backend is not None:
-                self.backend.deliver([m.OutError(request_id=body.params.request_id, status=503,
-                                                 message=f"the conductor is unreachable: {exc}")])
+                self.backend.deliver([(body.params.request_id, Failed(503, f"the conductor is unreachable: {exc}"))])
 
 
 class IntakeBackend:
@@ -279,9 +280,10 @@ class IntakeBackend:
                 if future is not None and not future.done():
                     future.set_result(item.text)
                 continue
-            events = self._queues.get(item.request_id)
+            request_id, event = item
+            events = self._queues.get(request_id)
             if events is not None:
-                events.put_nowait(_event(item))
+                events.put_nowait(from_wire(event))
 
     async def generate(self, params: GenerationParams) -> AsyncIterator[GenerationEvent]:
         if self.warming:
@@ -362,17 +364,6 @@ def warm_up(app, backend: IntakeBackend, api_key: str | None) -> None:
         asyncio.run(run())
     finally:
         backend.warming = False
-
-
-def _event(item) -> GenerationEvent | BackendError:
-    if isinstance(item, m.OutText):
-        return TextDelta(text=item.text, n_tokens=item.n_tokens)
-    if isinstance(item, m.OutMedia):
-        return MediaDelta(modality=item.modality, data=item.data, metadata=item.metadata, n_tokens=item.n_tokens)
-    if isinstance(item, m.OutFinished):
-        return Finished(finish_reason=item.finish_reason, prompt_tokens=item.prompt_tokens,
-                        completion_tokens=item.completion_tokens)
-    return BackendError(item.status, item.message, retry_after_s=item.retry_after_s)
 
 
 def main(argv: list[str] | None = None) -> int:

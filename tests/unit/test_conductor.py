@@ -66,7 +66,7 @@ def walks_sent(ch, walk=None):
 
 
 def emit(c, wire_id, *values):
-    from_rank(c, m.Emit(request_id=wire_id, walk="", signal="x",
+    from_rank(c, m.Emit(request_id=wire_id, signal="x",
                         values=[encode_tensor(torch.tensor([v])) for v in values]))
 
 
@@ -268,7 +268,7 @@ def test_an_intakes_first_tokens_leave_before_the_next_walks_are_dispatched(toge
     c._handle("intake0", m.encode(TOKEN, "intake0", m.Submit(params=params("r1", max_tokens=3), pinned_id=True)))
     (_, first), = walks_sent(ch, "start")
     ch.sent.clear()
-    tokens = m.Emit(request_id=first.request_id, walk="", signal="x", values=[encode_tensor(torch.tensor([4]))])
+    tokens = m.Emit(request_id=first.request_id, signal="x", values=[encode_tensor(torch.tensor([4]))])
     done = m.WalkDone(request_id=first.request_id, walk="start", rank=0, outputs={"x": encode_tensor(torch.tensor([4]))})
     if together:
         from_rank(c, m.Emits(items=[tokens], done=[done]))

@@ -186,16 +186,11 @@ def test_metered_transport_counts_bytes_and_times_each_transfer_once():
 
 
 def test_the_worker_reports_process_metrics_and_edge_histograms_in_stats():
-    from mstar_dist.transport.router import Router
-
-    worker, channel, transport, *_ = make_worker()
-    worker.transport = Router(global_rank=1, rank_hosts={0: "h", 1: "h", 2: "h"}, intra_host="p2p",
-                              inter_host="p2p", transports={"p2p": MeteredTransport(transport, "p2p")},
-                              inline_max_bytes=1024, device=torch.device("cpu"))
+    worker, channel, transport, *_ = make_worker(wrap=lambda plane: MeteredTransport(plane, "p2p"))
     deliver(worker, channel, run_walk("a", 0))
     turn(worker)
-    worker._last_stats = 0.0
-    worker._maybe_send_stats()
+    worker.stats_every_s = 0.0
+    worker.poll_once()
     (st,) = [b for _, b in channel.sent if isinstance(b, m.Stats)]
     assert st.rss_bytes > 0 and st.cpu_seconds > 0 and st.open_fds > 0
     assert {(h.transport, h.direction, h.unit) for h in st.edge_histograms} == {

@@ -46,8 +46,7 @@ def test_a_loop_across_ranks_equals_colocated(name, width):
     assert [text_of(ev) for ev in events] == [span_text(s, n) for s, n in CASES]
     assert all(isinstance(ev[-1], Finished) for ev in events)
     for worker in dep.workers:  # every copy of every walk ended, nothing is left behind
-        assert worker._runs == {} and worker._walks_of == {} and worker._spans == {} and worker.store.live_tensors == 0
-        assert not any(worker._arrivals.values())
+        assert worker.held_requests() == set() and worker.store.live_tensors == 0
 
 
 def test_stop_on_either_rank_ends_the_loop_on_both():
