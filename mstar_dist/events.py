@@ -139,3 +139,24 @@ def from_wire(event: WireEvent) -> OutputEvent:
     if isinstance(event, Failed):
         return BackendError(event.status, event.message, retry_after_s=event.retry_after_s)
     return event
+
+
+def as_deltas(out: Any, n_tokens: int) -> list[TextDelta | MediaDelta]:
+    """What a family's ``postprocess`` returned (text, a media delta, or a list of them) as deltas; the request's new
+    token count rides on the first one (on an empty text delta when there is nothing else). TypeError for anything
+    else."""
+    items = out if isinstance(out, list) else [out]
+    deltas: list[TextDelta | MediaDelta] = []
+    for item in items:
+        if isinstance(item, str):
+            deltas.append(TextDelta(text=item, n_tokens=0))
+        elif isinstance(item, (TextDelta, MediaDelta)):
+            deltas.append(item)
+        else:
+            raise TypeError(f"postprocess returned {type(item).__name__}; expected str, TextDelta or MediaDelta")
+    if not deltas:
+        deltas.append(TextDelta(text="", n_tokens=0))
+    first = deltas[0]
+    deltas[0] = (TextDelta(first.text, first.n_tokens + n_tokens) if isinstance(first, TextDelta)
+                 else MediaDelta(first.modality, first.data, first.metadata, first.n_tokens + n_tokens))
+    return deltas

@@ -67,7 +67,7 @@ class EncodingChannel:
         return []
 
 
-def make_conductor(weights: str) -> tuple[Conductor, EncodingChannel, list[int]]:
+def make_conductor(weights: str, intakes: tuple[str, ...] = ()) -> tuple[Conductor, EncodingChannel, list[int]]:
     raw = yaml.safe_load((REPO / "launch/configs/smollm2_single.yaml").read_text())
     raw["weights"] = weights
     model = LlamaChat(weights)
@@ -76,7 +76,7 @@ def make_conductor(weights: str) -> tuple[Conductor, EncodingChannel, list[int]]
                                 {w: frozenset(node_names(s)) for w, s in model.graphs().items()}, 1)
     channel = EncodingChannel()
     conductor = Conductor(model=model, placement=placement, channel=channel, token=TOKEN, world_size=1,
-                          max_concurrent=1 << 20, request_timeout_s=600.0, rank_hosts={0: "h"})
+                          max_concurrent=1 << 20, request_timeout_s=600.0, rank_hosts={0: "h"}, intakes=intakes)
     return conductor, channel, model.tokenizer.encode_prompt(None, MESSAGES)
 
 
@@ -96,9 +96,9 @@ def one_burst(conductor: Conductor, channel: EncodingChannel, ids: list[int], bu
     payloads = list(channel.sent)
     t2 = time.thread_time()
     for payload in payloads:
-        worker._handle("conductor", payload)
+        worker.handle("conductor", payload)
     t3 = time.thread_time()
-    assert len(worker._runs) == burst, "every RunWalk started a walk"
+    assert len(worker.runs.by_key) == burst, "every RunWalk started a walk"
     return (t1 - t0) / burst, (t3 - t2) / burst
 
 
@@ -144,10 +144,9 @@ def wire(weights: str, burst: int, rounds: int, pause_s: float = 0.02) -> dict:
     does nothing else meanwhile (its CPU time is the conductor's)."""
     from mstar_dist.control.channel import ControlChannel
 
-    conductor, _, ids = make_conductor(weights)
+    conductor, _, ids = make_conductor(weights, intakes=("intake0",))
     with ControlChannel("conductor", "127.0.0.1") as channel:
         conductor.channel = channel
-        conductor.intakes = type(conductor.intakes)(conductor, ("intake0",))
         conductor.serving = True
         child = subprocess.Popen([sys.executable, __file__, "--wire-child", channel.endpoint, "--burst", str(burst),
                                   "--rounds", str(rounds), "--pause-ms", str(pause_s * 1e3),

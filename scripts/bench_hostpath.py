@@ -96,7 +96,7 @@ def make_worker(rows: int, lookahead: bool = False) -> tuple[Worker, CountingCha
 
 
 def deliver(worker: Worker, body: m.Message) -> None:
-    worker._handle("conductor", m.encode(TOKEN, "conductor", body))
+    worker.handle("conductor", m.encode(TOKEN, "conductor", body))
 
 
 def start_decoding(worker: Worker, channel: CountingChannel, rows: int, limit: int, prefix: str = "r") -> None:
@@ -166,7 +166,7 @@ def run_prefill(rows: int, batches: int, decoding: int = 32) -> dict:
         else:
             raise RuntimeError(f"{rows - len(channel.done)} of {rows} prefill walks did not end in 10 turns")
         times.append(time.perf_counter() - t0)
-        assert engine.decode_rows > 0 and len(worker._runs) == decoding, "the decode rows ran beside the prompts"
+        assert engine.decode_rows > 0 and len(worker.runs.by_key) == decoding, "the decode rows ran beside the prompts"
     per = statistics.median(times)
     return {"rows": rows, "decoding": decoding, "batch_us_median": per * 1e6, "per_row_us": per * 1e6 / rows}
 

@@ -107,13 +107,13 @@ class InProcDeployment:
         for worker in self.workers:
             worker.poll_once()
         for sender, payload in self.conductor.channel.recv():
-            self.conductor._handle(sender, payload)
+            self.conductor.handle(sender, payload)
 
     def run(self, params_list, max_turns: int = 10_000) -> list[list]:
         """Submit every request, turn until each has finished or failed; returns each request's events."""
         events = [[] for _ in params_list]
         for p, ev in zip(params_list, events):
-            self.conductor._submit(p, ev.append, True)
+            self.conductor.submit(p, ev.append, True)
         for _ in range(max_turns):
             if all(ev and isinstance(ev[-1], (Finished, BackendError)) for ev in events):
                 return events

@@ -64,7 +64,7 @@ def test_a_node_call_crosses_ranks_only_between_the_two_ranks():
     """Values between the loop's nodes go worker to worker: the conductor sees only walk messages."""
     dep = deployment("split", 1000)
     seen = []
-    original = dep.conductor._handle
+    original = dep.conductor.handle
 
     def spy(sender, payload):
         from mstar_dist.control import messages as m
@@ -73,7 +73,7 @@ def test_a_node_call_crosses_ranks_only_between_the_two_ranks():
         seen.extend(type(done).__name__ for done in getattr(body, "done", ()))  # walks ended in a step's Emits
         original(sender, payload)
 
-    dep.conductor._handle = spy
+    dep.conductor.handle = spy
     (events,) = dep.run([GenerationParams(request_id="a", prompt="start=1", messages=None, max_tokens=6)])
     assert text_of(events) == span_text(1, 6)
     assert "NodeDone" not in seen and seen.count("WalkDone") == 2  # one per rank's copy of the walk
