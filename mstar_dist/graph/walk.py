@@ -413,8 +413,8 @@ class WalkRun:
         """Let go of the run-time state once the run is over (finished, failed or removed); ``outputs`` and
         ``finish_reason`` stay readable, nothing else may be called. The frames point back at the run and at each
         other, and the handed-out calls at the run: left alone, every finished walk would be a reference cycle that
-        only the cyclic collector frees, with its tensors (a rank made ~57 such objects a request, and collecting them
-        cost it 1.5 ms pauses in the middle of a 32-stream wave)."""
+        only the cyclic collector frees, with its tensors (dozens of objects a request, whose collection pauses the
+        rank in the middle of a decode wave)."""
         for frame in self._positions.values():
             frame.__dict__.clear()
         for held in (self._positions, self._nodes, self._named_loops, self._outstanding, self._inbox, self._fresh):
