@@ -20,22 +20,23 @@ import torch
 
 from mstar_dist import trace
 from mstar_dist.conductor.admission import Admission
-from mstar_dist.conductor.commands import Abort, Command, Sink, Submit
+from mstar_dist.conductor.commands import Command, Sink, Submit
 from mstar_dist.conductor.intake_hub import IntakeHub
 from mstar_dist.conductor.metrics import Metrics
-from mstar_dist.conductor.request import Request, request_seed, walk_seed
+from mstar_dist.conductor.request import Request, request_state, walk_seed
 from mstar_dist.conductor.routes import Routes
 from mstar_dist.conductor.stop_strings import StopTrimmer
 from mstar_dist.control import messages as m
 from mstar_dist.control.envelope import CONDUCTOR, Reject, is_rank, open_envelope, parse_rank, rank_name
 from mstar_dist.control.port import ControlPort
 from mstar_dist.events import BackendError, Finished, GenerationParams, MediaDelta, TextDelta, as_deltas
-from mstar_dist.graph.model import CompositeModel, RequestState, WalkStep
+from mstar_dist.graph.model import CompositeModel, WalkStep
 from mstar_dist.graph.partitions import PartitionTracker, check_partitions
+from mstar_dist.graph.walk import WalkRun, runs_no_node
 from mstar_dist.topology.placement import Placement
 from mstar_dist.transport.inline import decode_ids, decode_tensor, encode_tensor
 
-__all__ = ["Conductor", "request_seed", "walk_seed"]
+__all__ = ["Conductor"]
 
 log = logging.getLogger(__name__)
 
@@ -197,10 +198,8 @@ class Conductor:
         exception out of here."""
         if isinstance(cmd, Submit):
             self.submit(cmd.params, cmd.sink, cmd.pinned_id)
-        elif isinstance(cmd, Abort):
-            self.abort(cmd.request_id, cmd.sink)
         else:
-            log.error("conductor: unknown command %r", cmd)
+            self.abort(cmd.request_id, cmd.sink)
 
     def submit(self, params: GenerationParams, sink: Sink, pinned_id: bool) -> None:
         """Take one request on the conductor thread (from the in-process backend or an intake): start it, queue it
@@ -325,12 +324,7 @@ class Conductor:
     # ---- a request's walks ----
     def _start(self, params: GenerationParams, sink: Sink, pinned_id: bool, arrived: float) -> None:
         """Preprocess an admitted request, choose its replicas and dispatch its first walks."""
-        state = RequestState(
-            request_id=params.request_id, seed=request_seed(params, pinned_id), max_tokens=params.max_tokens,
-            max_tokens_given=params.max_tokens_given, knobs=dict(params.model_kwargs),
-        )
-        if params.prompt_ids is not None:
-            state.data["prompt_ids"] = params.prompt_ids
+        state = request_state(params, pinned_id)
         try:
             self.model.preprocess(state, params.prompt, params.messages)
             if trace.ON:
@@ -376,7 +370,14 @@ class Conductor:
     def _dispatch(self, req: Request, step: WalkStep) -> None:
         """Send ``step`` to every rank running a node of its walk for this request (``conductor/routes.py``): each
         gets the inputs its own nodes consume (placeholders for the rest), kept tensors are pushed straight from
-        their producer to the ranks that consume them."""
+        their producer to the ranks that consume them. A walk that runs no node ends here, as it would on a rank."""
+        section = self.graphs[step.walk]
+        if runs_no_node(section, step.loop_limits):  # its finish reason is the walk's own (graph/walk.py)
+            run = WalkRun(req.wire_id, step.walk, section, {}, loop_limits=dict(step.loop_limits))
+            outputs = {s: encode_tensor(torch.empty(0)) for s, v in run.outputs.items() if isinstance(v, list)}
+            self._on_walk_done(m.WalkDone(request_id=req.wire_id, walk=step.walk, rank=-1, outputs=outputs,
+                                          finish_reason=run.finish_reason))
+            return
         route = self.routes.route(req.choice, step.walk)
         ranks = route.ranks
         partition = req.partitions.partition_of(step.walk)

@@ -33,6 +33,16 @@ def request_seed(params: GenerationParams, pinned_id: bool) -> int:
     return random.getrandbits(56)
 
 
+def request_state(params: GenerationParams, pinned_id: bool) -> RequestState:
+    """What the model family sees of a new request (``CompositeModel.preprocess`` and after)."""
+    state = RequestState(request_id=params.request_id, seed=request_seed(params, pinned_id),
+                         max_tokens=params.max_tokens, max_tokens_given=params.max_tokens_given,
+                         knobs=dict(params.model_kwargs))
+    if params.prompt_ids is not None:
+        state.data["prompt_ids"] = params.prompt_ids  # encoded by an intake (``CompositeModel.prompt_encoder``)
+    return state
+
+
 @dataclass
 class Request:
     """A running request: the model's state, where its walks run, and what its client has been sent."""

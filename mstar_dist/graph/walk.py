@@ -288,6 +288,13 @@ class _LoopFrame(_Frame):
         self._next_iteration()
 
 
+def runs_no_node(section: Section, loop_limits: dict[str, int]) -> bool:
+    """A walk of ``section`` with these loop limits ends as it starts, running no node: its root is a named loop given
+    no iteration (a decode loop with no token left to make). The conductor completes such a walk without a rank."""
+    return isinstance(section, Loop) and section.name is not None and \
+        min(loop_limits.get(section.name, section.max_iters), section.max_iters) <= 0
+
+
 @dataclass
 class WalkRun:
     """One request's walk on one rank (see the module docstring). Not thread-safe; never blocks. Raises

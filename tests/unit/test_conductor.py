@@ -8,8 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mstar_dist.conductor.conductor import Conductor, request_seed
+from mstar_dist.conductor.conductor import Conductor
+from mstar_dist.conductor.request import request_seed
 from mstar_dist.config.deployment import parse_config
+from mstar_dist.graph.model import WalkStep
 from mstar_dist.control import messages as m
 from mstar_dist.server.backend import BackendError, Finished, GenerationParams, TextDelta
 from mstar_dist.topology.placement import Placement
@@ -81,6 +83,27 @@ def test_walk_transitions_and_seed_advance_per_walk():
     assert events[-1] == Finished("length", 1, 3)
     removed = sorted(peer for peer, b in ch.sent if isinstance(b, m.RemoveRequest))
     assert removed == sorted({"rank0", peer})  # every rank the request touched forgets it
+
+
+def test_a_walk_left_no_iteration_ends_at_the_conductor_with_the_walks_own_finish_reason():
+    """max_tokens=1: the family still asks for its decode walk, with no token left to make. No rank is asked to run a
+    walk that runs nothing (in P/D its KV would cross for nothing), and "length" is the walk's word, as on a rank."""
+
+    class AlwaysCounts(ToyModel):
+        def after_walk(self, state, walk, outputs):
+            if walk == "start":
+                return WalkStep("count", {"x": outputs["x"]}, loop_limits={"count": state.max_tokens - 1})
+            return None
+
+    c, ch = make()
+    c.model = AlwaysCounts(None)
+    events = submit(c, params("one", max_tokens=1))
+    (_, first), = walks_sent(ch, "start")
+    emit(c, first.request_id, 1)
+    from_rank(c, m.WalkDone(request_id=first.request_id, walk="start", rank=0,
+                            outputs={"x": encode_tensor(torch.tensor([1]))}))
+    assert walks_sent(ch, "count") == []
+    assert events[-1] == Finished("length", 1, 1)
 
 
 def test_stop_string_split_across_deltas_is_cut_and_held_back_text_is_not_lost():

@@ -18,7 +18,7 @@ from mstar_dist.telemetry import MeteredTransport, process_sample
 from tests.fakes import FakeBackend
 from mstar_dist.transport.inline import encode_tensor
 from tests.unit.test_conductor import emit, from_rank, make, params, submit, walks_sent
-from tests.unit.test_worker import FakeTransport, make_worker, run_walk, deliver, turn
+from tests.unit.test_worker import make_worker, run_walk, deliver, turn
 
 
 def samples(text: str) -> dict[str, float]:
