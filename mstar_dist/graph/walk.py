@@ -21,9 +21,10 @@ fresh each outer iteration), while values from outside the walk are kept. An edg
 a node does not return are skipped. Walk inputs go, at the start, to every external input of that name
 (:func:`mstar_dist.graph.io.walk_io`), not to inputs an internal edge feeds.
 
-Loops: a loop runs up to ``min(loop_limits[name], max_iters)`` iterations (reason ``"length"``) and ends early,
-after the current iteration, when a call of a node it holds innermost returns ``NodeResult.stop`` or when
-:meth:`WalkRun.stop_loop` names it (reason ``"stop"``). Stopping a loop stops no other loop. The walk's
+Loops: a loop runs up to ``min(loop_limits[name], max_iters)`` iterations (reason ``"length"``: the one place a
+request's "length" is decided, its token budget being a loop limit) and ends early, after the current iteration,
+when a call of a node it holds innermost returns ``NodeResult.stop`` or when :meth:`WalkRun.stop_loop` names it
+(reason ``"stop"``). Stopping a loop stops no other loop. The walk's
 ``finish_reason`` is that of its outermost loop (the last one to end, if several), ``None`` without loops.
 """
 

@@ -29,7 +29,7 @@ import collections
 import logging
 import time
 import traceback
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -75,7 +75,7 @@ class Worker:
         device: torch.device,
         inline_max_bytes: int,
         transfer_timeout_s: float = 120.0,
-        streaming_edges: list[StreamingEdge] = (),
+        streaming_edges: Sequence[StreamingEdge] = (),
         conductor_timeout_s: float | None = None,
         tp_roles: dict[str, TPRole] | None = None,
         backpressure_timeout_s: float = 10.0,
