@@ -1,17 +1,24 @@
-"""What a request produces, as plain data shared by the model families, the conductor and the HTTP server.
+"""What a request produces, as plain data shared by the model families, the conductor, the intakes and the HTTP server.
 
 A request yields zero or more deltas — :class:`TextDelta` (text), :class:`MediaDelta` (audio or image bytes with
-their metadata) — then exactly one :class:`Finished`, or fails with a :class:`BackendError`. No torch, no
-sockets: the server and its tests import this without a process group (docs/architecture.md, "per-token path").
+their metadata) — then exactly one :class:`Finished`, or fails with a :class:`BackendError`. The deltas and
+``Finished`` are msgspec structs: the very objects the conductor hands an in-process sink are the ones it sends to an
+HTTP intake process (``control/messages.py`` ``Outputs``); a failure crosses as :class:`Failed`, the data of its
+``BackendError`` (:func:`to_wire` and :func:`from_wire` are the one translation, used at both ends). No torch, no
+sockets: the server and its tests import this without a process group (docs/architecture.md §6).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Union
+
+import msgspec
 
 FINISH_REASONS = ("stop", "length", "abort")
 """Finish reasons a client can see."""
+REQUEST_ENDS = (*FINISH_REASONS, "error")
+"""How a request can end, as ``/metrics`` counts them: one of ``FINISH_REASONS``, or "error" (an error status)."""
 MODALITIES = ("text", "audio", "image")
 """What a model family can emit to the client."""
 
@@ -53,8 +60,7 @@ class GenerationParams:
     None: the conductor's ``preprocess`` tokenizes. Never taken from the client."""
 
 
-@dataclass(frozen=True)
-class TextDelta:
+class TextDelta(msgspec.Struct, frozen=True, tag=True):
     """New text since the previous delta (whole characters: the backend holds back partial UTF-8 bytes)."""
 
     text: str
@@ -62,8 +68,7 @@ class TextDelta:
     """Tokens this delta accounts for (may be > 0 with empty text while a multi-byte character is pending)."""
 
 
-@dataclass(frozen=True)
-class Finished:
+class Finished(msgspec.Struct, frozen=True, tag=True):
     """The last item of every complete generation."""
 
     finish_reason: str
@@ -72,19 +77,18 @@ class Finished:
     completion_tokens: int
 
 
-@dataclass(frozen=True)
-class MediaDelta:
+class MediaDelta(msgspec.Struct, frozen=True, tag=True):
     """A piece of non-text output as it is produced: ``modality`` "audio" (``data`` is little-endian PCM16,
     ``metadata`` has ``sample_rate`` and ``num_channels``) or "image" (``data`` is a PNG file, ``metadata`` has
     ``width`` and ``height``). ``n_tokens`` counts the generated tokens this piece accounts for."""
 
     modality: str
     data: bytes
-    metadata: dict[str, Any] = field(default_factory=dict)
+    metadata: dict[str, Any] = {}
     n_tokens: int = 0
 
 
-GenerationEvent = TextDelta | MediaDelta | Finished
+GenerationEvent = Union[TextDelta, MediaDelta, Finished]
 
 
 class BackendError(Exception):
@@ -105,3 +109,54 @@ class BackendError(Exception):
 
     def __repr__(self) -> str:
         return f"BackendError({self.status}, {self.message!r})"
+
+
+class Failed(msgspec.Struct, frozen=True, tag=True):
+    """A :class:`BackendError` as data, where an event crosses a socket (an exception does not)."""
+
+    status: int
+    message: str
+    retry_after_s: int | None = None
+
+
+OutputEvent = Union[TextDelta, MediaDelta, Finished, BackendError]
+"""What a request's sink receives from the conductor."""
+WireEvent = Union[TextDelta, MediaDelta, Finished, Failed]
+"""An ``OutputEvent`` as it crosses a socket (``control/messages.py`` ``Outputs``)."""
+
+
+def to_wire(event: Any) -> WireEvent:
+    """``event`` as it is sent: a ``BackendError`` as ``Failed``; anything but an output event as a 500."""
+    if isinstance(event, (TextDelta, MediaDelta, Finished)):
+        return event
+    if isinstance(event, BackendError):
+        return Failed(event.status, event.message, event.retry_after_s)
+    return Failed(500, f"{type(event).__name__}: {event}")
+
+
+def from_wire(event: WireEvent) -> OutputEvent:
+    """What a sink would have received for ``event`` (the inverse of :func:`to_wire`)."""
+    if isinstance(event, Failed):
+        return BackendError(event.status, event.message, retry_after_s=event.retry_after_s)
+    return event
+
+
+def as_deltas(out: Any, n_tokens: int) -> list[TextDelta | MediaDelta]:
+    """What a family's ``postprocess`` returned (text, a media delta, or a list of them) as deltas; the request's new
+    token count rides on the first one (on an empty text delta when there is nothing else). TypeError for anything
+    else."""
+    items = out if isinstance(out, list) else [out]
+    deltas: list[TextDelta | MediaDelta] = []
+    for item in items:
+        if isinstance(item, str):
+            deltas.append(TextDelta(text=item, n_tokens=0))
+        elif isinstance(item, (TextDelta, MediaDelta)):
+            deltas.append(item)
+        else:
+            raise TypeError(f"postprocess returned {type(item).__name__}; expected str, TextDelta or MediaDelta")
+    if not deltas:
+        deltas.append(TextDelta(text="", n_tokens=0))
+    first = deltas[0]
+    deltas[0] = (TextDelta(first.text, first.n_tokens + n_tokens) if isinstance(first, TextDelta)
+                 else MediaDelta(first.modality, first.data, first.metadata, first.n_tokens + n_tokens))
+    return deltas

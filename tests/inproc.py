@@ -43,7 +43,7 @@ class BusChannel:
     def send(self, peer: str, payload: bytes) -> None:
         self.bus.inboxes[peer].append((self.name, payload))
 
-    def recv(self, timeout_ms: int = 0) -> list[tuple[str, bytes]]:
+    def recv(self, timeout_ms: int = 0, max_messages: int = 10_000, spin_s: float = 0.0) -> list[tuple[str, bytes]]:
         box = self.bus.inboxes[self.name]
         out = list(box)
         box.clear()
@@ -105,19 +105,15 @@ class InProcDeployment:
 
     def turn(self) -> None:
         for worker in self.workers:
-            for sender, payload in worker.channel.recv():
-                worker._handle(sender, payload)
-            worker._poll_transfers()
-            worker._feed_streams()
-            worker._step()
+            worker.poll_once()
         for sender, payload in self.conductor.channel.recv():
-            self.conductor._handle(sender, payload)
+            self.conductor.handle(sender, payload)
 
     def run(self, params_list, max_turns: int = 10_000) -> list[list]:
         """Submit every request, turn until each has finished or failed; returns each request's events."""
         events = [[] for _ in params_list]
         for p, ev in zip(params_list, events):
-            self.conductor._submit(p, ev.append, True)
+            self.conductor.submit(p, ev.append, True)
         for _ in range(max_turns):
             if all(ev and isinstance(ev[-1], (Finished, BackendError)) for ev in events):
                 return events

@@ -253,9 +253,6 @@ class LlamaChat(CompositeModel):
             if int(token.reshape(-1)[0]) in self.tokenizer.eos_token_ids:
                 state.finish_reason = "stop"
                 return None
-            if state.max_tokens <= 1:
-                state.finish_reason = "length"
-                return None
             inputs = {"token": token}
             if "kv" in outputs:
                 inputs["kv"] = outputs["kv"]

@@ -1,7 +1,8 @@
-"""The HTTP side of the conductor: implements :class:`GenerationBackend` on the HTTP asyncio loop.
+"""The in-process HTTP side of the conductor: implements :class:`GenerationBackend` on the HTTP asyncio loop, when the
+HTTP server runs in the conductor's own process (no intake processes).
 
-Every call here runs on the HTTP loop's thread. Commands reach the conductor thread through its command queue
-plus a wake-up byte on the conductor's control socket (sent from a DEALER that only this thread uses); events
+Every call here runs on the HTTP loop's thread. Commands (``conductor/commands.py``) reach the conductor thread
+through :meth:`Conductor.command` (its command queue plus a wake-up of its control channel); events
 come back into a per-request ``asyncio.Queue``: the conductor thread appends them to one outbox and schedules a
 single ``loop.call_soon_threadsafe`` delivery for everything appended until it runs (not one wake-up of the
 loop per token). A response that falls behind its events sends the text deltas waiting in its queue as one
@@ -18,6 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
 from mstar_dist import trace
+from mstar_dist.conductor.commands import Abort, Submit
 from mstar_dist.events import BackendError, Finished, GenerationEvent, GenerationParams, TextDelta
 
 if TYPE_CHECKING:
@@ -75,8 +77,8 @@ class ConductorBackend:
 
         if trace.ON:  # as it is handed over (after, the conductor thread may be first on the clock)
             trace.event("http_submitted", params.request_id)
-        self.conductor.command(("submit", params, sink, True))
-        cancel = lambda: self.conductor.command(("abort", params.request_id, sink))  # noqa: E731
+        self.conductor.command(Submit(params, sink, pinned_id=True))
+        cancel = lambda: self.conductor.command(Abort(params.request_id, sink))  # noqa: E731
         async with contextlib.aclosing(relay_queue(events, params.request_id, cancel)) as relay:
             async for event in relay:
                 yield event

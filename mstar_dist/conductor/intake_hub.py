@@ -2,32 +2,36 @@
 
 Runs on the conductor thread, like everything of the conductor. An intake's ``Submit`` becomes a request whose
 sink appends the request's events to that intake's outbox; the conductor's loop calls :meth:`IntakeHub.flush`
-once per turn, so an intake gets one ``Outputs`` message per turn, whatever the number of tokens in it. The hub
-also answers ``MetricsAsk`` (the runtime's metrics plus the sum of every intake's HTTP counts) and tells each
-intake whether the deployment serves (``Health``, sent when it changes).
+once per turn, so an intake gets one ``Outputs`` message per turn, whatever the number of tokens in it. The events
+are ``mstar_dist/events.py``'s own, as the in-process sinks get them (``events.to_wire``). The hub also answers
+``MetricsAsk`` (the runtime's metrics plus the sum of every intake's HTTP counts) and tells each intake whether the
+deployment serves (``Health``, sent when it changes). It knows the conductor only through the callables it is given.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import Callable
 
 from mstar_dist.conductor.metrics import render_counts
+from mstar_dist.conductor.commands import Abort, Command, Sink, Submit
 from mstar_dist.control import messages as m
 from mstar_dist.control.channel import ChannelFullError
-from mstar_dist.events import BackendError, Finished, MediaDelta, TextDelta
-
-if TYPE_CHECKING:
-    from mstar_dist.conductor.conductor import Conductor
+from mstar_dist.events import BackendError, Failed, MediaDelta, OutputEvent, TextDelta, WireEvent, to_wire
 
 log = logging.getLogger(__name__)
 
 
 class IntakeHub:
-    def __init__(self, conductor: Conductor, names: tuple[str, ...]) -> None:
-        self._conductor = conductor
-        self._out: dict[str, list] = {name: [] for name in names}
-        self._sinks: dict[tuple[str, str], object] = {}  # (intake, request id) -> the sink of a running request
+    def __init__(self, names: tuple[str, ...], *, send: Callable[[str, m.Message], None],
+                 health: Callable[[], tuple[bool, str]], execute: Callable[[Command], None],
+                 metrics_text: Callable[[], str]) -> None:
+        """``names``: the intakes of this launch. ``send(intake, body)`` sends a message (raises ``ChannelFullError``
+        when the intake does not read); ``health()`` is the conductor's; ``execute(command)`` carries out a command
+        on the conductor thread; ``metrics_text()`` is the runtime's Prometheus text."""
+        self._send_raw, self._health, self._execute, self._metrics_text = send, health, execute, metrics_text
+        self._out: dict[str, list[tuple[str, WireEvent]]] = {name: [] for name in names}
+        self._sinks: dict[tuple[str, str], Sink] = {}  # (intake, request id) -> the sink of a running request
         self._counts: dict[str, m.HttpCounts] = {}
         self._health_sent: dict[str, tuple[bool, str]] = {}
 
@@ -35,29 +39,27 @@ class IntakeHub:
         return name in self._out
 
     def handle(self, intake: str, body: m.Message) -> None:
-        c = self._conductor
         if isinstance(body, m.Submit):
             rid = body.params.request_id
             if (intake, rid) in self._sinks:  # the running one keeps its sink (a Cancel must still find it)
-                self._out[intake].append(m.OutError(request_id=rid, status=409,
-                                                    message=f"request_id {rid!r} is already in flight; use a new id"))
+                self._out[intake].append((rid, Failed(409, f"request_id {rid!r} is already in flight; use a new id")))
                 return
-            serving, reason = c.health()
-            sink = self._sink(intake, rid)
+            serving, reason = self._health()
+            sink = self.sink(intake, rid)
             if not serving:
                 sink(BackendError(503, f"not serving: {reason}"))
                 return
-            c.submit(body.params, sink, body.pinned_id)
+            self._execute(Submit(body.params, sink, body.pinned_id))
         elif isinstance(body, m.Cancel):
             sink = self._sinks.get((intake, body.request_id))
             if sink is not None:  # else it has ended already
-                c.abort(body.request_id, sink)
+                self._execute(Abort(body.request_id, sink))
                 self._sinks.pop((intake, body.request_id), None)
         elif isinstance(body, m.HttpCounts):
             self._counts[intake] = body
         elif isinstance(body, m.MetricsAsk):
             self._counts[intake] = body.counts
-            text = c.metrics.render()
+            text = self._metrics_text()
             if text and not text.endswith("\n"):
                 text += "\n"
             text += render_counts([(cnt.requests, cnt.in_flight, cnt.disconnects) for cnt in self._counts.values()])
@@ -65,25 +67,17 @@ class IntakeHub:
         else:
             log.warning("conductor: unexpected %s from %s", type(body).__name__, intake)
 
-    def _sink(self, intake: str, request_id: str):
+    def sink(self, intake: str, request_id: str) -> Sink:
+        """The sink of request ``request_id`` of ``intake``: its events go to the intake's outbox."""
         out = self._out[intake]
 
-        def sink(event) -> None:
-            if isinstance(event, TextDelta):
-                out.append(m.OutText(request_id=request_id, text=event.text, n_tokens=event.n_tokens))
+        def sink(event: OutputEvent) -> None:
+            if type(event) is TextDelta:  # every token
+                out.append((request_id, event))
                 return
+            out.append((request_id, to_wire(event)))
             if isinstance(event, MediaDelta):
-                out.append(m.OutMedia(request_id=request_id, modality=event.modality, data=event.data,
-                                      metadata=dict(event.metadata), n_tokens=event.n_tokens))
                 return
-            if isinstance(event, Finished):
-                out.append(m.OutFinished(request_id=request_id, finish_reason=event.finish_reason,
-                                         prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens))
-            elif isinstance(event, BackendError):
-                out.append(m.OutError(request_id=request_id, status=event.status, message=event.message,
-                                      retry_after_s=event.retry_after_s))
-            else:
-                out.append(m.OutError(request_id=request_id, status=500, message=f"{type(event).__name__}: {event}"))
             if self._sinks.get((intake, request_id)) is sink:  # the request is over
                 del self._sinks[(intake, request_id)]
 
@@ -100,20 +94,19 @@ class IntakeHub:
 
     def push_health(self) -> None:
         """Tell every intake whose last news is stale whether the deployment serves."""
-        health = self._conductor.health()
+        health = self._health()
         for intake in self._out:
             if self._health_sent.get(intake) != health:
                 self._health_sent[intake] = health
                 self._send(intake, m.Health(serving=health[0], reason=health[1]))
 
     def _send(self, intake: str, body: m.Message) -> None:
-        c = self._conductor
         try:
-            c.channel.send(intake, m.encode(c.token, "conductor", body))
+            self._send_raw(intake, body)
         except ChannelFullError:
             # the intake reads nothing: what it runs is lost to its clients, so free it here
             log.error("conductor: %s does not read its control socket; aborting its requests", intake)
             for (name, request_id), sink in list(self._sinks.items()):
                 if name == intake:
-                    c.abort(request_id, sink)
+                    self._execute(Abort(request_id, sink))
                     del self._sinks[(name, request_id)]

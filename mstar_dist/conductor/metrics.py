@@ -26,10 +26,11 @@ from prometheus_client.core import (
 )
 from prometheus_client.samples import Sample
 
+from mstar_dist.events import REQUEST_ENDS
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
-FINISH_REASONS = ("stop", "length", "abort", "error")
 
 _RANK_GAUGES = (  # (series, Stats field, help); counters end in _total
     ("live_tensors", "live_tensors", "Tensors alive in the rank's tensor store (0 at idle: the leak canary)."),
@@ -143,7 +144,7 @@ class _StateCollector:
         finished = CounterMetricFamily("mstar_dist_requests_finished", "Requests ended, by reason.",
                                        labels=["reason"])
         counts = dict(m.finished)
-        for reason in sorted(set(FINISH_REASONS) | set(counts)):
+        for reason in sorted(set(REQUEST_ENDS) | set(counts)):
             finished.add_metric([reason], counts.get(reason, 0))
         yield finished
         rejected = CounterMetricFamily("mstar_dist_requests_rejected", "Requests refused at admission (429), by "

@@ -42,23 +42,12 @@ import time
 import zmq
 
 __all__ = [
-    "CONDUCTOR",
     "ChannelFullError",
     "ControlChannel",
     "default_store",
     "lookup_endpoint",
     "publish_endpoint",
-    "rank_name",
 ]
-
-CONDUCTOR = "conductor"
-"""The conductor's name on the control plane (its channel, its endpoint in the store)."""
-
-
-def rank_name(global_rank: int) -> str:
-    """A rank's name on the control plane (``rank3``)."""
-    return f"rank{global_rank}"
-
 
 _ENDPOINT_KEY = "mstar_dist/endpoint/{name}"
 

@@ -10,11 +10,11 @@ an HTTP intake process of the front end.
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Union
 
 import msgspec
 
-from mstar_dist.events import GenerationParams
+from mstar_dist.events import GenerationParams, WireEvent
 
 
 class InlineTensor(msgspec.Struct, frozen=True, tag=True):
@@ -155,13 +155,6 @@ class Push(msgspec.Struct, tag=True):
     signal: str = ""
 
 
-class StopLoops(msgspec.Struct, tag=True):
-    """Stop the named loop of a request after its current iteration (stop strings found by the conductor)."""
-
-    request_id: str
-    loop: str
-
-
 class RemoveRequest(msgspec.Struct, tag=True):
     """Forget a request: end its walks, free its KV and every tensor tagged with it. Idempotent."""
 
@@ -232,9 +225,7 @@ class NodeDone(msgspec.Struct, tag=True):
     ``seq`` counts the node's runs in this walk (0, 1, ... one per loop iteration), so a receiver applies the
     result to the same run of the node in its copy of the walk. ``signals`` are every output the run produced;
     ``values`` carries those that nodes on the receiver consume (the others are placeholders there). ``stop``
-    is the node's dynamic stop (its innermost loop ends after this iteration on every rank); ``stop_loops``
-    are named loops to stop, applied just before this result on every rank, so all copies stop in the same
-    iteration.
+    is the node's dynamic stop (its innermost loop ends after this iteration on every rank).
     """
 
     request_id: str
@@ -244,7 +235,6 @@ class NodeDone(msgspec.Struct, tag=True):
     signals: list[str]
     values: dict[str, Carried] = {}
     stop: bool = False
-    stop_loops: list[str] = []
 
 
 class ShardRef(msgspec.Struct, frozen=True, tag=True):
@@ -326,7 +316,6 @@ class Emit(msgspec.Struct, tag=True):
     """Values a node sent to ``EMIT_TO_CLIENT`` (e.g. one sampled token per decode step)."""
 
     request_id: str
-    walk: str
     signal: str
     values: list[InlineTensor]
 
@@ -346,8 +335,8 @@ class WalkDone(msgspec.Struct, tag=True):
 
 class Emits(msgspec.Struct, tag=True):
     """Every ``Emit`` of one worker step, for all of the rank's requests, and the walks that ended in it: one message
-    per step, not per token or per walk (a prefill batch of 26 requests sent 26 ``WalkDone``s, and the conductor read
-    them all before it took the first tokens: 0.75 ms on an H200 host). The conductor handles ``items`` first."""
+    per step, not per token or per walk (the conductor would otherwise read a whole prefill batch's ``WalkDone``s
+    before it took their first tokens). The conductor handles ``items`` first."""
 
     items: list[Emit]
     done: list[WalkDone] = []
@@ -386,6 +375,8 @@ class Leaving(msgspec.Struct, tag=True):
     rank: int
     host: str
     reason: str
+
+
 class EdgeStat(msgspec.Struct, array_like=True):
     """Transfers into the reporting rank on one edge since it started: (walk, src -> dst, signal, transport)."""
 
@@ -478,43 +469,16 @@ class Health(msgspec.Struct, tag=True):
     reason: str
 
 
-class OutText(msgspec.Struct, tag=True):
-    request_id: str
-    text: str
-    n_tokens: int
-
-
-class OutMedia(msgspec.Struct, tag=True):
-    request_id: str
-    modality: str
-    data: bytes
-    metadata: dict[str, Any]
-    n_tokens: int
-
-
-class OutFinished(msgspec.Struct, tag=True):
-    request_id: str
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
-
-
-class OutError(msgspec.Struct, tag=True):
-    request_id: str
-    status: int
-    message: str
-    retry_after_s: Union[int, None] = None
-
-
 class Outputs(msgspec.Struct, tag=True):
     """Conductor -> intake: every event produced for that intake's requests since the last ``Outputs`` (one message
-    per turn of the conductor's loop, not one per token)."""
+    per turn of the conductor's loop, not one per token): (request id, event), in order. The events are
+    ``mstar_dist/events.py``'s own (``to_wire`` / ``from_wire``)."""
 
-    items: list[Union[OutText, OutMedia, OutFinished, OutError]]
+    items: list[tuple[str, WireEvent]]
 
 
 Message = Union[
-    RunWalk, Push, StopLoops, RemoveRequest, Shutdown, Heartbeat, RankDown, AbortPair, TensorDesc, TransferAck,
+    RunWalk, Push, RemoveRequest, Shutdown, Heartbeat, RankDown, AbortPair, TensorDesc, TransferAck,
     NodeDone, StreamItems, StreamEnd, TPStep, TPEnd, TPPush, Emit, Emits, WalkDone, Ready, LoadFailed, Leaving, Stats,
     Submit, Cancel, HttpCounts, MetricsAsk, MetricsText, Health, Outputs,
 ]

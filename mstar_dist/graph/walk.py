@@ -21,9 +21,10 @@ fresh each outer iteration), while values from outside the walk are kept. An edg
 a node does not return are skipped. Walk inputs go, at the start, to every external input of that name
 (:func:`mstar_dist.graph.io.walk_io`), not to inputs an internal edge feeds.
 
-Loops: a loop runs up to ``min(loop_limits[name], max_iters)`` iterations (reason ``"length"``) and ends early,
-after the current iteration, when a call of a node it holds innermost returns ``NodeResult.stop`` or when
-:meth:`WalkRun.stop_loop` names it (reason ``"stop"``). Stopping a loop stops no other loop. The walk's
+Loops: a loop runs up to ``min(loop_limits[name], max_iters)`` iterations (reason ``"length"``: the one place a
+request's "length" is decided, its token budget being a loop limit) and ends early, after the current iteration,
+when a call of a node it holds innermost returns ``NodeResult.stop`` or when :meth:`WalkRun.stop_loop` names it
+(reason ``"stop"``). Stopping a loop stops no other loop. The walk's
 ``finish_reason`` is that of its outermost loop (the last one to end, if several), ``None`` without loops.
 """
 
@@ -288,6 +289,13 @@ class _LoopFrame(_Frame):
         self._next_iteration()
 
 
+def runs_no_node(section: Section, loop_limits: dict[str, int]) -> bool:
+    """A walk of ``section`` with these loop limits ends as it starts, running no node: its root is a named loop given
+    no iteration (a decode loop with no token left to make). The conductor completes such a walk without a rank."""
+    return isinstance(section, Loop) and section.name is not None and \
+        min(loop_limits.get(section.name, section.max_iters), section.max_iters) <= 0
+
+
 @dataclass
 class WalkRun:
     """One request's walk on one rank (see the module docstring). Not thread-safe; never blocks. Raises
@@ -413,8 +421,8 @@ class WalkRun:
         """Let go of the run-time state once the run is over (finished, failed or removed); ``outputs`` and
         ``finish_reason`` stay readable, nothing else may be called. The frames point back at the run and at each
         other, and the handed-out calls at the run: left alone, every finished walk would be a reference cycle that
-        only the cyclic collector frees, with its tensors (a rank made ~57 such objects a request, and collecting them
-        cost it 1.5 ms pauses in the middle of a 32-stream wave)."""
+        only the cyclic collector frees, with its tensors (dozens of objects a request, whose collection pauses the
+        rank in the middle of a decode wave)."""
         for frame in self._positions.values():
             frame.__dict__.clear()
         for held in (self._positions, self._nodes, self._named_loops, self._outstanding, self._inbox, self._fresh):

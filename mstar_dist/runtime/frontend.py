@@ -34,7 +34,8 @@ import torch
 from mstar_dist.conductor.backend import ConductorBackend
 from mstar_dist.conductor.conductor import Conductor
 from mstar_dist.control import messages as m
-from mstar_dist.control.channel import CONDUCTOR, ControlChannel, rank_name
+from mstar_dist.control.channel import ControlChannel
+from mstar_dist.control.envelope import CONDUCTOR, rank_name
 from mstar_dist.logs import announce
 from mstar_dist.runtime.children import (
     HTTP_FD_ENV, ParentPipe, quick_hand_offs, start_watching_parent, stop_all, where_from_env,

@@ -24,7 +24,8 @@ import socket
 import sys
 from typing import Any
 
-from mstar_dist.control.channel import CONDUCTOR, ControlChannel
+from mstar_dist.control.channel import ControlChannel
+from mstar_dist.control.envelope import CONDUCTOR
 from mstar_dist.runtime.children import (
     WHERE_ENV, ChildProcess, ParentPipe, quick_hand_offs, start_watching_parent, where_from_env,
 )

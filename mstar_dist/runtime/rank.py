@@ -36,9 +36,8 @@ import torch
 from mstar_dist.config.cluster import HostSpec, RankInfo, device_for, identify
 from mstar_dist.config.deployment import DeploymentConfig
 from mstar_dist.control import messages as m
-from mstar_dist.control.channel import (
-    CONDUCTOR, ControlChannel, default_store, lookup_endpoint, publish_endpoint, rank_name, share_secret,
-)
+from mstar_dist.control.channel import ControlChannel, default_store, lookup_endpoint, publish_endpoint, share_secret
+from mstar_dist.control.envelope import CONDUCTOR, rank_name
 from mstar_dist.distributed.groups import create_pair_groups, create_tp_groups, warm_pairs
 from mstar_dist.distributed.init import backend_for_device, init_distributed, shutdown_distributed
 from mstar_dist.distributed.tp import TPGroup

@@ -22,8 +22,9 @@ from typing import Any
 from mstar_dist import trace
 from mstar_dist.conductor.backend import relay_queue
 from mstar_dist.control import messages as m
-from mstar_dist.control.channel import CONDUCTOR, ControlChannel
-from mstar_dist.events import BackendError, Finished, GenerationEvent, GenerationParams, MediaDelta, TextDelta
+from mstar_dist.control.channel import ControlChannel
+from mstar_dist.control.envelope import CONDUCTOR, Reject, open_envelope
+from mstar_dist.events import BackendError, Failed, Finished, GenerationEvent, GenerationParams, TextDelta, from_wire
 
 log = logging.getLogger(__name__)
 
@@ -140,13 +141,9 @@ class ConductorLink:
         backend."""
         items: list = []
         for sender, payload in messages:
-            try:
-                env = m.decode(payload)
-            except Exception as exc:
-                log.warning("%s: dropped an undecodable message from %r: %s", self.name, sender, exc)
-                continue
-            if env.token != self.token or sender != CONDUCTOR or env.sender != sender:
-                log.warning("%s: rejected a message from %r (not this launch's conductor)", self.name, sender)
+            env = open_envelope(payload, sender, self.token, CONDUCTOR.__eq__)
+            if isinstance(env, Reject):
+                log.warning("%s: %s", self.name, env)
                 continue
             body = env.body
             if isinstance(body, m.Outputs):
@@ -177,8 +174,7 @@ class ConductorLink:
         except Exception as exc:  # the conductor does not read: its requests fail here instead of hanging
             log.error("%s: cannot reach the conductor: %s", self.name, exc)
             if isinstance(body, m.Submit) and self.backend is not None:
-                self.backend.deliver([m.OutError(request_id=body.params.request_id, status=503,
-                                                 message=f"the conductor is unreachable: {exc}")])
+                self.backend.deliver([(body.params.request_id, Failed(503, f"the conductor is unreachable: {exc}"))])
 
 
 class IntakeBackend:
@@ -247,9 +243,10 @@ class IntakeBackend:
                 if future is not None and not future.done():
                     future.set_result(item.text)
                 continue
-            events = self._queues.get(item.request_id)
+            request_id, event = item
+            events = self._queues.get(request_id)
             if events is not None:
-                events.put_nowait(_event(item))
+                events.put_nowait(from_wire(event))
 
     async def generate(self, params: GenerationParams) -> AsyncIterator[GenerationEvent]:
         if self.warming:
@@ -287,12 +284,3 @@ class IntakeBackend:
             return None
 
 
-def _event(item) -> GenerationEvent | BackendError:
-    if isinstance(item, m.OutText):
-        return TextDelta(text=item.text, n_tokens=item.n_tokens)
-    if isinstance(item, m.OutMedia):
-        return MediaDelta(modality=item.modality, data=item.data, metadata=item.metadata, n_tokens=item.n_tokens)
-    if isinstance(item, m.OutFinished):
-        return Finished(finish_reason=item.finish_reason, prompt_tokens=item.prompt_tokens,
-                        completion_tokens=item.completion_tokens)
-    return BackendError(item.status, item.message, retry_after_s=item.retry_after_s)

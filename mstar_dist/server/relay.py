@@ -8,7 +8,6 @@ backend) when the client goes away first. Everything here runs on the HTTP serve
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import sys
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
@@ -69,7 +68,7 @@ async def events(backend: GenerationBackend, params: GenerationParams) -> AsyncI
                     yield TextDelta(text=event.text, n_tokens=tokens)
                     tokens = 0
             elif isinstance(event, MediaDelta):
-                yield dataclasses.replace(event, n_tokens=event.n_tokens + tokens)
+                yield MediaDelta(event.modality, event.data, event.metadata, event.n_tokens + tokens)
                 tokens = 0
             elif isinstance(event, Finished):
                 yield event

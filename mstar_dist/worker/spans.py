@@ -23,17 +23,22 @@ become ready in the same order in every copy, so (node, seq) names the same run 
 from __future__ import annotations
 
 import collections
+import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Container
 
 import torch
 
 from mstar_dist.control import messages as m
+from mstar_dist.control.envelope import rank_name
 from mstar_dist.graph.nodes import EMIT_TO_CLIENT, GraphNode, Section, iter_nodes
 from mstar_dist.graph.walk import NodeCall, NodeResult, WalkRun
 from mstar_dist.transport.base import Done
 from mstar_dist.transport.router import Router
+from mstar_dist.worker.transfers import PostFailed, Transfers, transfer_state
+
+log = logging.getLogger(__name__)
 
 
 class _Remote:
@@ -80,9 +85,6 @@ class Span:
     peers: tuple[int, ...] = field(init=False)
     """The other global ranks of this walk, sorted: each gets every ``NodeDone`` of this rank."""
     arrived: dict[tuple[str, int], Arrived] = field(default_factory=dict)
-    pending_stops: list[str] = field(default_factory=list)
-    """Named loops the conductor asked to stop: attached to this rank's next result (so every copy stops them
-    in the same iteration)."""
     _seq: dict[NodeCall, int] = field(default_factory=dict)
     _runs: collections.Counter = field(default_factory=collections.Counter)
 
@@ -133,13 +135,110 @@ class Span:
         values = {s: v if isinstance(v, torch.Tensor) else v.tensor for s, v in arrived.values.items()}
         return NodeResult(outputs={s: values.get(s, REMOTE) for s in arrived.msg.signals}, stop=arrived.msg.stop)
 
-    def take_stops(self) -> list[str]:
-        stops, self.pending_stops = self.pending_stops, []
-        return stops
-
 
 def receive(value: m.Carried, *, src: int, plane: Router, walk: str, signal: str) -> Any:
     """A tensor (inline values and other transfers done at once) or the posted receive of a data-plane
     descriptor from global rank ``src``; ``walk``/``signal`` label the edge in the statistics."""
     transfer = plane.post_recv(value, src, walk=walk, signal=signal)
     return transfer.tensor if isinstance(transfer, Done) else transfer
+
+
+class Spans:
+    """This rank's copies of the walks that span ranks (by (request, walk)), and the ``NodeDone``s that arrived for
+    them. Runs on the worker's loop, like the rest of the rank."""
+
+    def __init__(self, *, global_rank: int, transport: Router, transfers: Transfers,
+                 send: Callable[[str, m.Message], None], removed: Container[str],
+                 fail_run: Callable[[WalkRun, BaseException], None], transfer_timeout_s: float) -> None:
+        self.global_rank = global_rank
+        self.transport = transport
+        self.transfers = transfers
+        self._send = send
+        self._removed = removed
+        self._fail_run = fail_run
+        self.transfer_timeout_s = transfer_timeout_s
+        self.by_key: dict[tuple[str, str], Span] = {}
+        """(request, walk) -> this rank's copy of a walk that spans ranks."""
+        self.arrivals: dict[tuple[str, str], dict[tuple[str, int], Arrived]] = collections.defaultdict(dict)
+        """(request, walk) -> the peers' ``NodeDone``s by (node, seq); they may arrive before the walk starts."""
+
+    def open(self, key: tuple[str, str], section: Section, node_ranks: dict[str, int]) -> Span:
+        """This rank's copy of the walk ``key`` (not yet kept: see :meth:`keep`)."""
+        return Span(section, dict(node_ranks), self.global_rank, arrived=self.arrivals[key])
+
+    def keep(self, key: tuple[str, str], span: Span) -> None:
+        self.by_key[key] = span
+
+    def close(self, key: tuple[str, str]) -> None:
+        """The walk ended on this rank."""
+        self.by_key.pop(key, None)
+        self.arrivals.pop(key, None)
+
+    def busy(self) -> bool:
+        """A peer's result is here whose tensors may still be in flight (the loop must poll for them)."""
+        return any(self.arrivals.values())
+
+    def announce(self, span: Span, run: WalkRun, call: NodeCall, result: Any) -> None:
+        """Tell every other rank of the walk that ``call`` (a node of ours) finished: its outputs, with real values
+        for the signals their nodes consume."""
+        produced = list(dict.fromkeys(e.signal for e in span.nodes[call.node].outputs if e.signal in result.outputs))
+        seq = span.seq(call)
+        span.forget(call)
+        for peer in span.peers:
+            signals = [s for s in span.consumed_on(call.node, peer) if s in result.outputs]
+            carried, transfers = self.transfers.post_values([(s, result.outputs[s]) for s in signals], peer,
+                                                            f"node {call.node!r} output")
+            self._send(rank_name(peer), m.NodeDone(
+                request_id=run.request_id, walk=run.walk, node=call.node, seq=seq, signals=produced,
+                values=dict(zip(signals, carried)), stop=bool(result.stop),
+            ))
+            self.transfers.outgoing.extend(transfers)
+
+    def on_node_done(self, msg: m.NodeDone, src: int) -> None:
+        values: dict[str, Any] = {}
+        for signal, value in msg.values.items():  # receives in message order: the sender sends in this order
+            try:
+                values[signal] = receive(value, src=src, plane=self.transport, walk=msg.walk, signal=signal)
+            except Exception as exc:
+                values[signal] = PostFailed(f"{type(exc).__name__}: {exc}")
+                self.transfers.abort_pair(src, self.global_rank, f"posting a receive failed: {exc}")
+        if msg.request_id in self._removed:
+            self.transfers.drain(v for v in values.values() if not isinstance(v, torch.Tensor))
+            return
+        self.arrivals[(msg.request_id, msg.walk)][(msg.node, msg.seq)] = Arrived(msg, values)
+
+    def advance(self, runs: dict[tuple[str, str], WalkRun]) -> list[WalkRun]:
+        """Complete other ranks' node calls in this rank's copies whose results arrived; the runs that ended."""
+        finished = []
+        for key, span in list(self.by_key.items()):
+            run = runs.get(key)
+            for call, arrived in span.arrivals(run) if run is not None else ():
+                states = [transfer_state(v) for v in arrived.values.values() if not isinstance(v, torch.Tensor)]
+                broken = [st for st in states if st not in ("done", "pending")]
+                if broken or ("pending" in states and time.monotonic() - arrived.since > self.transfer_timeout_s):
+                    why = broken[0] if broken else f"not complete within {self.transfer_timeout_s:.0f} s"
+                    self.transfers.abort_pair(span.node_ranks[call.node], self.global_rank, f"a receive: {why}")
+                    self._fail_run(run, RuntimeError(f"output of node {call.node!r} from rank "
+                                                     f"{span.node_ranks[call.node]}: {why}"))
+                    break
+                if "pending" in states:
+                    break  # results apply in call order
+                del span.arrived[(call.node, span.seq(call))]
+                span.forget(call)
+                try:
+                    run.complete(call, span.result_of(arrived))
+                except Exception as exc:
+                    self._fail_run(run, exc)
+                    break
+                if run.done:
+                    finished.append(run)
+                    break
+        return finished
+
+    def drop(self, request_id: str) -> None:
+        """Forget a removed request's copies; receives still in flight are drained."""
+        for key in [k for k in self.arrivals if k[0] == request_id]:
+            for arrived in self.arrivals.pop(key).values():
+                self.transfers.drain(v for v in arrived.values.values() if not isinstance(v, torch.Tensor))
+        for key in [k for k in self.by_key if k[0] == request_id]:
+            del self.by_key[key]

@@ -18,17 +18,24 @@ Ranks here are global ranks; ``rank_in_group`` is the index in the replica's ran
 from __future__ import annotations
 
 import collections
+import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
+import torch.distributed  # noqa: F401 -- DistError, for TP batch failures
 
 from mstar_dist.control import messages as m
-from mstar_dist.engine.component import WalkContext
+from mstar_dist.control.envelope import rank_name
+from mstar_dist.engine.component import Component, WalkContext
 from mstar_dist.engine.sampling import SamplingParams
 from mstar_dist.graph.walk import NodeCall, NodeResult
 from mstar_dist.transport.inline import decode_tensor, encode_tensor
+from mstar_dist.transport.store import TensorStore
+from mstar_dist.worker.transfers import Transfers
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -126,7 +133,7 @@ class Follower:
                                   iteration=c.iteration))
         return calls
 
-    def keep(self, calls: list[NodeCall], results: list[Any], store: Any) -> None:
+    def keep(self, calls: list[NodeCall], results: list[Any], store: TensorStore) -> None:
         """Keep this rank's shards of exported outputs (the leader's persisted ones) for a later TPPush."""
         for call, result in zip(calls, results):
             if isinstance(result, NodeResult):
@@ -142,3 +149,138 @@ class Follower:
 
     def waited(self, step: m.TPStep) -> float:
         return time.monotonic() - self.since.setdefault(id(step), time.monotonic())
+
+
+class TPPeerLost(RuntimeError):
+    """A TP batch failed in its collectives: a member of the replica died or its group broke (a 503)."""
+
+
+def tp_failure(role: TPRole, result: Any) -> Any:
+    """A collective error of a TP batch as :class:`TPPeerLost` naming the replica's other ranks; else as is."""
+    if not isinstance(result, BaseException) or isinstance(result, TPPeerLost):
+        return result
+    text = str(result)
+    if not (isinstance(result, torch.distributed.DistError) or "Connection" in text or "Gloo" in text
+            or "NCCL" in text):
+        return result
+    others = [r for r in role.ranks if r != role.me]
+    who = f"rank {others[0]}" if len(others) == 1 else f"one of ranks {others}"
+    return TPPeerLost(f"{who} of the tensor-parallel replica {list(role.ranks)} of {role.node!r} is unreachable "
+                      f"(died or its group broke): {text}")
+
+
+class TPReplicas:
+    """This rank's part in the TP replicas of its nodes (see the module docstring): as a leader it hands each
+    batch to its followers first; as a follower it replays its leaders' steps. Runs on the worker's loop."""
+
+    def __init__(self, *, roles: dict[str, TPRole], name: str, device: torch.device,
+                 components: dict[str, Component], store: TensorStore, transfers: Transfers,
+                 send: Callable[[str, m.Message], None], transfer_timeout_s: float) -> None:
+        self.roles = roles
+        """Node -> this rank's role in the node's TP replica (only nodes with tp_size > 1)."""
+        self.name, self.components, self.store = name, components, store
+        self.transfers = transfers
+        self._send = send
+        self.transfer_timeout_s = transfer_timeout_s
+        self.follower = Follower(device)
+        self.ended: set[str] = set()
+        """Nodes whose TP leader said no step follows (``TPEnd``)."""
+        self._input_refs: dict[tuple[str, str], dict[str, str]] = {}  # (request, walk) -> kept input -> uuid
+        self._kept_signal: dict[str, tuple[str, str]] = {}  # uuid of a kept output -> (request, signal)
+
+    # ---- leader ----
+    def lead(self, node: str, calls: list[NodeCall]) -> None:
+        """Before a TP leader runs a batch: every follower gets the same batch (its own shards of kept inputs)."""
+        role = self.roles[node]
+        for i, follower in enumerate(role.followers, start=1):
+            self._send(rank_name(follower), step_for(calls, self._input_refs, i))
+
+    def keep_inputs(self, key: tuple[str, str], refs: dict[str, str]) -> None:
+        """Walk ``key`` takes these inputs (name -> uuid) from kept tensors: its followers use their shards."""
+        if refs and self.roles:
+            self._input_refs[key] = refs
+
+    def kept_output(self, uuid: str, request_id: str, signal: str) -> None:
+        """Output ``signal`` of the request was kept as ``uuid``: a push of it pushes the followers' shards too."""
+        if self.roles:
+            self._kept_signal[uuid] = (request_id, signal)
+
+    def push_shards(self, msg: m.Push) -> None:
+        """Before the leader pushes its shard of a kept tensor to a TP replica: its followers push theirs."""
+        if len(msg.tp_dst) > 1 and msg.uuid in self._kept_signal:
+            request_id, signal = self._kept_signal[msg.uuid]
+            role = next(r for r in self.roles.values() if r.leads)
+            for i, follower in enumerate(role.followers, start=1):
+                self._send(rank_name(follower), m.TPPush(request_id=request_id, signal=signal, dst=msg.tp_dst[i],
+                                                         uuid=shard_uuid(msg.uuid, i), release=msg.release))
+
+    def walk_ended(self, key: tuple[str, str]) -> None:
+        self._input_refs.pop(key, None)
+
+    def release(self, request_id: str) -> None:
+        """Release a removed request in this rank's components; a follower's TP components in its leader's step
+        order (``TPStep.release``), never on the conductor's word."""
+        for key in [k for k in self._input_refs if k[0] == request_id]:
+            del self._input_refs[key]
+        for uuid in [u for u, (rid, _) in self._kept_signal.items() if rid == request_id]:
+            del self._kept_signal[uuid]
+        for node, component in self.components.items():
+            role = self.roles.get(node)
+            if role is not None and not role.leads:
+                continue  # released in the leader's step order (TPStep.release)
+            component.release(request_id)
+            if role is not None:
+                for follower in role.followers:
+                    self._send(rank_name(follower), m.TPStep(node=node, calls=[], release=[request_id]))
+
+    def tell_end(self) -> set[str]:
+        """Tell followers that no step follows (``TPEnd``); the nodes whose leaders this rank must still hear say
+        so (those not known dead)."""
+        for node, role in self.roles.items():
+            if role.leads:
+                for follower in role.followers:
+                    try:
+                        self._send(rank_name(follower), m.TPEnd(node=node))
+                    except Exception:  # the follower's socket is gone: it left already
+                        log.debug("%s: could not tell rank %d that TP steps of %s end", self.name, follower, node)
+        return {node for node, role in self.roles.items()
+                if not role.leads and not self.transfers.transport.is_dead(role.ranks[0])}
+
+    # ---- follower ----
+    def on_tp_push(self, msg: m.TPPush) -> None:
+        uuid = self.follower.kept.pop((msg.request_id, msg.signal), None)
+        if uuid is None:
+            log.error("%s: no shard of %r for %s to push", self.name, msg.signal, msg.request_id)
+            return
+        self.transfers.push(m.Push(request_id=msg.request_id, uuid=uuid, dst=msg.dst, release=msg.release),
+                            wire_uuid=msg.uuid)
+
+    def run_follower_steps(self) -> None:
+        """Replay the leaders' batches in the order they were sent; a step waits for its shards to arrive."""
+        follower = self.follower
+        while follower.steps:
+            step = follower.steps[0]
+            for request_id in step.release:
+                self.components[step.node].release(request_id)
+                follower.forget(request_id)
+            step.release.clear()
+            try:
+                calls = follower.calls_of(step, self.transfers.take)
+            except Exception as exc:  # a shard that cannot arrive: the leader's collectives fail by timeout
+                log.error("%s: TP step of %s cannot run: %s", self.name, step.node, exc)
+                calls = []
+            if calls is None:
+                if follower.waited(step) > self.transfer_timeout_s:
+                    log.error("%s: a TP step of %s waited %.0f s for its shards; dropping it", self.name,
+                              step.node, self.transfer_timeout_s)
+                    follower.steps.popleft()
+                return
+            follower.steps.popleft()
+            follower.since.pop(id(step), None)
+            if calls:
+                try:
+                    results = self.components[step.node].run_batch(calls)
+                except Exception as exc:  # the leader's copy of this batch fails the same way (or its peers')
+                    log.error("%s: TP batch of %s failed: %s", self.name, step.node, exc)
+                    continue
+                follower.keep(calls, results, self.store)

@@ -203,11 +203,11 @@ def test_the_conductor_drops_and_counts_messages_without_the_secret():
     c, _ = make()
     stats = m.Stats(rank=1, live_tensors=0, live_bytes=0, edge_bytes_sent=0, edge_bytes_received=0,
                     host_staging_copies=0, rejected_messages=4)
-    c._handle("rank1", m.encode("guessed", "rank1", m.Ready(rank=1, host="h", load_seconds=0.0)))
-    c._handle("rank1", b"\x00garbage")
-    c._handle("rank1", m.encode("tok", "rank2", m.Ready(rank=1, host="h", load_seconds=0.0)))  # spoofed sender
+    c.handle("rank1", m.encode("guessed", "rank1", m.Ready(rank=1, host="h", load_seconds=0.0)))
+    c.handle("rank1", b"\x00garbage")
+    c.handle("rank1", m.encode("tok", "rank2", m.Ready(rank=1, host="h", load_seconds=0.0)))  # spoofed sender
     assert c.ready_ranks == {} and c.metrics.rejected_messages == 3
-    c._handle("rank1", m.encode("tok", "rank1", stats))
+    c.handle("rank1", m.encode("tok", "rank1", stats))
     text = c.metrics.render()
     assert re.search(r'^mstar_dist_control_messages_rejected_total\{receiver="conductor"\} 3(\.0)?$', text, re.M)
     assert re.search(r'^mstar_dist_control_messages_rejected_total\{receiver="rank1"\} 4(\.0)?$', text, re.M)

@@ -79,7 +79,7 @@ def test_speech_split_equals_single_and_follows_the_window_policy(weights):
         codec = next(w.components["CODEC"] for w in dep.workers if "CODEC" in w.components)
         runs[name] = ([audio_of(ev) for ev in events], [ev[-1] for ev in events], codec.chunks)
         for worker in dep.workers:
-            assert worker._runs == {} and worker._walks_of == {} and worker.store.live_tensors == 0
+            assert worker.held_requests() == set() and worker.store.live_tensors == 0
     (audio, ends, chunks), (audio_split, ends_split, chunks_split) = runs["single"], runs["split"]
     assert audio == audio_split and ends == ends_split and chunks == chunks_split
     frame_samples = 2048
@@ -125,7 +125,7 @@ def test_cfg_parallel_gives_the_same_png_bytes_as_one_rank(weights):
         pngs[name] = [[e for e in ev if isinstance(e, MediaDelta)] for ev in events]
         assert all(isinstance(ev[-1], Finished) and ev[-1].finish_reason == "stop" for ev in events)
         for worker in dep.workers:
-            assert worker._runs == {} and worker._walks_of == {} and worker.store.live_tensors == 0
+            assert worker.held_requests() == set() and worker.store.live_tensors == 0
     assert [[d.data for d in ds] for ds in pngs["single"]] == [[d.data for d in ds] for ds in pngs["cfg_parallel"]]
     first, second = pngs["single"][0][0], pngs["single"][1][0]
     assert Image.open(io.BytesIO(first.data)).size == (64, 64) and first.metadata["width"] == 64

@@ -8,32 +8,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mstar_dist.conductor.conductor import Conductor, request_seed
-from mstar_dist.conductor.intake_hub import IntakeHub
+from mstar_dist.conductor.conductor import Conductor
+from mstar_dist.conductor.request import request_seed
 from mstar_dist.config.deployment import parse_config
+from mstar_dist.graph.model import WalkStep
 from mstar_dist.control import messages as m
 from mstar_dist.server.backend import BackendError, Finished, GenerationParams, TextDelta
 from mstar_dist.topology.placement import Placement
 from mstar_dist.transport.inline import encode_tensor
+from tests.helpers import FakeChannel
 from tests.toy_model import ToyModel
 
 TOKEN = "tok"
 
 
-class FakeChannel:
-    endpoint = "inproc://x"
-
-    def __init__(self):
-        self.sent: list[tuple[str, m.Message]] = []
-
-    def send(self, peer, payload):
-        self.sent.append((peer, m.decode(payload).body))
-
-    def recv(self, timeout_ms=0):
-        return []
-
-
-def make(max_concurrent=2, timeout=60.0):
+def make(max_concurrent=2, timeout=60.0, intakes=()):
     cfg = parse_config({"model": "tests.toy_model:ToyModel", "node_groups": [
         {"node_names": ["ADD"], "ranks": [0], "graph_walks": ["start"]},
         {"node_names": ["COUNT"], "ranks": [1, 2], "graph_walks": ["count"]}]}, "test")
@@ -42,7 +31,7 @@ def make(max_concurrent=2, timeout=60.0):
     ch = FakeChannel()
     c = Conductor(model=model, placement=placement, channel=ch, token=TOKEN, world_size=3,
                   max_concurrent=max_concurrent, request_timeout_s=timeout,
-                  rank_hosts={0: "h", 1: "h", 2: "h"})
+                  rank_hosts={0: "h", 1: "h", 2: "h"}, intakes=intakes)
     return c, ch
 
 
@@ -53,12 +42,12 @@ def params(rid, prompt="start=0", max_tokens=5, stop=(), seed=None):
 
 def submit(c, p):
     events = []
-    c._submit(p, events.append, True)
+    c.submit(p, events.append, True)
     return events
 
 
 def from_rank(c, body):
-    c._handle("rank1", m.encode(TOKEN, "rank1", body))
+    c.handle("rank1", m.encode(TOKEN, "rank1", body))
 
 
 def walks_sent(ch, walk=None):
@@ -66,7 +55,7 @@ def walks_sent(ch, walk=None):
 
 
 def emit(c, wire_id, *values):
-    from_rank(c, m.Emit(request_id=wire_id, walk="", signal="x",
+    from_rank(c, m.Emit(request_id=wire_id, signal="x",
                         values=[encode_tensor(torch.tensor([v])) for v in values]))
 
 
@@ -96,6 +85,27 @@ def test_walk_transitions_and_seed_advance_per_walk():
     assert removed == sorted({"rank0", peer})  # every rank the request touched forgets it
 
 
+def test_a_walk_left_no_iteration_ends_at_the_conductor_with_the_walks_own_finish_reason():
+    """max_tokens=1: the family still asks for its decode walk, with no token left to make. No rank is asked to run a
+    walk that runs nothing (in P/D its KV would cross for nothing), and "length" is the walk's word, as on a rank."""
+
+    class AlwaysCounts(ToyModel):
+        def after_walk(self, state, walk, outputs):
+            if walk == "start":
+                return WalkStep("count", {"x": outputs["x"]}, loop_limits={"count": state.max_tokens - 1})
+            return None
+
+    c, ch = make()
+    c.model = AlwaysCounts(None)
+    events = submit(c, params("one", max_tokens=1))
+    (_, first), = walks_sent(ch, "start")
+    emit(c, first.request_id, 1)
+    from_rank(c, m.WalkDone(request_id=first.request_id, walk="start", rank=0,
+                            outputs={"x": encode_tensor(torch.tensor([1]))}))
+    assert walks_sent(ch, "count") == []
+    assert events[-1] == Finished("length", 1, 1)
+
+
 def test_stop_string_split_across_deltas_is_cut_and_held_back_text_is_not_lost():
     c, ch = make()
     events = submit(c, params("s", stop=["3 4"]))
@@ -113,13 +123,13 @@ def test_admission_is_fifo_and_frees_on_completion_abort_and_failure():
     evs = {rid: submit(c, params(rid)) for rid in ("a", "b", "c", "d", "e")}
     started = lambda: [b.request_id.split("#")[0] for _, b in walks_sent(ch, "start")]  # noqa: E731
     assert started() == ["a", "b"] and c.queue_depth == 3
-    c._abort("a")
+    c.abort("a")
     assert started() == ["a", "b", "c"]
     wire_b = walks_sent(ch, "start")[1][1].request_id
     from_rank(c, m.WalkDone(request_id=wire_b, walk="start", rank=0, outputs={}, error="boom"))
     assert started() == ["a", "b", "c", "d"]
     assert isinstance(evs["b"][-1], BackendError) and evs["b"][-1].status == 500 and "rank 0" in str(evs["b"][-1])
-    c._abort("e")  # aborting a queued request removes it from the queue
+    c.abort("e")  # aborting a queued request removes it from the queue
     assert c.queue_depth == 0 and started() == ["a", "b", "c", "d"]
 
 
@@ -128,7 +138,7 @@ def test_duplicate_in_flight_id_is_409_and_a_finished_id_can_be_reused():
     submit(c, params("dup"))
     again = submit(c, params("dup"))
     assert isinstance(again[0], BackendError) and again[0].status == 409
-    c._abort("dup")
+    c.abort("dup")
     submit(c, params("dup"))
     ids = [b.request_id for _, b in walks_sent(ch, "start")]
     assert len(ids) == 2 and ids[0] != ids[1]  # a new incarnation on the wire
@@ -137,7 +147,7 @@ def test_duplicate_in_flight_id_is_409_and_a_finished_id_can_be_reused():
 def test_timeout_fails_the_request_and_releases_its_ranks():
     c, ch = make(timeout=5.0)
     events = submit(c, params("slow"))
-    c._check_timeouts(now=c._active["slow"].arrived + 6)
+    c.check_timeouts(now=c.running("slow").arrived + 6)
     assert isinstance(events[-1], BackendError) and events[-1].status == 504
     assert "request_timeout_s" in str(events[-1])
     assert any(isinstance(b, m.RemoveRequest) for _, b in ch.sent) and c.active_count == 0
@@ -153,7 +163,7 @@ def test_late_messages_for_finished_requests_are_dropped():
     c, ch = make()
     events = submit(c, params("late"))
     wire = walks_sent(ch)[0][1].request_id
-    c._abort("late")
+    c.abort("late")
     emit(c, wire, 1)
     from_rank(c, m.WalkDone(request_id=wire, walk="start", rank=0, outputs={}))
     assert events == []  # an aborted request's client hears nothing more
@@ -170,13 +180,13 @@ def test_silent_rank_is_declared_dead_its_requests_fail_and_new_ones_avoid_it():
     (peer, _), = walks_sent(ch, "count")
     victim = int(peer[4:])
     c.last_seen = {0: now, 1: now, 2: now, victim: now - 10}
-    c._check_ranks(now)
+    c.check_ranks(now)
     assert isinstance(events[-1], BackendError) and events[-1].status == 503
     assert f"rank {victim} on host h died" in str(events[-1])
     assert f'mstar_dist_rank_up{{rank="{victim}"}} 0.0' in c.metrics.render()
     for i in range(6):  # every new request avoids the dead replica
         submit(c, params(f"n{i}", max_tokens=8))
-        assert victim not in c._active[f"n{i}"].walk_ranks("count")
+        assert victim not in c.running(f"n{i}").walk_ranks("count")
     assert c.unservable_walks() == []
     c.dead_ranks[3 - victim] = "also dead"
     assert c.unservable_walks() == ["count"]
@@ -193,8 +203,8 @@ def test_with_one_replica_per_node_a_rank_that_dies_after_earlier_requests_still
                   max_concurrent=10, request_timeout_s=60.0, rank_hosts={0: "h", 1: "h"})
     for rid in ("a", "b"):
         submit(c, params(rid))
-        assert c._active[rid].walk_ranks("count") == [1]
-    c._declare_dead(1, "gone", "died")
+        assert c.running(rid).walk_ranks("count") == [1]
+    c.handle("rank1", m.encode(TOKEN, "rank1", m.Leaving(rank=1, host="h", reason="gone")))
     refused = submit(c, params("c"))
     assert refused[0].status == 503 and "rank 1 (gone)" in str(refused[0])
 
@@ -203,7 +213,7 @@ def test_log_stats_reports_throughput_load_and_the_leak_canary(caplog):
     c, _ = make()
     c.metrics.rank_stats = {1: m.Stats(rank=1, live_tensors=3, live_bytes=12, edge_bytes_sent=0,
                                         edge_bytes_received=0, host_staging_copies=0)}
-    c._stats_mark = (100.0, 0)
+    c.log_stats(100.0)  # the throughput is counted from here
     c.metrics.tokens_generated = 50
     submit(c, params("busy"))
     with caplog.at_level("INFO"):
@@ -216,17 +226,16 @@ def test_the_conductors_own_rank_is_never_declared_dead():
     c, _ = make()
     c.serving, c.rank_timeout_s = True, 5.0
     c.last_seen = {0: 0.0, 1: 100.0, 2: 100.0}  # rank 0's worker busy in a long step
-    c._check_ranks(100.0)
+    c.check_ranks(100.0)
     assert c.dead_ranks == {}
 
 
 def test_an_intakes_requests_come_back_in_one_outputs_message_per_turn_and_can_be_cancelled():
-    c, ch = make()
-    c.intakes = IntakeHub(c, ("intake0",))
+    c, ch = make(intakes=("intake0",))
     c.serving = True
 
     def from_intake(body, name="intake0"):
-        c._handle(name, m.encode(TOKEN, name, body))
+        c.handle(name, m.encode(TOKEN, name, body))
 
     def outputs():
         sent = [b for peer, b in ch.sent if peer == "intake0" and isinstance(b, m.Outputs)]
@@ -242,11 +251,11 @@ def test_an_intakes_requests_come_back_in_one_outputs_message_per_turn_and_can_b
     emit(c, first.request_id, 2)
     c.intakes.flush()
     (out,) = outputs()  # two Emits, one message
-    assert "".join(i.text for i in out.items if isinstance(i, m.OutText)) == "1 2 "
+    assert "".join(e.text for _, e in out.items if isinstance(e, TextDelta)) == "1 2 "
     from_intake(m.Submit(params=params("r1"), pinned_id=True))  # the same id while it runs
     c.intakes.flush()
     (dup,) = outputs()
-    assert [(i.status, i.request_id) for i in dup.items] == [(409, "r1")]
+    assert [(e.status, rid) for rid, e in dup.items] == [(409, "r1")]
     from_intake(m.Cancel(request_id="r1"))  # the running one is still found: its client left
     assert c.active_count == 0
     assert any(isinstance(b, m.RemoveRequest) for _, b in ch.sent)
@@ -262,13 +271,12 @@ def test_an_intakes_first_tokens_leave_before_the_next_walks_are_dispatched(toge
     """A rank's first tokens (Emits) and its WalkDones come in one turn of the conductor, or in one message (a worker
     step's Emits carries the walks that ended in it): the tokens go to the intake before the conductor dispatches the
     next walks, which for a batch of requests takes about a millisecond."""
-    c, ch = make()
-    c.intakes = IntakeHub(c, ("intake0",))
+    c, ch = make(intakes=("intake0",))
     c.serving = True
-    c._handle("intake0", m.encode(TOKEN, "intake0", m.Submit(params=params("r1", max_tokens=3), pinned_id=True)))
+    c.handle("intake0", m.encode(TOKEN, "intake0", m.Submit(params=params("r1", max_tokens=3), pinned_id=True)))
     (_, first), = walks_sent(ch, "start")
     ch.sent.clear()
-    tokens = m.Emit(request_id=first.request_id, walk="", signal="x", values=[encode_tensor(torch.tensor([4]))])
+    tokens = m.Emit(request_id=first.request_id, signal="x", values=[encode_tensor(torch.tensor([4]))])
     done = m.WalkDone(request_id=first.request_id, walk="start", rank=0, outputs={"x": encode_tensor(torch.tensor([4]))})
     if together:
         from_rank(c, m.Emits(items=[tokens], done=[done]))
@@ -277,29 +285,27 @@ def test_an_intakes_first_tokens_leave_before_the_next_walks_are_dispatched(toge
         from_rank(c, done)
     kinds = [type(b).__name__ for peer, b in ch.sent if peer == "intake0" or isinstance(b, m.RunWalk)]
     assert kinds[:2] == ["Outputs", "RunWalk"], kinds
-    assert [i.text for i in ch.sent[0][1].items if isinstance(i, m.OutText)] == ["4 "]
+    assert [e.text for _, e in ch.sent[0][1].items if isinstance(e, TextDelta)] == ["4 "]
 
 
 def test_every_kind_of_event_crosses_to_an_intake_unchanged():
-    from mstar_dist.server.intake_backend import _event
-    from mstar_dist.events import MediaDelta
+    from mstar_dist.events import MediaDelta, from_wire
 
-    c, ch = make()
-    c.intakes = IntakeHub(c, ("intake0",))
+    c, ch = make(intakes=("intake0",))
     sent = [TextDelta(text="héllo ", n_tokens=2),
             MediaDelta(modality="image", data=bytes(range(256)) * 1000, metadata={"width": 64, "height": 32}),
             MediaDelta(modality="audio", data=b"\x01\x00" * 10, metadata={"sample_rate": 24000, "num_channels": 1},
                        n_tokens=7),
             Finished(finish_reason="length", prompt_tokens=3, completion_tokens=9)]
-    sink = c.intakes._sink("intake0", "r1")
+    sink = c.intakes.sink("intake0", "r1")
     for event in sent:
         sink(event)
-    failed = c.intakes._sink("intake0", "r2")
+    failed = c.intakes.sink("intake0", "r2")
     failed(BackendError(429, "the server is at capacity", retry_after_s=3))
     c.intakes.flush()
     (out,) = [b for peer, b in ch.sent if peer == "intake0"]  # decoded from the wire by the fake channel
-    got = [_event(item) for item in out.items]
-    assert got[:4] == sent and [i.request_id for i in out.items] == ["r1"] * 4 + ["r2"]
+    got = [from_wire(event) for _, event in out.items]
+    assert got[:4] == sent and [rid for rid, _ in out.items] == ["r1"] * 4 + ["r2"]
     assert (got[4].status, got[4].message, got[4].retry_after_s) == (429, "the server is at capacity", 3)
 
 

@@ -5,6 +5,7 @@ reason."""
 
 from mstar_dist.graph.nodes import EMIT_TO_CLIENT, Edge, GraphNode, Loop, Sequential
 from mstar_dist.graph.walk import NodeResult, WalkRun
+from tests.helpers import drive
 
 # outer loop over "tokens": tok feeds t back to itself and h into the inner loop, whose step feeds h back to itself
 INNER = Loop(GraphNode("step", inputs=("h",), outputs=(Edge("h", "step"),)), max_iters=3, name="inner",
@@ -18,18 +19,6 @@ def nested_fn(call, stop_at=lambda call: False):
         t = call.inputs["t"]
         return NodeResult({"t": t + 1, "h": 100 * (t + 1)}, stop=stop_at(call))
     return NodeResult({"h": call.inputs["h"] + 1}, stop=stop_at(call))
-
-
-def drive(run: WalkRun, fn, on_call=lambda run, call: None):
-    calls = []
-    while not run.done:
-        batch = run.ready()
-        assert batch, "walk is neither done nor has a ready call"
-        for call in batch:
-            calls.append(call)
-            on_call(run, call)
-            run.complete(call, fn(call))
-    return calls
 
 
 def trace(calls):

@@ -6,6 +6,7 @@ import pytest
 
 from mstar_dist.graph.nodes import EMIT_TO_CLIENT, Edge, GraphNode, Loop, Parallel, Sequential
 from mstar_dist.graph.walk import GraphError, NodeResult, WalkRun
+from tests.helpers import drive_batches
 
 FAN = Sequential(
     GraphNode("split", inputs=("x",), outputs=(Edge("x", "left"), Edge("x", "right"))),
@@ -28,14 +29,7 @@ def fan_fn(call):
 
 def drive(run: WalkRun, fn) -> list[list[str]]:
     """Complete every ready call with NodeResult(fn(call)) until done; returns the node names of each ready batch."""
-    batches = []
-    while not run.done:
-        batch = run.ready()
-        assert batch, "walk is neither done nor has a ready call"
-        batches.append([call.node for call in batch])
-        for call in batch:
-            run.complete(call, NodeResult(fn(call)))
-    return batches
+    return [[call.node for call in batch] for batch in drive_batches(run, lambda call: NodeResult(fn(call)))]
 
 
 def test_fan_out_runs_members_concurrently_and_fan_in_waits_for_all():

@@ -51,7 +51,7 @@ def test_streaming_partition_gives_the_same_text_on_every_placement(name):
     assert [text_of(ev) for ev in events] == [expected(s, n) for s, n in cases]
     assert all(isinstance(ev[-1], Finished) for ev in events)
     for worker in dep.workers:  # nothing left behind on any rank
-        assert worker._runs == {} and worker._walks_of == {} and worker._streams == {}
+        assert worker.held_requests() == set()
         assert worker.store.live_tensors == 0
 
 

@@ -18,7 +18,7 @@ from mstar_dist.telemetry import process_sample
 from tests.fakes import FakeBackend
 from mstar_dist.transport.inline import encode_tensor
 from tests.unit.test_conductor import emit, from_rank, make, params, submit, walks_sent
-from tests.unit.test_worker import FakeTransport, make_worker, run_walk, deliver, turn
+from tests.unit.test_worker import make_worker, run_walk, deliver, turn
 
 
 def samples(text: str) -> dict[str, float]:
@@ -212,8 +212,8 @@ def test_the_worker_reports_process_metrics_and_edge_histograms_in_stats():
                               inline_max_bytes=1024, device=torch.device("cpu"))
     deliver(worker, channel, run_walk("a", 0))
     turn(worker)
-    worker._last_stats = 0.0
-    worker._maybe_send_stats()
+    worker.stats_every_s = 0.0
+    worker.poll_once()
     (st,) = [b for _, b in channel.sent if isinstance(b, m.Stats)]
     assert st.rss_bytes > 0 and st.cpu_seconds > 0 and st.open_fds > 0
     assert {(h.transport, h.direction, h.unit) for h in st.edge_histograms} == {

@@ -30,7 +30,7 @@ def test_max_queued_requests_is_validated_and_documented():
 
 def test_a_full_queue_refuses_at_once_with_429_and_admitted_requests_go_on():
     c, ch = make(max_concurrent=2)
-    c.max_queued = 1
+    c.admission.max_queued = 1
     running = [submit(c, params(rid, max_tokens=3)) for rid in ("a", "b")]
     queued = submit(c, params("c"))
     refused = submit(c, params("d"))
@@ -42,35 +42,35 @@ def test_a_full_queue_refuses_at_once_with_429_and_admitted_requests_go_on():
     wire_a = walks_sent(ch, "start")[0][1].request_id
     emit(c, wire_a, 1)  # the admitted request keeps being served
     assert running[0] and running[0][-1].n_tokens == 1
-    c._abort("a")
+    c.abort("a")
     assert [b.request_id.split("#")[0] for _, b in walks_sent(ch, "start")] == ["a", "b", "c"]
     assert submit(c, params("e")) == []  # room in the queue again
 
 
 def test_no_queue_means_refuse_when_every_slot_is_busy():
     c, _ = make(max_concurrent=1)
-    c.max_queued = 0
+    c.admission.max_queued = 0
     assert submit(c, params("a")) == []
     assert submit(c, params("b"))[0].status == 429
 
 
 def test_retry_after_grows_with_the_queue_and_recent_latency():
     c, _ = make(max_concurrent=2)
-    c._latency_ewma_s = 4.0
-    assert c._retry_after_s() == 2  # (0 + 1) / 2 waves x 4 s
+    c.admission.latency_ewma_s = 4.0
+    assert c.admission.retry_after_s() == 2  # (0 + 1) / 2 waves x 4 s
     for i in range(7):
-        c._queue.append(object())
-    assert c._retry_after_s() == 16
-    c._latency_ewma_s = 1000.0
-    assert c._retry_after_s() == 60
+        c.admission.queue.append(object())
+    assert c.admission.retry_after_s() == 16
+    c.admission.latency_ewma_s = 1000.0
+    assert c.admission.retry_after_s() == 60
 
 
 def test_queued_request_times_out_with_504_and_leaves_the_queue():
     c, ch = make(max_concurrent=1, timeout=5.0)
     submit(c, params("run"))
     waiting = submit(c, params("wait"))
-    arrived = c._queue[0].arrived
-    c._check_timeouts(now=arrived + 6)
+    arrived = c.admission.queue[0].arrived
+    c.check_timeouts(now=arrived + 6)
     assert waiting[-1].status == 504 and "waiting for admission" in waiting[-1].message
     assert c.queue_depth == 0 and c.active_count == 0  # the running one timed out too
     removed = [b.request_id for _, b in ch.sent if isinstance(b, m.RemoveRequest)]
@@ -81,10 +81,10 @@ def test_queued_time_counts_towards_the_timeout_after_admission():
     c, ch = make(max_concurrent=1, timeout=5.0)
     submit(c, params("first"))
     late = submit(c, params("late"))
-    arrived = c._queue[0].arrived
-    c._abort("first")  # "late" is admitted now, with its original arrival time
-    assert c._active["late"].arrived == arrived
-    c._check_timeouts(now=arrived + 5.5)
+    arrived = c.admission.queue[0].arrived
+    c.abort("first")  # "late" is admitted now, with its original arrival time
+    assert c.running("late").arrived == arrived
+    c.check_timeouts(now=arrived + 5.5)
     assert late[-1].status == 504
 
 
@@ -118,7 +118,7 @@ def test_finished_requests_feed_the_latency_estimate():
     c, ch = make()
     events = submit(c, params("x", max_tokens=1))
     wire = walks_sent(ch)[0][1].request_id
-    before = c._latency_ewma_s
+    before = c.admission.latency_ewma_s
     emit(c, wire, 1)
-    c._handle("rank0", m.encode("tok", "rank0", m.WalkDone(request_id=wire, walk="start", rank=0, outputs={})))
-    assert isinstance(events[-1], Finished) and c._latency_ewma_s != before
+    c.handle("rank0", m.encode("tok", "rank0", m.WalkDone(request_id=wire, walk="start", rank=0, outputs={})))
+    assert isinstance(events[-1], Finished) and c.admission.latency_ewma_s != before

@@ -143,13 +143,13 @@ def test_a_leaving_rank_fails_its_requests_at_once_and_is_avoided():
     c.serving = True
     events = submit(c, params("r"))
     wire = walks_sent(ch, "start")[0][1].request_id
-    c._handle("rank0", m.encode("tok", "rank0", m.WalkDone(request_id=wire, walk="start", rank=0,
+    c.handle("rank0", m.encode("tok", "rank0", m.WalkDone(request_id=wire, walk="start", rank=0,
                                                            outputs={"x": encode_tensor(torch.tensor([1]))})))
     (peer, _), = walks_sent(ch, "count")
     rank = int(peer[4:])
-    c._handle(peer, m.encode("tok", peer, m.Leaving(rank=rank, host="h", reason="stopped by a signal (SIGTERM)")))
+    c.handle(peer, m.encode("tok", peer, m.Leaving(rank=rank, host="h", reason="stopped by a signal (SIGTERM)")))
     assert isinstance(events[-1], BackendError) and events[-1].status == 503
     assert f"rank {rank} on host h stopped (stopped by a signal (SIGTERM))" in events[-1].message
     assert rank in c.dead_ranks and c.unservable_walks() == []  # the other COUNT replica serves
     submit(c, params("next"))
-    assert rank not in c._active["next"].nodes.values()
+    assert rank not in c.running("next").choice.nodes.values()

@@ -5,6 +5,7 @@ import pytest
 
 from mstar_dist.graph.nodes import EMIT_TO_CLIENT, Edge, GraphNode, Loop, Sequential, node_names
 from mstar_dist.graph.walk import GraphError, NodeResult, WalkRun
+from tests.helpers import drive
 
 LLM_DECODE = Loop(
     GraphNode("LLM", inputs=("token",), optional_inputs=("kv",),
@@ -13,18 +14,6 @@ LLM_DECODE = Loop(
     outputs=("token",),
     name="decode",
 )
-
-
-def drive(run: WalkRun, fn, limit=1000):
-    """Answer every ready call with fn(call) until the walk is done; returns the calls seen, in hand-out order."""
-    calls = []
-    while not run.done and len(calls) < limit:
-        batch = run.ready()
-        assert batch, "walk is neither done nor has a ready call"
-        for call in batch:
-            calls.append(call)
-            run.complete(call, fn(call))
-    return calls
 
 
 def test_decode_loop_feeds_token_back_and_emits_each_iteration():

@@ -46,8 +46,7 @@ def test_a_loop_across_ranks_equals_colocated(name, width):
     assert [text_of(ev) for ev in events] == [span_text(s, n) for s, n in CASES]
     assert all(isinstance(ev[-1], Finished) for ev in events)
     for worker in dep.workers:  # every copy of every walk ended, nothing is left behind
-        assert worker._runs == {} and worker._walks_of == {} and worker._spans == {} and worker.store.live_tensors == 0
-        assert not any(worker._arrivals.values())
+        assert worker.held_requests() == set() and worker.store.live_tensors == 0
 
 
 def test_stop_on_either_rank_ends_the_loop_on_both():
@@ -65,7 +64,7 @@ def test_a_node_call_crosses_ranks_only_between_the_two_ranks():
     """Values between the loop's nodes go worker to worker: the conductor sees only walk messages."""
     dep = deployment("split", 1000)
     seen = []
-    original = dep.conductor._handle
+    original = dep.conductor.handle
 
     def spy(sender, payload):
         from mstar_dist.control import messages as m
@@ -74,7 +73,7 @@ def test_a_node_call_crosses_ranks_only_between_the_two_ranks():
         seen.extend(type(done).__name__ for done in getattr(body, "done", ()))  # walks ended in a step's Emits
         original(sender, payload)
 
-    dep.conductor._handle = spy
+    dep.conductor.handle = spy
     (events,) = dep.run([GenerationParams(request_id="a", prompt="start=1", messages=None, max_tokens=6)])
     assert text_of(events) == span_text(1, 6)
     assert "NodeDone" not in seen and seen.count("WalkDone") == 2  # one per rank's copy of the walk

@@ -18,6 +18,7 @@ from mstar_dist.transport.router import Router
 from mstar_dist.transport.store import TensorStore
 from mstar_dist.worker.worker import Worker
 from tests.fakes import IdlePlane
+from tests.helpers import FakeChannel
 
 TOKEN = "t0k3n"
 GRAPHS = {
@@ -48,19 +49,6 @@ class Counter(Component):
             else:
                 out.append(NodeResult({"x": torch.tensor([x + 1]), "kept": torch.full((400,), float(x))}))
         return out
-
-
-class FakeChannel:
-    def __init__(self):
-        self.inbox: list[tuple[str, bytes]] = []
-        self.sent: list[tuple[str, m.Message]] = []
-
-    def recv(self, timeout_ms=0):
-        out, self.inbox = self.inbox, []
-        return out
-
-    def send(self, peer, payload):
-        self.sent.append((peer, m.decode(payload).body))
 
 
 class FakeTransfer:
@@ -99,20 +87,24 @@ class FakeTransport(IdlePlane):
         return self.recvs[-1]
 
 
-def make_worker():
-    channel, transport, store = FakeChannel(), FakeTransport(), TensorStore()
-    router = Router(global_rank=1, rank_hosts={0: "h", 1: "h", 2: "h"}, transports={"p2p": transport},
-                    intra_host="p2p", inter_host="p2p", inline_max_bytes=1024, device=torch.device("cpu"))
+def make_worker(transport=None, wrap=lambda plane: plane, **kwargs):
+    """A worker of rank 1 (of 3, one host) running node C; its data plane is ``wrap(transport)``, a p2p-like
+    ``FakeTransport`` unless given. It sends no ``Stats`` unless a test asks (``stats_every_s``)."""
+    channel, transport, store = FakeChannel(), transport or FakeTransport(), TensorStore()
+    router = Router(global_rank=1, rank_hosts={0: "h", 1: "h", 2: "h"}, transports={transport.name: wrap(transport)},
+                    intra_host=transport.name, inter_host=transport.name, inline_max_bytes=1024,
+                    device=torch.device("cpu"))
     comp = Counter()
     worker = Worker(global_rank=1, graphs=GRAPHS, components={"C": comp}, channel=channel, transport=router,
-                    store=store, token=TOKEN, device=torch.device("cpu"), inline_max_bytes=1024)
+                    store=store, token=TOKEN, device=torch.device("cpu"), inline_max_bytes=1024, **kwargs)
+    worker.stats_every_s = float("inf")
     return worker, channel, transport, store, comp
 
 
 def deliver(worker, channel, body, token=TOKEN, sender="conductor"):
     channel.inbox.append((sender, m.encode(token, sender, body)))
     for s, payload in channel.recv():
-        worker._handle(s, payload)
+        worker.handle(s, payload)
 
 
 def run_walk(rid, x, walk="count", iters=3, **inputs):
@@ -123,8 +115,7 @@ def run_walk(rid, x, walk="count", iters=3, **inputs):
 
 def turn(worker, n=10):
     for _ in range(n):
-        worker._poll_transfers()
-        worker._step()
+        worker.poll_once()
 
 
 def walk_dones(channel) -> list[m.WalkDone]:
@@ -167,7 +158,7 @@ def test_walks_that_end_in_one_step_are_reported_in_its_one_message_after_their_
     assert {e.request_id: int(decode_tensor(e.values[-1])) for e in last.items} == {f"r{i}": 10 * i + 2
                                                                                     for i in range(5)}
     assert all(int(decode_tensor(d.outputs["x"])) == 10 * i + 2 for i, d in enumerate(last.done))
-    assert not worker._emits  # nothing of the finished requests is kept
+    assert not worker.held_requests()  # nothing of the finished requests is kept
     turn(worker, 3)
     assert len(channel.sent) == 2  # and nothing more is sent for them
 
@@ -188,7 +179,7 @@ def test_broken_batch_fails_exactly_its_requests_and_the_rank_lives():
 def test_foreign_token_is_rejected():
     worker, channel, *_ = make_worker()
     deliver(worker, channel, run_walk("a", 0), token="someone-else")
-    worker._handle("conductor", b"not msgpack")
+    worker.handle("conductor", b"not msgpack")
     turn(worker)
     assert dones(channel) == {}
     assert worker.rejected_messages == 2  # counted, and reported in Stats for /metrics
@@ -199,7 +190,7 @@ def test_unknown_or_spoofing_sender_is_rejected():
     channel.inbox.append(("intruder", m.encode(TOKEN, "intruder", run_walk("a", 0))))
     channel.inbox.append(("rank3", m.encode(TOKEN, "conductor", run_walk("b", 0))))  # claims another name
     for s, payload in channel.recv():
-        worker._handle(s, payload)
+        worker.handle(s, payload)
     turn(worker)
     assert dones(channel) == {}
 
@@ -210,16 +201,6 @@ def test_remove_that_overtakes_its_run_walk_is_honoured():
     deliver(worker, channel, run_walk("gone", 0))
     turn(worker)
     assert dones(channel) == {}
-
-
-def test_stop_that_overtakes_its_run_walk_is_replayed():
-    worker, channel, *_ = make_worker()
-    deliver(worker, channel, m.StopLoops(request_id="s", loop="count"))
-    deliver(worker, channel, run_walk("s", 0, iters=50))
-    turn(worker)
-    done = dones(channel)["s"]
-    # the iteration already under way when the walk starts completes, then the loop stops (not 50 iterations)
-    assert done.finish_reason == "stop" and int(decode_tensor(done.outputs["x"])) == 1
 
 
 def test_remote_input_waits_for_its_descriptor_then_runs_on_the_received_tensor():
@@ -267,13 +248,13 @@ def test_remove_frees_kept_tensors():
 def test_worker_stops_when_the_conductor_goes_silent():
     worker, channel, *_ = make_worker()
     worker.conductor_timeout_s = 5.0
-    worker._check_conductor()
+    worker.poll_once()
     assert not worker.stopping  # not armed before the first heartbeat: the conductor starts last
     deliver(worker, channel, m.Heartbeat(sent_at=0.0))
-    worker._check_conductor()
+    worker.poll_once()
     assert not worker.stopping
-    worker._conductor_seen -= 6.0
-    worker._check_conductor()
+    worker.conductor_seen -= 6.0
+    worker.poll_once()
     assert worker.stopping and "conductor (rank 0) has been silent" in worker.failed_reason
 
 
@@ -335,11 +316,7 @@ class ArenaTransport(FakeTransport):
 
 
 def arena_worker(room=1):
-    worker, channel, _, store, comp = make_worker()
-    plane = ArenaTransport(room)
-    worker.transport = Router(global_rank=1, rank_hosts={0: "h", 1: "h", 2: "h"}, transports={"shm": plane},
-                              intra_host="shm", inter_host="shm", inline_max_bytes=1024, device=torch.device("cpu"))
-    worker.backpressure_timeout_s = 0.5
+    worker, channel, plane, store, comp = make_worker(ArenaTransport(room), backpressure_timeout_s=0.5)
     return worker, channel, plane, store
 
 
@@ -353,11 +330,11 @@ def test_a_full_arena_waits_for_acks_while_other_messages_keep_their_order():
     # the second push finds the arena full; meanwhile the consumer's ack and an unrelated message arrive
     channel.inbox += [("rank2", m.encode(TOKEN, "rank2", m.TransferAck(via="shm", slots=[1]))),
                       ("conductor", m.encode(TOKEN, "conductor", run_walk("c", 0, iters=1)))]
-    worker._handle("conductor", m.encode(TOKEN, "conductor", m.Push(request_id="b", uuid=refs["b"].uuid, dst=2)))
+    worker.handle("conductor", m.encode(TOKEN, "conductor", m.Push(request_id="b", uuid=refs["b"].uuid, dst=2)))
     assert plane.acked == [(2, [1])]
     descs = [b for _, b in channel.sent if isinstance(b, m.TensorDesc)]
     assert [d.request_id for d in descs] == ["a", "b"] and descs[1].value.via == "shm"
-    assert "c" not in dones(channel) and len(worker._stash) == 1  # set aside, not lost
+    assert "c" not in dones(channel) and len(worker.transfers.stash) == 1  # set aside, not lost
     worker.run(should_stop=lambda: "c" in dones(channel))
     assert dones(channel)["c"].error is None
 
@@ -384,6 +361,7 @@ def tp_worker(rank: int):
     worker = Worker(global_rank=rank, graphs=GRAPHS, components={"C": comp}, channel=channel, transport=router,
                     store=store, token=TOKEN, device=torch.device("cpu"), inline_max_bytes=1024,
                     tp_roles={"C": TPRole(node="C", ranks=(0, 1), me=rank)})
+    worker.stats_every_s = float("inf")
     return worker, channel, transport, comp
 
 
@@ -403,11 +381,11 @@ def test_tp_members_stop_in_step_the_follower_runs_what_its_leader_sent_before_i
     assert comp.batches == [["r1"]]
 
     alone, _, transport, comp = tp_worker(1)  # the leader never says: the follower gives up after drain_s
-    alone._end_tp(drain_s=0.2)
+    alone.end_tp(drain_s=0.2)
     assert comp.batches == []
     transport.dead.add(0)  # a dead leader: no wait at all
-    alone._tp_ended.clear()
-    alone._end_tp(drain_s=3600)
+    alone.tp.ended.clear()
+    alone.end_tp(drain_s=3600)
 
 
 def test_an_inline_input_the_component_moves_itself_arrives_on_the_host_and_others_on_the_device():
@@ -432,6 +410,7 @@ def test_an_inline_input_the_component_moves_itself_arrives_on_the_host_and_othe
                         intra_host="p2p", inter_host="p2p", inline_max_bytes=1024, device=torch.device("cpu"))
         worker = Worker(global_rank=1, graphs=GRAPHS, components={"C": comp}, channel=channel, transport=router,
                         store=TensorStore(), token=TOKEN, device=torch.device("meta"), inline_max_bytes=1024)
+        worker.stats_every_s = float("inf")
         deliver(worker, channel, run_walk("a", 5, walk="keep"))
         turn(worker, 2)
         assert comp.devices == [expected]
@@ -465,7 +444,7 @@ def test_the_loop_polls_instead_of_sleeping_while_a_component_has_work_on_the_gp
 
     channel.recv = recv
     deliver(worker, channel, run_walk("k", 5, walk="keep"))
-    worker._serve(should_stop=lambda: "k" in dones(channel) or len(waits) > 50)
+    worker.run(should_stop=lambda: "k" in dones(channel) or len(waits) > 50)
     assert "k" in dones(channel) and not dones(channel)["k"].error
     assert comp.turns == 4
     # each turn with the work on the GPU polled (timeout 0) rather than slept on the socket (20 ms when idle)

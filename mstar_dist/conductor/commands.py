@@ -1,0 +1,39 @@
+"""What another thread asks of the conductor (docs/architecture.md §6): commands, and the sinks its events go to.
+
+The in-process HTTP backend (``conductor/backend.py``) hands commands to :meth:`Conductor.command` (a thread-safe
+queue plus a wake-up of the conductor's control channel); an intake's ``Submit`` / ``Cancel`` messages become the same
+commands on the conductor thread (``conductor/intake_hub.py``). A request's events go to its ``Sink``, called on the
+conductor thread.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Union
+
+from mstar_dist.events import GenerationParams, OutputEvent
+
+Sink = Callable[[OutputEvent], None]
+"""Where a request's events go, in order, on the conductor thread: deltas, then ``Finished`` or a ``BackendError``."""
+
+
+@dataclass(frozen=True)
+class Submit:
+    """Run ``params``; its events go to ``sink``."""
+
+    params: GenerationParams
+    sink: Sink
+    pinned_id: bool
+    """The client chose the request id (it then seeds sampling: docs/architecture.md §4)."""
+
+
+@dataclass(frozen=True)
+class Abort:
+    """Abort request ``request_id``, queued or running; with ``sink``, only the submission that owns that sink (a
+    late abort must not hit a newer request that reuses a pinned id)."""
+
+    request_id: str
+    sink: Sink | None = None
+
+
+Command = Union[Submit, Abort]
