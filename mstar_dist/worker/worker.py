@@ -693,8 +693,8 @@ class Worker:
                     results = [_tp_failure(self.tp_roles[node], r) for r in results]
             runs, spans = self._runs, self._spans
             for call, result in zip(calls, results):
-                if result is None:
-                    continue  # retry later
+                if not result:  # None or a Held (falsy): handed over again in a later turn
+                    continue
                 run = call.run
                 key = (run.request_id, run.walk)
                 if runs.get(key) is not run:
