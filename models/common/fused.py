@@ -20,7 +20,7 @@ import torch
 # where these kernels run is where the cache's do: one answer (Triton importable; CUDA, or its interpreter on the CPU)
 from mstar_dist.engine.decode_attention import available, triton
 
-__all__ = ["available", "add_rms_norm", "silu_mul", "rope"]
+__all__ = ["available", "wanted", "add_rms_norm", "silu_mul", "rope"]
 
 
 # ---- the kernels (CPU wheels of torch come without Triton: the model keeps its torch ops there) ----
@@ -68,6 +68,23 @@ if triton is not None:
         scaled = (x * cos).to(out_ptr.dtype.element_ty).to(tl.float32)  # rounded as ``x * cos`` is
         tl.store(out_ptr + (token * heads + h) * HD + cols, (scaled + rotated * sin).to(out_ptr.dtype.element_ty),
                  mask=inside)
+
+
+def wanted(choice: str, device: str, model: torch.nn.Module) -> bool:
+    """Whether ``model`` on ``device`` runs its pointwise work as these kernels, for ``engine.fused_pointwise`` =
+    ``choice`` (mstar_dist/engine/config.py): ``auto`` on CUDA where they run and the model has a fused path,
+    ``torch`` never, ``triton`` always, and a ValueError naming the key where it cannot."""
+    if choice == "torch":
+        return False
+    if choice == "triton":
+        if not hasattr(model, "fuse_pointwise"):
+            raise ValueError(f"engine.fused_pointwise: triton, but the {type(model).__name__} model has no fused path "
+                             "(use auto or torch)")
+        if not available(device):
+            why = "Triton is not installed" if triton is None else f"not on {device}"
+            raise ValueError(f"engine.fused_pointwise: triton needs Triton on a CUDA device, and {why}")
+        return True
+    return device.startswith("cuda") and available(device) and hasattr(model, "fuse_pointwise")
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

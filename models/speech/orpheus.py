@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from mstar_dist.engine.component import Component
+from mstar_dist.engine.config import EngineConfig
 from mstar_dist.events import MediaDelta
 from mstar_dist.graph.model import RequestState, WalkStep
 from mstar_dist.graph.nodes import EMIT_TO_CLIENT, Edge, GraphNode, Loop, Section
@@ -178,7 +179,8 @@ class OrpheusSpeech(LlamaChat):
         write_tiny_speech_checkpoint(Path(self.weights_dir))
 
     # ---- rank side ----
-    def build_component(self, node: str, *, device: str, walks: set[str]) -> Component:
+    def build_component(self, node: str, *, device: str, walks: set[str], engine: EngineConfig | None = None
+                        ) -> Component:
         tokens = self._speech_tokens()
         if node == CODEC:
             from models.snac import load_snac
@@ -186,13 +188,15 @@ class OrpheusSpeech(LlamaChat):
             decoder = load_snac(self.codec_dir, device=device, dtype=torch.float32)
             return SpeechCodec(decoder, audio_offset=tokens.audio_offset, codebook_size=tokens.codebook_size,
                                device=torch.device(device))
-        engine = super().build_component(node, device=device, walks=walks)
-        vocab = engine.model.embed.weight.shape[0]
-        bias = torch.full((vocab,), float("-inf"))
+        return super().build_component(node, device=device, walks=walks, engine=engine)
+
+    def _logit_bias(self, model: torch.nn.Module) -> torch.Tensor:
+        """Sampling restricted to the audio codes and ``end_of_speech``."""
+        tokens = self._speech_tokens()
+        bias = torch.full((model.embed.weight.shape[0],), float("-inf"))
         bias[tokens.audio_offset: tokens.audio_offset + CODES_PER_FRAME * tokens.codebook_size] = 0.0
         bias[tokens.end_of_speech] = 0.0
-        engine.logit_bias = bias.to(engine.device)
-        return engine
+        return bias
 
     def _speech_tokens(self):
         if self.tokens is None:

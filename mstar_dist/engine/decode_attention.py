@@ -38,6 +38,22 @@ def available(device: torch.device | str) -> bool:
     return kind == "cuda" or (kind == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
 
 
+def wanted(choice: str, device: str, graphs: bool) -> bool:
+    """Whether CUDA-graph decode steps (``graphs``: the engine captures them) on ``device`` attend with the kernel, for
+    ``engine.decode_attention`` = ``choice`` (engine/config.py): ``auto`` wherever it can run, ``sdpa`` never,
+    ``triton`` always, and a ValueError naming the key where it cannot run."""
+    if choice == "sdpa":
+        return False
+    if choice == "triton":
+        if not graphs:
+            raise ValueError("engine.decode_attention: triton attends in CUDA-graph decode steps, and cuda_graphs is "
+                             f"off (device {device!r})")
+        if not available(device):
+            why = "Triton is not installed" if triton is None else f"not on {device}"
+            raise ValueError(f"engine.decode_attention: triton needs Triton on a CUDA device, and {why}")
+    return graphs and available(device)
+
+
 SPLIT_CONTEXT = 512
 """Context buckets above this split a row's positions over several programs when the batch is small
 (``splits_for``); graphs at or below it run one program a (row, KV head) and no combine."""

@@ -75,7 +75,7 @@ class Deployment:
         cluster = config.resolve_cluster(world_size, local_world_size)
         model = get_model_class(config.model)(config.weights, **dict(config.model_kwargs))
         check_weights(config, model)
-        model.configure(Layout.from_node_groups(config.node_groups))
+        model.configure(Layout.from_node_groups(config.node_groups), config.engine)
         walks = {walk: node_names(section) for walk, section in model.graphs().items()}
         placement = Placement.build(config, walks, cluster.world_size,
                                     flows(model.graphs(), model.partitions(), model.streaming_edges()))
@@ -218,14 +218,15 @@ def _load_components(dep: Deployment, info: RankInfo, device: str, store: Any, t
     roles = tp_roles_for(dep.placement, info.global_rank)
     for node, walks in sorted(dep.placement.components_on(info.global_rank).items()):
         t0 = time.monotonic()
+        engine = dep.config.engine_for(info.global_rank, node)  # engine: with this node group's overrides
         if node in roles:  # this rank builds only its shard; the layers all-reduce on the replica's TP group
             from models.common.tp import TPGroup
 
             group = tp_groups[roles[node].ranks]
             tp = TPGroup(group=group.group, rank=group.rank_in_group, size=len(group.ranks))
-            components[node] = dep.model.build_component(node, device=device, walks=set(walks), tp=tp)
+            components[node] = dep.model.build_component(node, device=device, walks=set(walks), tp=tp, engine=engine)
         else:
-            components[node] = dep.model.build_component(node, device=device, walks=set(walks))
+            components[node] = dep.model.build_component(node, device=device, walks=set(walks), engine=engine)
         components[node].warmup()
         log.info("loaded %s for walks %s on %s in %.1f s", node, sorted(walks), device, time.monotonic() - t0)
     return components
