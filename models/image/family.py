@@ -36,6 +36,7 @@ import torch
 
 from mstar_dist.engine.component import Component
 from mstar_dist.engine.config import EngineConfig
+from mstar_dist.engine.sampling import seeded
 from mstar_dist.events import MediaDelta
 from mstar_dist.graph.model import CompositeModel, Layout, RequestState, WalkStep
 from mstar_dist.graph.nodes import EMIT_TO_CLIENT, Edge, GraphNode, Loop, Parallel, Section, Sequential
@@ -276,7 +277,7 @@ class BagelImage(CompositeModel):
             raise ValueError("prompt is empty after tokenization: describe the image")
         state.prompt_tokens = len(ids)
         h, w = knobs["height"] // self.latent_factor, knobs["width"] // self.latent_factor
-        gen = torch.Generator().manual_seed(state.seed)
+        gen = seeded(state.seed)
         state.data.update(knobs, input_ids=torch.tensor(ids, dtype=torch.long),
                           noise=torch.randn((1, self.latent_channels, h, w), generator=gen))
 

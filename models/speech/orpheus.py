@@ -32,6 +32,7 @@ import torch
 
 from mstar_dist.engine.component import Component
 from mstar_dist.engine.config import EngineConfig
+from mstar_dist.engine.sampling import seeded
 from mstar_dist.events import MediaDelta
 from mstar_dist.graph.model import RequestState, WalkStep
 from mstar_dist.graph.nodes import EMIT_TO_CLIENT, Edge, GraphNode, Loop, Section
@@ -125,7 +126,7 @@ class SpeechCodec(Component):
         window = torch.tensor(codes[first * CODES_PER_FRAME: frames * CODES_PER_FRAME], dtype=torch.long)
         # the decoder's noise blocks draw from a generator seeded by the walk and the frame: the same audio on
         # every placement for a pinned request
-        gen = torch.Generator(self.device).manual_seed((call.ctx.seed + done) & 0x7FFF_FFFF_FFFF_FFFF)
+        gen = seeded((call.ctx.seed + done) & 0x7FFF_FFFF_FFFF_FFFF, self.device)
         return window.view(-1, CODES_PER_FRAME), frames - done, gen, final
 
     def release(self, request_id: str) -> None:
