@@ -1,7 +1,7 @@
 """Fused pointwise kernels of a decoder block, in Triton (docs/architecture.md §8, "Fused pointwise").
 
-A captured forward of a small model is hundreds of kernels of a few microseconds each: SmolLM2's decode step at 1 row
-launched 426 with the in-place attention, and its pointwise work took one kernel per torch op. What a block does
+A captured forward of a small model is hundreds of kernels of a few microseconds each, and its pointwise work took
+one kernel per torch op. What a block does
 between its GEMMs and its attention is three patterns vLLM and SGLang also fuse:
 
 - ``add_rms_norm``: the residual add and the RMSNorm after it (two kernels -> one, twice a block);
@@ -54,8 +54,8 @@ if triton is not None:
 
     @triton.jit
     def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, x_stride, heads, H_PAD: tl.constexpr, HD: tl.constexpr):
-        # every head of one token: a program per (token, head) made 18,432 programs of 64 elements for 32 prompts of
-        # 48 tokens, 12.5 us a layer on an H200
+        # every head of one token: a program per (token, head) made tens of thousands of programs of one head's
+        # elements for a batch of prompts
         token = tl.program_id(0)
         h = tl.arange(0, H_PAD)[:, None]
         cols = tl.arange(0, HD)[None, :]
@@ -72,7 +72,7 @@ if triton is not None:
 
 def wanted(choice: str, device: str, model: torch.nn.Module) -> bool:
     """Whether ``model`` on ``device`` runs its pointwise work as these kernels, for ``engine.fused_pointwise`` =
-    ``choice`` (mstar_dist/engine/config.py): ``auto`` on CUDA where they run and the model has a fused path,
+    ``choice`` (mstar_dist/config/engine.py): ``auto`` on CUDA where they run and the model has a fused path,
     ``torch`` never, ``triton`` always, and a ValueError naming the key where it cannot."""
     if choice == "torch":
         return False

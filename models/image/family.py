@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
+from mstar_dist.config.engine import EngineConfig
 from mstar_dist.engine.component import Component
-from mstar_dist.engine.config import EngineConfig
 from mstar_dist.engine.sampling import seeded
 from mstar_dist.events import MediaDelta
 from mstar_dist.graph.model import CompositeModel, Layout, RequestState, WalkStep

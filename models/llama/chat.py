@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mstar_dist.engine.config import EngineConfig, check_model_kwargs
+from mstar_dist.config.engine import EngineConfig, check_model_kwargs
 from mstar_dist.engine.kv_cache import StaticKVCache
 from mstar_dist.engine.kv_engine import KVCacheEngine
 from mstar_dist.graph.model import CompositeModel, RequestState, WalkStep
@@ -33,7 +33,7 @@ MODEL_KWARGS = ("dtype",)
 class LlamaChat(CompositeModel):
     """``model_kwargs``: ``dtype`` (float32 | bfloat16 | float16; default float32 on CPU, bfloat16 on CUDA). The
     ``LLM`` node is a `KVCacheEngine` run as the deployment's ``engine:`` says (cache size, CUDA graphs, lookahead,
-    budgets, kernels: mstar_dist/engine/config.py documents each)."""
+    budgets, kernels: mstar_dist/config/engine.py documents each)."""
 
     name = "llama"
     tp_nodes = frozenset({LLM})

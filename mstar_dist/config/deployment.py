@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from mstar_dist.config.cluster import ClusterSpec, default_cluster, parse_cluster
+from mstar_dist.config.engine import EngineConfig, check_model_kwargs, check_overrides
 from mstar_dist.config.schema import (
     ConfigError,
     check_keys,
@@ -30,7 +31,6 @@ from mstar_dist.config.schema import (
     read_unique_ints,
     read_unique_strs,
 )
-from mstar_dist.engine.config import EngineConfig, check_model_kwargs, check_overrides
 
 TRANSPORTS = ("p2p", "mooncake", "shm")
 """Transport names allowed in ``transport.intra_host`` / ``transport.inter_host``."""
@@ -202,7 +202,7 @@ class DeploymentConfig:
     cluster: ClusterSpec | None = None
     """Hosts and devices; None = one host with WORLD_SIZE local devices (see `resolve_cluster`)."""
     engine: EngineConfig = field(default_factory=EngineConfig)
-    """Engine policy of every rank's KV-cache engine (mstar_dist/engine/config.py), unless a node group overrides
+    """Engine policy of every rank's KV-cache engine (mstar_dist/config/engine.py), unless a node group overrides
     some of it (``NodeGroup.engine``)."""
     transport: TransportConfig = field(default_factory=TransportConfig)
     """Transport choice and inline threshold."""

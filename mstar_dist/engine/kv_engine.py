@@ -13,7 +13,7 @@ another rank), in which case this rank's slot is freed at once. The stop check f
 The engine is the runner: each turn it sorts the calls, asks its scheduler (engine/scheduler.py) which prompts to
 prefill in which batches and whether the decode rows step, and executes that plan; a call the plan holds is answered
 ``Held(reason)`` and handed over again by the worker in a later turn. Engine policy comes from one `EngineConfig`
-(engine/config.py).
+(mstar_dist/config/engine.py).
 
 Prefills handed over together run as batched forwards (rows right-padded to the batch's longest prompt; a row's
 logits are read at its own last token, and the pad positions it writes into its slot are never attended: decode
@@ -39,8 +39,8 @@ import time
 import torch
 
 from mstar_dist import trace
+from mstar_dist.config.engine import EngineConfig
 from mstar_dist.engine.component import Component, WalkContext
-from mstar_dist.engine.config import EngineConfig
 from mstar_dist.engine.kv_cache import Seq, StaticKVCache
 from mstar_dist.engine.lookahead import Ahead, claim
 from mstar_dist.engine.prefill import PREFILL_ATTENTION, Launched, prefill_eager, side_stream

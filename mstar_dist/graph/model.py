@@ -12,7 +12,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
-from mstar_dist.engine.config import EngineConfig
+from mstar_dist.config.engine import EngineConfig
 from mstar_dist.graph.nodes import Section
 from mstar_dist.graph.partitions import Partition, StreamingEdge
 

@@ -38,7 +38,7 @@ def test_the_llama_engine_on_cuda_leaves_prefills_in_flight_and_decode_yields_to
     rank waits for each prefill, and decode steps start beside prefills on the GPU, both of which delay first tokens
     under a wave of requests."""
     from models.llama.chat import LLM, LlamaChat
-    from mstar_dist.engine.config import EngineConfig
+    from mstar_dist.config.engine import EngineConfig
 
     def engine(**knobs):
         return LlamaChat(WEIGHTS).build_component(LLM, device="cuda", walks={"prefill", "decode"},

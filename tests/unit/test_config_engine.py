@@ -1,4 +1,4 @@
-"""The deployment's ``engine:`` key (mstar_dist/engine/config.py, mstar_dist/config/deployment.py).
+"""The deployment's ``engine:`` key (mstar_dist/config/engine.py, mstar_dist/config/deployment.py).
 
 A failure here means an engine knob's default changed (the serving path would run another policy), a mistake in
 ``engine:`` is accepted or reported without the key path and value, a knob left under ``model_kwargs`` (where it
@@ -12,7 +12,7 @@ import pytest
 
 from mstar_dist.config.deployment import parse_config
 from mstar_dist.config.schema import ConfigError
-from mstar_dist.engine.config import EngineConfig
+from mstar_dist.config.engine import EngineConfig
 from tests.unit.test_config import BASE, error, with_
 
 PD = {

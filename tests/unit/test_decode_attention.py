@@ -159,7 +159,7 @@ def test_decode_kernel_where_it_cannot_run_is_refused_with_the_reason():
 
 
 def test_the_engine_config_checks_decode_attention():
-    from mstar_dist.engine.config import EngineConfig
+    from mstar_dist.config.engine import EngineConfig
 
     with pytest.raises(ValueError, match=r"decode_attention = 'flash': must be one of auto \| triton \| sdpa"):
         EngineConfig(decode_attention="flash")

@@ -160,7 +160,7 @@ def test_the_engine_config_validates_fused_pointwise(monkeypatch):
     """``engine.fused_pointwise``: an unknown value, or triton where it cannot run or for a model without a fused
     path, is a ValueError naming the key; auto fuses on CUDA only (never under the CPU interpreter, which is there
     for tests), torch never."""
-    from mstar_dist.engine.config import EngineConfig
+    from mstar_dist.config.engine import EngineConfig
 
     with pytest.raises(ValueError, match=r"fused_pointwise = 'inductor': must be one of auto \| triton \| torch"):
         EngineConfig(fused_pointwise="inductor")

@@ -18,8 +18,8 @@ import torch
 
 from models.llama.config import LlamaConfig
 from models.llama.model import Llama
+from mstar_dist.config.engine import EngineConfig
 from mstar_dist.engine.component import WalkContext
-from mstar_dist.engine.config import EngineConfig
 from mstar_dist.engine.kv_cache import StaticKVCache
 from mstar_dist.engine.kv_engine import KVCacheEngine
 from mstar_dist.engine.sampling import SamplingParams

@@ -22,7 +22,7 @@ from models.moe.config import MoEConfig
 from models.moe.model import Qwen3Moe
 from models.moe.routers import LoadBiasedRouter, TopKRouter, build_router
 from models.moe.weights import load_moe
-from mstar_dist.engine.config import EngineConfig
+from mstar_dist.config.engine import EngineConfig
 from mstar_dist.engine.kv_cache import StaticKVCache
 
 pytestmark = pytest.mark.usefixtures("one_intraop_thread")

@@ -4,7 +4,8 @@
 One frozen, checked `EngineConfig` per deployment, optionally overridden per node group (``node_groups[i].engine``,
 e.g. a bigger prefill budget on the prefill ranks of a P/D split than on the decode ranks). Model families keep the
 model's own knobs (dtype, router, voice...) in ``model_kwargs``; every knob below is read by the engine or by the
-family only to build the engine (cache size, kernels). Imports no torch: the front end and the config checks read it.
+family only to build the engine (cache size, kernels). It lives beside the deployment's other keys and imports no
+torch: the front end and the config checks read it, and the engine (engine/kv_engine.py) takes it from here.
 
 Defaults are those of a single rank on CUDA; the rules that depend on the rank (its device, its TP group) are applied
 once by `EngineConfig.on` when the engine is built, so a CPU rank or a TP member turns off what it cannot use.
