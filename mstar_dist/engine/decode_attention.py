@@ -40,8 +40,8 @@ def available(device: torch.device | str) -> bool:
 
 def wanted(choice: str, device: str, graphs: bool) -> bool:
     """Whether CUDA-graph decode steps (``graphs``: the engine captures them) on ``device`` attend with the kernel, for
-    ``engine.decode_attention`` = ``choice`` (mstar_dist/config/engine.py): ``auto`` wherever it can run, ``sdpa`` never,
-    ``triton`` always, and a ValueError naming the key where it cannot run."""
+    ``engine.decode_attention`` = ``choice`` (mstar_dist/config/engine.py): ``auto`` wherever it can run, ``sdpa``
+    never, ``triton`` always, and a ValueError naming the key where it cannot run."""
     if choice == "sdpa":
         return False
     if choice == "triton":
