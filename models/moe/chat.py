@@ -23,9 +23,9 @@ DEFAULT_MOE_DIR = "~/.cache/mstar_dist/qwen3-moe-tiny"
 class MoEChat(LlamaChat):
     """``model_kwargs``: LlamaChat's (``dtype``) plus ``router``: the router of every MoE block, a registry name
     ("topk", the default, HF's routing; "load_biased"), ``package.module:Class``, or ``{"name": ..., **kwargs}`` with
-    the class's keyword arguments (models/moe/routers.py). A stateful router makes the rows of a batch affect each
-    other: the engine then neither looks ahead nor pads prompts of different lengths into one forward
-    (``pads_are_inert``)."""
+    the class's keyword arguments (models/moe/routers.py). The MoE model does not declare its pads inert (a
+    batch-wide stateful router would count them), so its engine neither looks ahead nor pads prompts of different
+    lengths into one forward, whatever ``engine:`` says."""
 
     name = "qwen3_moe"
 

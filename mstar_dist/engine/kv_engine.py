@@ -1,4 +1,4 @@
-"""KV-cache engine for an autoregressive node (docs/architecture.md §8): slots, continuous batching, sampling, stop checks.
+"""KV-cache engine for an autoregressive node (docs/architecture.md §8): slots, continuous batching, sampling, stops.
 
 Inputs a call may carry:
 - ``input_ids`` (T,) int64: a prefill. Takes a KV slot, runs the prompt, samples the first token.
@@ -255,7 +255,8 @@ class KVCacheEngine(Component):
                 # and the sampling kernels, greedy and drawn, with a copy of their tokens to the host: the first use of
                 # each costs host time that would otherwise land on the first request's prefill
                 drawn = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_p=0.9, top_k=20)]
-                _wait(self._copy_to_host(sample(self._biased(logits), drawn, [torch.Generator(), torch.Generator()]))[1])
+                tokens = sample(self._biased(logits), drawn, [torch.Generator(), torch.Generator()])
+                _wait(self._copy_to_host(tokens)[1])
             finally:
                 self.cache.free(slot)
 
