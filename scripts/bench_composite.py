@@ -80,7 +80,7 @@ def bench_speech(args) -> dict:
     kwargs = {"max_seq_len": 1024, "max_batch": max(args.streams)}
     out: dict = {"placements": {}}
     for name, (config, nproc) in placements.items():
-        server = Server(REPO / config, nproc=nproc, overrides={"weights": args.weights, "model_kwargs": kwargs},
+        server = Server(REPO / config, nproc=nproc, overrides={"weights": args.weights, "engine": kwargs},
                         startup_timeout=600)
         try:
             rows = {"cold_start_s": server.ready_seconds}

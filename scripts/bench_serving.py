@@ -384,7 +384,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--max-batch", type=int, default=None,
-                   help="model_kwargs.max_batch of the served deployments (default: the largest --streams, >= 16)")
+                   help="engine.max_batch of the served deployments (default: the largest --streams, >= 16)")
     p.add_argument("--out", default=None)
     p.add_argument("--device", default="cpu", help="cpu | cuda (the server picks CUDA by itself when present)")
     p.add_argument("--model", default=None, help="registry key override for the served config (e.g. llama)")
@@ -403,15 +403,15 @@ def main() -> None:
                    help="on CUDA, skip the eager bare loop (the yardstick there is the CUDA-graph one)")
     p.add_argument("--no-packed-bare", action="store_true",
                    help="on the CPU, the bare loop multiplies with F.linear rather than the oneDNN-packed weights the "
-                        "served engine uses by default (for a config with model_kwargs.cpu_packed_linear: false)")
+                        "served engine uses by default (for a config with engine.cpu_packed_linear: false)")
     p.add_argument("--bare-sdpa", action="store_true",
                    help="on CUDA, the CUDA-graph bare loop attends with SDPA over copies of the rows' keys and values "
                         "rather than the in-place Triton kernel the served engine uses where it runs "
-                        "(for a config with model_kwargs.decode_attention: sdpa)")
+                        "(for a config with engine.decode_attention: sdpa)")
     p.add_argument("--bare-unfused", action="store_true",
                    help="on CUDA, the bare loops run the blocks' pointwise work as torch ops rather than the fused "
                         "Triton kernels the served engine uses where they run "
-                        "(for model_kwargs.fused_pointwise: torch)")
+                        "(for engine.fused_pointwise: torch)")
     p.add_argument("--client-cpus", type=cpu_list, default=None, metavar="LIST",
                    help="run every client in processes pinned to these CPUs (e.g. 8-15) and the server, this process "
                         "and the bare loops on the others: the clients then take no core from the server, as clients "
@@ -456,8 +456,8 @@ def main() -> None:
     for r in range(args.rounds):
         for path, nproc in configs:  # one deployment up at a time (they share the device)
             name = Path(path).stem
-            own = (yaml.safe_load(Path(path).read_text()) or {}).get("model_kwargs") or {}
-            overrides = {"model_kwargs": {**own, "max_batch": max_batch},
+            own = (yaml.safe_load(Path(path).read_text()) or {}).get("engine") or {}
+            overrides = {"engine": {**own, "max_batch": max_batch},
                          "limits": {"max_concurrent_requests": max(64, 2 * top), "max_tokens": 4096}}
             if args.model:
                 overrides["model"] = args.model

@@ -109,7 +109,7 @@ def serving(weights: str, streams: list[int], max_tokens: int, cuda_graphs: bool
     ):
         server = Server(REPO / "launch/configs/moe_tp2.yaml", nproc, startup_timeout=600, overrides={
             "weights": weights, "node_groups": groups,
-            "model_kwargs": {"max_seq_len": 1024, "max_batch": max(streams), "cuda_graphs": cuda_graphs}})
+            "engine": {"max_seq_len": 1024, "max_batch": max(streams), "cuda_graphs": cuda_graphs}})
         try:
             stream_one(server.base_url, 0, 8)
             rows = {}

@@ -149,7 +149,7 @@ while [ $# -gt 0 ]; do
              #   tree              A: this tree, B: the tree in .ab_base (carried; e.g.
              #                     mkdir .ab_base && git archive HEAD~1 | tar -x -C .ab_base)
              #   '{YAML mapping}'  A: the deployment with the mapping merged in, e.g. '{server: {http_processes: 8}}' or
-             #                     '{model_kwargs: {decode_yield_ms: 16}}'; B: the deployment as it is
+             #                     '{engine: {decode_yield_ms: 16}}'; B: the deployment as it is
              #   '--FLAG ...'      A: bench_serving with these flags, e.g. '--client-cpus 8-15'; B: without them
              [ $# -gt 0 ] || { echo "ab: needs a SETTING (tree, a YAML mapping, or bench_serving flags)"; exit 2; }
              setting="$1"

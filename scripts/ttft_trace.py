@@ -393,8 +393,8 @@ def main() -> None:
     args = p.parse_args()
     path, nproc = args.config.rsplit(":", 1)
     top = max(args.streams)
-    own = (yaml.safe_load(Path(path).read_text()) or {}).get("model_kwargs") or {}
-    overrides = {"model_kwargs": {**own, "max_batch": max(16, top)},
+    own = (yaml.safe_load(Path(path).read_text()) or {}).get("engine") or {}
+    overrides = {"engine": {**own, "max_batch": max(16, top)},
                  "limits": {"max_concurrent_requests": max(64, 2 * top), "max_tokens": 4096}}
     if args.model:
         overrides["model"] = args.model

@@ -92,7 +92,8 @@ class InProcDeployment:
         self.bus, wires = Bus(), {}
         self.workers = []
         for rank in range(world_size):
-            components = {node: model.build_component(node, device="cpu", walks=set(walks))
+            components = {node: model.build_component(node, device="cpu", walks=set(walks),
+                                                      engine=cfg.engine_for(rank, node))
                           for node, walks in placement.components_on(rank).items()}
             self.workers.append(Worker(
                 global_rank=rank, graphs=graphs, components=components, channel=self.bus.channel(f"rank{rank}"),

@@ -61,7 +61,7 @@ class ToyModel(CompositeModel):
                           max_iters=10_000, outputs=("x",), name="count"),
         }
 
-    def build_component(self, node: str, *, device: str, walks: set[str]) -> Component:
+    def build_component(self, node: str, *, device: str, walks: set[str], engine=None) -> Component:
         if self.model_kwargs.get("fail_load") == node:
             raise RuntimeError(f"injected load failure of {node}")
         return Counter(node, float(self.model_kwargs.get("batch_sleep_s", 0.01)))
@@ -155,12 +155,12 @@ class ToyAudioModel(ToyModel):
 
         return [StreamingEdge("x", "text", "audio", "CODEC", Fixed(3))]
 
-    def build_component(self, node: str, *, device: str, walks: set[str]) -> Component:
+    def build_component(self, node: str, *, device: str, walks: set[str], engine=None) -> Component:
         if node == "CODEC":
             return Codec()
         if node == "TWICE":
             return Doubler()
-        return super().build_component(node, device=device, walks=walks)
+        return super().build_component(node, device=device, walks=walks, engine=engine)
 
     def start_done(self, state: RequestState) -> set[str]:
         return {"audio"} if state.data.get("no_audio") else set()
@@ -232,7 +232,7 @@ class ToyFanoutModel(ToyModel):
             "peek": GraphNode("PEEK", inputs=("blob",), outputs=(Edge("s", EMIT_TO_CLIENT),)),
         }
 
-    def build_component(self, node: str, *, device: str, walks: set[str]) -> Component:
+    def build_component(self, node: str, *, device: str, walks: set[str], engine=None) -> Component:
         return Blob(node)
 
     def start(self, state):
@@ -304,7 +304,7 @@ class ToySpanModel(ToyModel):
                           GraphNode("CHECK", inputs=("y",), outputs=(Edge("x", "STEP"), Edge("x", EMIT_TO_CLIENT))))
         return {"span": Loop(body, max_iters=10_000, outputs=("x",), accumulated_outputs=("k",), name="span")}
 
-    def build_component(self, node: str, *, device: str, walks: set[str]) -> Component:
+    def build_component(self, node: str, *, device: str, walks: set[str], engine=None) -> Component:
         return Stepper(node, int(self.model_kwargs.get("width", 4)))
 
     def start(self, state):

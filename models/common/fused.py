@@ -1,7 +1,7 @@
 """Fused pointwise kernels of a decoder block, in Triton (docs/architecture.md §8, "Fused pointwise").
 
-A captured forward of a small model is hundreds of kernels of a few microseconds each: SmolLM2's decode step at 1 row
-launched 426 with the in-place attention, and its pointwise work took one kernel per torch op. What a block does
+A captured forward of a small model is hundreds of kernels of a few microseconds each, and its pointwise work took
+one kernel per torch op. What a block does
 between its GEMMs and its attention is three patterns vLLM and SGLang also fuse:
 
 - ``add_rms_norm``: the residual add and the RMSNorm after it (two kernels -> one, twice a block);
@@ -20,7 +20,7 @@ import torch
 # where these kernels run is where the cache's do: one answer (Triton importable; CUDA, or its interpreter on the CPU)
 from mstar_dist.engine.decode_attention import available, triton
 
-__all__ = ["available", "add_rms_norm", "silu_mul", "rope"]
+__all__ = ["available", "wanted", "add_rms_norm", "silu_mul", "rope"]
 
 
 # ---- the kernels (CPU wheels of torch come without Triton: the model keeps its torch ops there) ----
@@ -54,8 +54,8 @@ if triton is not None:
 
     @triton.jit
     def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, x_stride, heads, H_PAD: tl.constexpr, HD: tl.constexpr):
-        # every head of one token: a program per (token, head) made 18,432 programs of 64 elements for 32 prompts of
-        # 48 tokens, 12.5 us a layer on an H200
+        # every head of one token: a program per (token, head) made tens of thousands of programs of one head's
+        # elements for a batch of prompts
         token = tl.program_id(0)
         h = tl.arange(0, H_PAD)[:, None]
         cols = tl.arange(0, HD)[None, :]
@@ -68,6 +68,23 @@ if triton is not None:
         scaled = (x * cos).to(out_ptr.dtype.element_ty).to(tl.float32)  # rounded as ``x * cos`` is
         tl.store(out_ptr + (token * heads + h) * HD + cols, (scaled + rotated * sin).to(out_ptr.dtype.element_ty),
                  mask=inside)
+
+
+def wanted(choice: str, device: str, model: torch.nn.Module) -> bool:
+    """Whether ``model`` on ``device`` runs its pointwise work as these kernels, for ``engine.fused_pointwise`` =
+    ``choice`` (mstar_dist/config/engine.py): ``auto`` on CUDA where they run and the model has a fused path,
+    ``torch`` never, ``triton`` always, and a ValueError naming the key where it cannot."""
+    if choice == "torch":
+        return False
+    if choice == "triton":
+        if not hasattr(model, "fuse_pointwise"):
+            raise ValueError(f"engine.fused_pointwise: triton, but the {type(model).__name__} model has no fused path "
+                             "(use auto or torch)")
+        if not available(device):
+            why = "Triton is not installed" if triton is None else f"not on {device}"
+            raise ValueError(f"engine.fused_pointwise: triton needs Triton on a CUDA device, and {why}")
+        return True
+    return device.startswith("cuda") and available(device) and hasattr(model, "fuse_pointwise")
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

@@ -1,18 +1,13 @@
 """A bias-free linear layer (model-agnostic): the one class every model's projections use, so a CPU fast path or a
 quantised kernel has one place to live.
 
-CPU fast path (``pack_for_cpu``): MKL's fp32 GEMM through ``F.linear`` is slow at a decode batch's few rows (on the
-2-core dev machine, torch 2.13, the 49152x576 LM head of SmolLM2 takes 4.4 ms at 1 row, 15.7 at 8, 20.4 at 12 and
-10.4 at 16). oneDNN's inner product over a weight reordered once into its blocked layout runs the same GEMM at 8 rows
-in 5.6 ms (the 3072x576 gate/up projection in 0.41 ms against 0.68); its results differ from ``F.linear``'s by
-rounding only (~1e-4 on outputs of order 20). At 1-2 rows it is no faster (0.34 against 0.29 ms for gate/up), so a
-packed layer keeps its dense weight and takes ``F.linear`` below ``PACKED_MIN_ROWS`` rows: the packed copy doubles the
-memory of the layers it covers. The copy is a plain attribute, not a buffer (``state_dict`` and ``.to`` leave it
-out): pack a model once it is loaded where it runs.
-
-History (decision D23 in bench/results/README.md): it used to multiply ``w @ x^T`` on the CPU for decode-sized
-inputs, which MKL once ran 2-3x faster than ``F.linear``; with torch 2.13 that path is 2-3x *slower* than
-``F.linear`` at 1-2 rows.
+CPU fast path (``pack_for_cpu``): MKL's fp32 GEMM through ``F.linear`` is slow at a decode batch's few rows (slower
+at 8 or 12 rows than at 16). oneDNN's inner product over a weight reordered once into its blocked layout runs the same
+GEMM at a few rows much faster; its results differ from ``F.linear``'s by rounding only. At 1-2 rows it is no faster,
+so a packed layer keeps its dense weight and takes ``F.linear`` below ``PACKED_MIN_ROWS`` rows: the packed copy
+doubles the memory of the layers it covers. The copy is a plain attribute, not a buffer (``state_dict`` and ``.to``
+leave it out): pack a model once it is loaded where it runs. (A ``w @ x^T`` product for decode-sized inputs, once
+faster than ``F.linear`` with MKL, is slower with current torch, so it is not used.)
 """
 
 from __future__ import annotations

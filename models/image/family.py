@@ -34,9 +34,11 @@ from typing import Any
 
 import torch
 
+from mstar_dist.config.engine import EngineConfig
 from mstar_dist.engine.component import Component
+from mstar_dist.engine.sampling import seeded
 from mstar_dist.events import MediaDelta
-from mstar_dist.graph.model import CompositeModel, RequestState, WalkStep
+from mstar_dist.graph.model import CompositeModel, Layout, RequestState, WalkStep
 from mstar_dist.graph.nodes import EMIT_TO_CLIENT, Edge, GraphNode, Loop, Parallel, Section, Sequential
 from mstar_dist.graph.walk import NodeCall, NodeResult
 
@@ -194,8 +196,8 @@ class BagelImage(CompositeModel):
         self.max_size = int(model_kwargs.get("max_size", 1024))
         self.parallel = False
 
-    def configure(self, layout) -> None:
-        super().configure(layout)
+    def configure(self, layout: Layout, engine: EngineConfig | None = None) -> None:
+        super().configure(layout, engine)
         self.parallel = layout.placed(COND) or layout.placed(UNCOND)
 
     def graphs(self) -> dict[str, Section]:
@@ -234,7 +236,9 @@ class BagelImage(CompositeModel):
         name = self.model_kwargs.get("dtype") or ("bfloat16" if device.startswith("cuda") else "float32")
         return getattr(torch, str(name))
 
-    def build_component(self, node: str, *, device: str, walks: set[str]) -> Component:
+    def build_component(self, node: str, *, device: str, walks: set[str], engine: EngineConfig | None = None
+                        ) -> Component:
+        """Every node is a batch-1 module of its own: no engine, so ``engine`` is not read."""
         from models.image.scheduler import FlowMatchEuler
         from models.image.weights import load_denoiser, load_vae_decoder
 
@@ -273,7 +277,7 @@ class BagelImage(CompositeModel):
             raise ValueError("prompt is empty after tokenization: describe the image")
         state.prompt_tokens = len(ids)
         h, w = knobs["height"] // self.latent_factor, knobs["width"] // self.latent_factor
-        gen = torch.Generator().manual_seed(state.seed)
+        gen = seeded(state.seed)
         state.data.update(knobs, input_ids=torch.tensor(ids, dtype=torch.long),
                           noise=torch.randn((1, self.latent_channels, h, w), generator=gen))
 

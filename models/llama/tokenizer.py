@@ -93,9 +93,9 @@ class ChatTokenizer:
 
         The text is cut at its added tokens (``<|im_start|>``, ...) and the pieces between are encoded apart, each
         remembered: the parts of a prompt that the template writes on every request (SmolLM2's default system
-        prompt, its role headers) then cost a lookup, not the pre-tokenizer's regular expressions (a one-sentence
-        SmolLM2 chat, 49 tokens, template included: ~90 against ~155 us on the 2-core CI machine; an intake takes a
-        burst's requests one after another, docs/architecture.md §2). The tokenizer cuts at added tokens first too,
+        prompt, its role headers) then cost a lookup, not the pre-tokenizer's regular expressions (a short chat's
+        encoding is dominated by them, and an intake takes a burst's requests one after another,
+        docs/architecture.md §2). The tokenizer cuts at added tokens first too,
         so the ids are the whole text's; where its added tokens would take in the whitespace around them, or a
         normalizer runs first, the text is encoded whole."""
         text = self.apply_chat_template(messages) if messages is not None else prompt
@@ -172,11 +172,11 @@ class IncrementalDecoder:
     `push(ids)` returns the text completed by these ids ('' while a multi-byte character is still
     incomplete); `flush()` returns what is left at the end (an incomplete tail as U+FFFD). The
     concatenated deltas equal `tokenizer.decode(all_ids)` for valid UTF-8 output.
-    `method` (default: "bytes" for byte-level BPE, else "stream"), measured by scripts/bench_detok.py:
-      * "bytes": ids map to exact bytes fed to an incremental UTF-8 decoder, O(1) per token; 1.6x faster than
-        DecodeStream on SmolLM2's tokenizer (2.5 vs 4.2 us/token), so byte-level BPE keeps it;
+    `method` (default: "bytes" for byte-level BPE, else "stream"; the fastest first):
+      * "bytes": ids map to exact bytes fed to an incremental UTF-8 decoder, O(1) per token; faster than
+        DecodeStream on SmolLM2's tokenizer, so byte-level BPE keeps it;
       * "stream": `tokenizers.decoders.DecodeStream` re-decodes a short window of ids in Rust and holds back
-        text ending in U+FFFD; 1.3-1.4x faster than "window", whose deltas it reproduces exactly;
+        text ending in U+FFFD; faster than "window", whose deltas it reproduces exactly;
       * "window": the same algorithm in Python (the window is kept in every non-bytes method: `flush()` decodes
         the held-back tail from it, and "stream" falls back to it should DecodeStream refuse a window whose text
         does not extend the previous one).

@@ -21,9 +21,11 @@ DEFAULT_MOE_DIR = "~/.cache/mstar_dist/qwen3-moe-tiny"
 
 
 class MoEChat(LlamaChat):
-    """``model_kwargs``: LlamaChat's (dtype, max_seq_len, max_batch, cuda_graphs) plus ``router``: the router of every
-    MoE block, a registry name ("topk", the default, HF's routing; "load_biased"), ``package.module:Class``, or
-    ``{"name": ..., **kwargs}`` with the class's keyword arguments (models/moe/routers.py)."""
+    """``model_kwargs``: LlamaChat's (``dtype``) plus ``router``: the router of every MoE block, a registry name
+    ("topk", the default, HF's routing; "load_biased"), ``package.module:Class``, or ``{"name": ..., **kwargs}`` with
+    the class's keyword arguments (models/moe/routers.py). The MoE model does not declare its pads inert (a
+    batch-wide stateful router would count them), so its engine neither looks ahead nor pads prompts of different
+    lengths into one forward, whatever ``engine:`` says."""
 
     name = "qwen3_moe"
 
@@ -67,4 +69,4 @@ class MoEChat(LlamaChat):
 
         self.tokenizer = ChatTokenizer(self.weights_dir)
         cfg = MoEConfig.from_hf(json.loads((Path(self.weights_dir) / "config.json").read_text()))
-        self._context = min(self.max_seq_len, cfg.max_position_embeddings)
+        self._context = min(self.engine.max_seq_len, cfg.max_position_embeddings)

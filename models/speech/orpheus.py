@@ -30,7 +30,9 @@ from typing import Any
 
 import torch
 
+from mstar_dist.config.engine import EngineConfig
 from mstar_dist.engine.component import Component
+from mstar_dist.engine.sampling import seeded
 from mstar_dist.events import MediaDelta
 from mstar_dist.graph.model import RequestState, WalkStep
 from mstar_dist.graph.nodes import EMIT_TO_CLIENT, Edge, GraphNode, Loop, Section
@@ -124,7 +126,7 @@ class SpeechCodec(Component):
         window = torch.tensor(codes[first * CODES_PER_FRAME: frames * CODES_PER_FRAME], dtype=torch.long)
         # the decoder's noise blocks draw from a generator seeded by the walk and the frame: the same audio on
         # every placement for a pinned request
-        gen = torch.Generator(self.device).manual_seed((call.ctx.seed + done) & 0x7FFF_FFFF_FFFF_FFFF)
+        gen = seeded((call.ctx.seed + done) & 0x7FFF_FFFF_FFFF_FFFF, self.device)
         return window.view(-1, CODES_PER_FRAME), frames - done, gen, final
 
     def release(self, request_id: str) -> None:
@@ -178,7 +180,8 @@ class OrpheusSpeech(LlamaChat):
         write_tiny_speech_checkpoint(Path(self.weights_dir))
 
     # ---- rank side ----
-    def build_component(self, node: str, *, device: str, walks: set[str]) -> Component:
+    def build_component(self, node: str, *, device: str, walks: set[str], engine: EngineConfig | None = None
+                        ) -> Component:
         tokens = self._speech_tokens()
         if node == CODEC:
             from models.snac import load_snac
@@ -186,13 +189,15 @@ class OrpheusSpeech(LlamaChat):
             decoder = load_snac(self.codec_dir, device=device, dtype=torch.float32)
             return SpeechCodec(decoder, audio_offset=tokens.audio_offset, codebook_size=tokens.codebook_size,
                                device=torch.device(device))
-        engine = super().build_component(node, device=device, walks=walks)
-        vocab = engine.model.embed.weight.shape[0]
-        bias = torch.full((vocab,), float("-inf"))
+        return super().build_component(node, device=device, walks=walks, engine=engine)
+
+    def _logit_bias(self, model: torch.nn.Module) -> torch.Tensor:
+        """Sampling restricted to the audio codes and ``end_of_speech``."""
+        tokens = self._speech_tokens()
+        bias = torch.full((model.embed.weight.shape[0],), float("-inf"))
         bias[tokens.audio_offset: tokens.audio_offset + CODES_PER_FRAME * tokens.codebook_size] = 0.0
         bias[tokens.end_of_speech] = 0.0
-        engine.logit_bias = bias.to(engine.device)
-        return engine
+        return bias
 
     def _speech_tokens(self):
         if self.tokens is None:

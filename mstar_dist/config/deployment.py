@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from mstar_dist.config.cluster import ClusterSpec, default_cluster, parse_cluster
+from mstar_dist.config.engine import EngineConfig, check_model_kwargs, check_overrides
 from mstar_dist.config.schema import (
     ConfigError,
     check_keys,
@@ -30,9 +31,7 @@ from mstar_dist.config.schema import (
     read_unique_ints,
     read_unique_strs,
 )
-
-TRANSPORTS = ("p2p", "mooncake", "shm")
-"""Transport names allowed in ``transport.intra_host`` / ``transport.inter_host``."""
+from mstar_dist.transport import registry
 
 MOONCAKE_PROTOCOLS = ("tcp", "rdma")
 """Values of ``transport.mooncake_protocol``."""
@@ -55,6 +54,9 @@ class NodeGroup:
     """Intra-op CPU threads of each of these ranks (torch.set_num_threads). None: the host's cores split evenly
     over its ranks. Ranks that idle most of the time (a prefill rank under light load) need fewer than a decode
     rank; over-subscribing the cores stalls every rank's thread pool."""
+    engine: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    """Keys of the deployment's ``engine:`` that these ranks' engines of these nodes run with instead (any but
+    ``max_seq_len``), e.g. a larger ``prefill_token_budget`` on the prefill ranks of a P/D split."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "node_names", read_unique_strs(self.node_names, "node_names"))
@@ -63,6 +65,7 @@ class NodeGroup:
         read_int(self.tp_size, "tp_size", minimum=1)
         if self.cpu_threads is not None:
             read_int(self.cpu_threads, "cpu_threads", minimum=1)
+        object.__setattr__(self, "engine", check_overrides(self.engine, "engine"))
         if len(self.ranks) % self.tp_size:
             raise fail(
                 "tp_size", self.tp_size,
@@ -82,6 +85,7 @@ class NodeGroup:
             "graph_walks": list(self.graph_walks),
             "tp_size": self.tp_size,
             **({"cpu_threads": self.cpu_threads} if self.cpu_threads is not None else {}),
+            **({"engine": dict(self.engine)} if self.engine else {}),
         }
 
 
@@ -111,8 +115,8 @@ class TransportConfig:
     microseconds). Default: 200 on GPU ranks (cores to spare), 0 on CPU ranks (the forward needs every core)."""
 
     def __post_init__(self) -> None:
-        read_choice(self.intra_host, "intra_host", TRANSPORTS)
-        read_choice(self.inter_host, "inter_host", TRANSPORTS)
+        read_choice(self.intra_host, "intra_host", registry.names())
+        read_choice(self.inter_host, "inter_host", registry.names())
         read_int(self.inline_max_bytes, "inline_max_bytes", minimum=0)
         read_int(self.arena_bytes, "arena_bytes", minimum=1 << 20)
         object.__setattr__(self, "backpressure_timeout_s",
@@ -182,18 +186,22 @@ class ServerConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class DeploymentConfig:
-    """A whole deployment file, checked: model, weights, placement, cluster, transport, limits, server."""
+    """A whole deployment file, checked: model, weights, placement, cluster, engine, transport, limits, server."""
 
     model: str
     """Registry key of the model family in ``models/``."""
     model_kwargs: Mapping[str, Any] = field(default_factory=dict, hash=False)
-    """Keyword arguments for the model constructor."""
+    """Keyword arguments for the model constructor: the model's own knobs (dtype, router, voice...); the engine's
+    are under ``engine``."""
     weights: str | None = None
     """Weights directory (``~`` expanded); None lets the model decide (e.g. random init for tests)."""
     node_groups: tuple[NodeGroup, ...]
     """Component placement per walk; checked against the model's walks by `Placement.build`."""
     cluster: ClusterSpec | None = None
     """Hosts and devices; None = one host with WORLD_SIZE local devices (see `resolve_cluster`)."""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """Engine policy of every rank's KV-cache engine (mstar_dist/config/engine.py), unless a node group overrides
+    some of it (``NodeGroup.engine``)."""
     transport: TransportConfig = field(default_factory=TransportConfig)
     """Transport choice and inline threshold."""
     limits: Limits = field(default_factory=Limits)
@@ -212,6 +220,7 @@ class DeploymentConfig:
     def _check(self) -> None:
         read_str(self.model, "model")
         object.__setattr__(self, "model_kwargs", dict(read_mapping(self.model_kwargs, "model_kwargs")))
+        check_model_kwargs(self.model_kwargs)
         if self.weights is not None:
             object.__setattr__(self, "weights", os.path.expanduser(read_str(self.weights, "weights")))
         groups = read_list(self.node_groups, "node_groups")
@@ -220,7 +229,8 @@ class DeploymentConfig:
                 raise fail(join("node_groups", i), g, f"must be a NodeGroup, got {type(g).__name__}")
         object.__setattr__(self, "node_groups", groups)
         for key, value, cls in (
-            ("cluster", self.cluster, ClusterSpec), ("transport", self.transport, TransportConfig),
+            ("cluster", self.cluster, ClusterSpec), ("engine", self.engine, EngineConfig),
+            ("transport", self.transport, TransportConfig),
             ("limits", self.limits, Limits), ("server", self.server, ServerConfig),
         ):
             if not (isinstance(value, cls) or (key == "cluster" and value is None)):
@@ -235,6 +245,27 @@ class DeploymentConfig:
                         f"rank {outside[0]} is outside the cluster: its {len(self.cluster.hosts)} hosts list "
                         f"{ws} devices, global ranks 0..{ws - 1}",
                     )
+        self._check_engine_overrides()
+
+    def _check_engine_overrides(self) -> None:
+        """Two node groups that place one node on one rank must not give its engine two values of a key."""
+        seen: dict[tuple[int, str, str], tuple[int, Any]] = {}
+        for i, g in enumerate(self.node_groups):
+            for key, value in g.engine.items():
+                for rank in g.ranks:
+                    for node in g.node_names:
+                        first = seen.setdefault((rank, node, key), (i, value))
+                        if first[1] != value:
+                            raise fail(f"node_groups[{i}].engine.{key}", value,
+                                       f"node_groups[{first[0]}] gives {node} on rank {rank} {first[1]!r}")
+
+    def engine_for(self, global_rank: int, node: str) -> EngineConfig:
+        """The engine config of ``node`` on ``global_rank``: ``engine`` with the overrides of the groups placing it."""
+        overrides: dict[str, Any] = {}
+        for g in self.node_groups:
+            if g.engine and global_rank in g.ranks and node in g.node_names:
+                overrides.update(g.engine)
+        return self.engine.with_overrides(overrides)
 
     def resolve_cluster(self, world_size: int, local_world_size: int | None = None) -> ClusterSpec:
         """The ``cluster:`` spec, or the one-host default for torchrun's WORLD_SIZE/LOCAL_WORLD_SIZE."""
@@ -284,13 +315,15 @@ class DeploymentConfig:
         }
         if self.cluster is not None:
             out["cluster"] = self.cluster.to_dict()
+        out["engine"] = dataclasses.asdict(self.engine)
         out["transport"] = dataclasses.asdict(self.transport)
         out["limits"] = dataclasses.asdict(self.limits)
         out["server"] = dataclasses.asdict(self.server)
         return out
 
 
-_SECTIONS: dict[str, type] = {"transport": TransportConfig, "limits": Limits, "server": ServerConfig}
+_SECTIONS: dict[str, type] = {"engine": EngineConfig, "transport": TransportConfig, "limits": Limits,
+                              "server": ServerConfig}
 
 
 def parse_config(data: Any, source: str) -> DeploymentConfig:
@@ -318,9 +351,11 @@ def _or_empty(value: Any) -> Any:
 
 
 def _parse_node_group(data: Any, key: str) -> NodeGroup:
-    g = check_keys(data, key, required=("node_names", "ranks", "graph_walks"), optional=("tp_size", "cpu_threads"))
+    g = check_keys(data, key, required=("node_names", "ranks", "graph_walks"),
+                   optional=("tp_size", "cpu_threads", "engine"))
     try:
-        return NodeGroup(g["node_names"], g["ranks"], g["graph_walks"], g.get("tp_size", 1), g.get("cpu_threads"))
+        return NodeGroup(g["node_names"], g["ranks"], g["graph_walks"], g.get("tp_size", 1), g.get("cpu_threads"),
+                         _or_empty(g.get("engine")))
     except ConfigError as e:
         raise e.under(key) from None
 

@@ -102,6 +102,22 @@ def read_positive_float(value: Any, key: str) -> float:
     return float(value)
 
 
+def read_float(value: Any, key: str, *, minimum: float = 0.0) -> float:
+    """`value` (int or float, not a bool) as a finite float >= `minimum`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise fail(key, value, f"must be a number, got {type(value).__name__}")
+    if not math.isfinite(value) or value < minimum:
+        raise fail(key, value, f"must be a finite number >= {minimum:g}, got {value}")
+    return float(value)
+
+
+def read_bool(value: Any, key: str) -> bool:
+    """`value` as a bool (YAML ``true``/``false``; 0, 1 and strings are not bools here)."""
+    if not isinstance(value, bool):
+        raise fail(key, value, f"must be true or false, got {type(value).__name__}")
+    return value
+
+
 def read_str(value: Any, key: str) -> str:
     """`value` as a non-empty string."""
     if not isinstance(value, str):

@@ -100,6 +100,9 @@ Carried = Union[InlineTensor, WireTensor]
 
 
 class Sampling(msgspec.Struct, frozen=True):
+    """A request's sampling knobs on the wire (the walk's seed travels beside them); a rank turns them into its
+    per-row parameters with ``engine.sampling.SamplingParams.of``, the one conversion every family uses."""
+
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0

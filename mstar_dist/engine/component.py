@@ -2,8 +2,8 @@
 
 The worker hands a component every ready call for it at once, across requests, so an engine batches what it can
 (decode steps of many requests in one forward). ``run_batch`` returns one entry per call: a ``NodeResult``, an
-exception (that request fails, the others go on), or ``None`` (not now: e.g. no free KV slot, or its work is still on
-the GPU; retried later).
+exception (that request fails, the others go on), or a ``Held(reason)`` (not now: e.g. no free KV slot, or its work
+is still on the device; engine/scheduler.py names the reasons): the worker hands the same call over again later.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from mstar_dist.engine.sampling import make_generator
+from mstar_dist.engine.sampling import SamplingParams, make_generator
+from mstar_dist.engine.scheduler import Held
 from mstar_dist.graph.walk import NodeCall, NodeResult
 
 
@@ -27,7 +28,8 @@ class WalkContext:
     walk_index: int
     seed: int
     """Seed of this walk: the request's seed advanced by one per completed walk (docs/architecture.md §4)."""
-    sampling: Any
+    sampling: SamplingParams
+    """How this walk's tokens are drawn (temperature, top-p, top-k; seeded with ``seed``)."""
     export: frozenset[str] = frozenset()
     """Persisted outputs a consumer on another rank needs: the producer must materialise them."""
     stop_token_ids: frozenset[int] = frozenset()
@@ -51,12 +53,12 @@ class Component(ABC):
     the work already there (the KV engine copies prompt ids on the stream its prefill runs on)."""
 
     @abstractmethod
-    def run_batch(self, calls: list[NodeCall]) -> list[NodeResult | BaseException | None]:
+    def run_batch(self, calls: list[NodeCall]) -> list[NodeResult | BaseException | Held]:
         """Run ready calls (from several requests); one entry per call, in order."""
 
     def pending(self) -> bool:
-        """True while calls this component answered None will complete with no new input (a prefill still on the
-        GPU): the worker then polls instead of blocking on its socket, and hands the calls over again."""
+        """True while calls this component held will complete with no new input (a prefill still on the device):
+        the worker then polls instead of blocking on its socket, and hands the calls over again."""
         return False
 
     def release(self, request_id: str) -> None:

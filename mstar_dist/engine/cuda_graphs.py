@@ -1,5 +1,5 @@
 """CUDA-graph replay of decode steps and of batched prefills (docs/architecture.md §8: an eager forward of a small
-model is host-launch-bound on our GPUs; an eager SmolLM2 prefill of one 44-token prompt took 10 ms on an H200).
+model is host-launch-bound, a kernel launch per op; a replay is one launch).
 
 Decode (``DecodeGraphs``):
 One graph per (batch-size bucket, context bucket): batch 1, 2, 4, ... up to the engine's batch; context 256,
@@ -10,7 +10,7 @@ static input tensors: tokens (B, 1), positions (B,), slots (B,) -> last-token lo
 whose longest row writes position p replays the smallest batch bucket >= n and the smallest context bucket > p,
 after copying its inputs in; the rows past n are padding that decode into a scratch KV slot at position 0 and
 are ignored. Attention over a context bucket instead of the whole cache keeps a step's cost near what its
-requests' lengths need (a 2048-position cache read by 300-token requests otherwise costs ~4x the attention).
+requests' lengths need (a whole long cache read by short requests would cost several times the attention).
 Sampling stays outside the graph (per-request generators). Built on ``StaticKVCache.bind_graph``, whose
 attention reads slots and positions on the device (no host syncs).
 
@@ -21,7 +21,7 @@ budget. Static inputs: ids (R, L), slots (R,), each row's last index (R,) -> the
 row's last token (R, 1, V). Prompts are right-padded to the bucket's length (pad positions are written into the
 row's slot past its prompt, where decode overwrites them before reading), padding rows prefill token 0 into the
 scratch slot. The three inputs are views of one device buffer, so prompts that are on the host reach it in one copy
-from one pinned buffer (with a copy per prompt, launching 12-18 prompts took 1.0-2.4 ms of host time in serving).
+from one pinned buffer (a copy per prompt would cost host time per prompt at every launch).
 Built on ``StaticKVCache.bind_prefill_graph`` (attention over the new tokens, causal, from position 0).
 A batch no bucket holds runs eagerly.
 """
@@ -41,10 +41,9 @@ PREFILL_MIN_LENGTH = 16
 
 CTX_BASE = 256
 CTX_FACTOR = 2
-"""Decode context buckets 256, 512, 1024, ...: a step reads each row's keys and values over its bucket, and at 32 rows
-on an H200 that copy out of the cache was 30% of the step's GPU time in the 512 bucket (841 of 2756 us,
-bench/results/kernels_h200_s20.json); buckets that double copy at most 2x what the longest row needs, not 4x, for
-twice the decode graphs."""
+"""Decode context buckets 256, 512, 1024, ...: a step reads each row's keys and values over its bucket, and with
+SDPA that copy out of the cache is a large share of the step's device time; buckets that double copy at most twice
+what the longest row needs, for a graph per bucket."""
 
 
 def context_buckets(max_seq_len: int) -> list[int]:
@@ -141,9 +140,8 @@ class DecodeGraphs:
 
 def _replay_once(captured, device: torch.device) -> None:
     """Replay every graph once after capture (their inputs still hold the scratch slot's padding, so only that slot is
-    written): a graph's first replay costs the host 0.5-0.9 ms more than its next ones on an H200 host
-    (bench/results/first_use_h200.json; in serving the first prefill of each bucket took 1.3-1.9 ms to launch, the next
-    ones 0.2-0.3), which would otherwise land on the first requests to use each bucket."""
+    written): a graph's first replay costs the host more than its next ones, which would otherwise land on the first
+    requests to use each bucket."""
     for cap in captured:
         cap.graph.replay()
     torch.cuda.synchronize(device)
@@ -158,8 +156,7 @@ def _pow2_buckets(limit: int) -> list[int]:
 def _half_steps(start: int, limit: int) -> list[int]:
     """``start``, 1.5 x ``start``, 2 x ``start``, 3 x ``start``, 4 x ``start``, ... up to ``limit``: the prefill
     buckets, so that a batch pads by at most a third (15 prompts of 46 tokens fill 16 x 48, not 16 x 64; 17 fill 24
-    rows, not 32: bench/results/prefill_graphs_h200_rowslength.json has a 32 x 64 replay at 4.2 ms against 3.0 for
-    16 x 64)."""
+    rows, not 32), and a replay's cost grows with its padded size."""
     out, n = [], start
     while n <= limit:
         out.append(n)

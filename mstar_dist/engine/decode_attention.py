@@ -2,8 +2,8 @@
 "Decode attention").
 
 The SDPA path of ``StaticKVCache.bind_graph`` writes the step's K and V with two scatters, copies every row's keys
-and values over its context bucket out of the cache (``index_select``: 841 of a 2756 us step at 32 rows on an H200,
-``bench/results/kernels_h200_s20.json``) and runs SDPA over the copies under a mask. ``decode_attend`` does all of
+and values over its context bucket out of the cache (``index_select``, a large share of a step's device time) and
+runs SDPA over the copies under a mask. ``decode_attend`` does all of
 it in one launch: program (row b, KV head h) loads the queries of the heads that share h, writes the new K/V at the
 row's position, takes the new token's score from registers and walks the row's cached positions [0, pos) of its own
 slot block by block with an online softmax. It reads each row's own length (a device tensor), so a graph serves
@@ -38,6 +38,22 @@ def available(device: torch.device | str) -> bool:
     return kind == "cuda" or (kind == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
 
 
+def wanted(choice: str, device: str, graphs: bool) -> bool:
+    """Whether CUDA-graph decode steps (``graphs``: the engine captures them) on ``device`` attend with the kernel, for
+    ``engine.decode_attention`` = ``choice`` (mstar_dist/config/engine.py): ``auto`` wherever it can run, ``sdpa``
+    never, ``triton`` always, and a ValueError naming the key where it cannot run."""
+    if choice == "sdpa":
+        return False
+    if choice == "triton":
+        if not graphs:
+            raise ValueError("engine.decode_attention: triton attends in CUDA-graph decode steps, and cuda_graphs is "
+                             f"off (device {device!r})")
+        if not available(device):
+            why = "Triton is not installed" if triton is None else f"not on {device}"
+            raise ValueError(f"engine.decode_attention: triton needs Triton on a CUDA device, and {why}")
+    return graphs and available(device)
+
+
 SPLIT_CONTEXT = 512
 """Context buckets above this split a row's positions over several programs when the batch is small
 (``splits_for``); graphs at or below it run one program a (row, KV head) and no combine."""
@@ -53,8 +69,8 @@ def kernel_contexts(max_seq_len: int) -> list[int]:
 def splits_for(rows: int, n_kv: int, ctx: int) -> int:
     """Programs a (row, KV head) splits its positions over: 1 up to ``SPLIT_CONTEXT``; above, doubled while the grid
     stays within ``SPLIT_PROGRAMS`` programs (at most ``MAX_SPLITS``). A single row at position 1500 otherwise walks
-    24 blocks in each of 3 programs on a GPU with 132 SMs: 1.69 ms a step against 1.27 at position 300
-    (bench/results/kernels_h200_attn{,_p1500}_s21.json)."""
+    24 blocks in each of 3 programs, on a GPU of a hundred or more SMs: its step takes longer than at a short position
+    by the length of that walk, with most of the GPU idle."""
     splits = 1
     if ctx > SPLIT_CONTEXT:
         while splits < MAX_SPLITS and 2 * splits * rows * n_kv <= SPLIT_PROGRAMS:
@@ -158,7 +174,7 @@ def store_prompt(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
                  slots: torch.Tensor) -> None:
     """A prefill from position 0 writes its keys and values: k / v (B, nkv, T, hd), row b to positions [0, T) of slot
     ``slots[b]`` (a device tensor) of k_cache / v_cache (S, nkv, L, hd). One launch where the indexed assignments took
-    two (``index_put``: 60 of a 48-token prefill's 398 kernels, ~4 us each on an H200)."""
+    two (``index_put``, two of a short prefill's few hundred kernels a layer pair)."""
     B, nkv, T, hd = k.shape
     if hd & (hd - 1) or k.stride(-1) != 1 or v.stride(-1) != 1 or k_cache.stride(-1) != 1:
         raise ValueError(f"store_prompt: a power-of-two head_dim, contiguous in it, got k {tuple(k.shape)} strides "

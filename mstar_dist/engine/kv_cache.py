@@ -32,6 +32,15 @@ class AttentionCache(Protocol):
         ...
 
 
+@dataclass
+class Seq:
+    """One request's place in the cache: its slot and how many positions of it are filled."""
+
+    slot: int
+    length: int
+    """Positions already in the cache."""
+
+
 class KVCacheFullError(RuntimeError):
     """`alloc()` found no free slot."""
 

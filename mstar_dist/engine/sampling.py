@@ -1,5 +1,11 @@
 """Next-token sampling: greedy, temperature, top-k, top-p, one seeded generator per request.
 
+The one place where a request's sampling knobs become what the device draws with: `SamplingParams.of` turns the knobs
+a request carries (``GenerationParams``, the wire's ``control.messages.Sampling``, a TP call's) and its walk's seed
+into a walk's `SamplingParams`; `sample` turns the rows' parameters into per-row tensors on the device and draws;
+`seeded` turns a seed into a generator (the engine's, and a family's own noise). Every family's tokens go through
+`sample` (the KV engine calls it); no family reads temperature, top-p or top-k itself.
+
 A row's token depends only on its own logits, parameters and generator - never on which other requests
 share the batch - so a pinned seed gives the same text whatever the batching. To keep that exact, the
 filtering of sampled rows runs per row (the width of every tensor a row touches is a function of that row
@@ -10,11 +16,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 _NUCLEUS_GUESS = 1024
-"""top-p first tries the 1024 most likely tokens (a topk is ~70x cheaper than sorting a 49k vocabulary)."""
+"""top-p first tries the 1024 most likely tokens (on a CPU a topk of them is far cheaper than sorting a whole
+vocabulary of tens of thousands)."""
+
+
+class SamplingKnobs(Protocol):
+    """A request's sampling knobs as any layer carries them (validated where they enter: the HTTP models)."""
+
+    temperature: float
+    top_p: float
+    top_k: int
 
 
 @dataclass(frozen=True)
@@ -42,19 +58,34 @@ class SamplingParams:
         if s is not None and (isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < 2**64):
             raise ValueError(f"SamplingParams.seed must be None or an int in [0, 2**64), got {s!r}")
 
+    @classmethod
+    def of(cls, knobs: SamplingKnobs, seed: int | None) -> SamplingParams:
+        """A walk's parameters: the request's ``knobs`` and the walk's ``seed`` (docs/architecture.md §4)."""
+        return cls(temperature=knobs.temperature, top_p=knobs.top_p, top_k=knobs.top_k, seed=seed)
+
+    def knobs(self) -> dict[str, float | int]:
+        """The request's knobs these were made of (``control.messages.Sampling(**params.knobs())`` on the wire: the
+        seed travels apart, as the walk's)."""
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
 
-def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator:
-    """A generator for one request: seeded with params.seed, or from OS entropy when it is None."""
+def seeded(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator on ``device`` seeded with ``seed`` (an int in [0, 2**64)), or from OS entropy when it is None."""
     gen = torch.Generator(device=device)
-    if params.seed is None:
+    if seed is None:
         gen.seed()
     else:
-        gen.manual_seed(params.seed)
+        gen.manual_seed(seed)
     return gen
+
+
+def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator for one request: seeded with params.seed, or from OS entropy when it is None."""
+    return seeded(params.seed, device)
 
 
 def to_device(values: list | torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -138,8 +169,8 @@ def _sample_cut(x: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) 
     masked = _top_k_masked(x, k, width) if min(ks) < vocab else x
     log_total = torch.logsumexp(masked, dim=-1, keepdim=True)  # the row's top-k mass, in vocabulary order
     if width > _NUCLEUS_GUESS and all(p.top_p < 1 for p in params) and device.type == "cpu":
-        # On a CPU a sort of the whole vocabulary costs ~70 topk(1024); the check reads the device, so on a GPU
-        # (where the sort is cheap and a sync is not) the whole vocabulary is sorted instead.
+        # On a CPU a sort of the whole vocabulary costs far more than a topk(1024); the check reads the device, so on
+        # a GPU (where the sort is cheap and a sync is not) the whole vocabulary is sorted instead.
         guess = x.topk(_NUCLEUS_GUESS, dim=-1).values
         if bool((torch.logsumexp(guess, dim=-1, keepdim=True) - log_total >= torch.log(top_p)).all()):
             width = _NUCLEUS_GUESS  # every nucleus fits in the guess: no sort of the whole vocabulary

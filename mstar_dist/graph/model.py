@@ -12,6 +12,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
+from mstar_dist.config.engine import EngineConfig
 from mstar_dist.graph.nodes import Section
 from mstar_dist.graph.partitions import Partition, StreamingEdge
 
@@ -86,11 +87,16 @@ class CompositeModel(ABC):
         self.weights_dir = weights_dir
         self.model_kwargs = model_kwargs
         self.layout = Layout()
+        self.engine = EngineConfig()
 
-    def configure(self, layout: Layout) -> None:
-        """Called once, before :meth:`graphs`, with the deployment's layout (on every rank alike). Default: keep
-        it in ``self.layout``; a family whose walks depend on the placement builds them from it."""
+    def configure(self, layout: Layout, engine: EngineConfig | None = None) -> None:
+        """Called once, before :meth:`graphs`, with the deployment's layout and its ``engine:`` (on every rank and on
+        the front end alike). Default: keep them in ``self.layout`` and ``self.engine`` (a family reads what its front
+        end needs there, such as the context ``max_seq_len`` leaves); a family whose walks depend on the placement
+        builds them from the layout."""
         self.layout = layout
+        if engine is not None:
+            self.engine = engine
 
     @abstractmethod
     def graphs(self) -> dict[str, Section]:
@@ -122,10 +128,12 @@ class CompositeModel(ABC):
         """Make ``weights_dir`` exist (called once per host before loading). Default: nothing to do."""
 
     @abstractmethod
-    def build_component(self, node: str, *, device: str, walks: set[str]) -> Any:
+    def build_component(self, node: str, *, device: str, walks: set[str], engine: EngineConfig | None = None) -> Any:
         """Build and load the component ``node`` for this rank (an :class:`mstar_dist.engine.component.Component`).
-        For a node in :attr:`tp_nodes` placed with ``tp_size > 1`` the runtime also passes ``tp``
-        (:class:`mstar_dist.distributed.tp.TPGroup`): build only this rank's shard, reduce on ``tp.group``."""
+        ``engine``: the engine policy of this node on this rank (the deployment's ``engine:`` with its node group's
+        overrides; None: ``self.engine``), for a component that runs an engine (``EngineConfig.on`` applies the
+        rank's device and TP group to it). For a node in :attr:`tp_nodes` placed with ``tp_size > 1`` the runtime
+        also passes ``tp`` (:class:`mstar_dist.distributed.tp.TPGroup`): build only this rank's shard, reduce on ``tp.group``."""
 
     # ---- conductor side (rank 0) ----
     def load_frontend(self) -> None:

@@ -47,7 +47,7 @@ class Deployment:
         cluster = config.resolve_cluster(world_size, local_world_size)
         model = model_class(config.model)(config.weights, **dict(config.model_kwargs))
         check_weights(config, model)
-        model.configure(Layout.from_node_groups(config.node_groups))
+        model.configure(Layout.from_node_groups(config.node_groups), config.engine)
         walks = {walk: node_names(section) for walk, section in model.graphs().items()}
         placement = Placement.build(config, walks, cluster.world_size,
                                     flows(model.graphs(), model.partitions(), model.streaming_edges()))

@@ -301,11 +301,12 @@ def load_components(dep: Deployment, info: RankInfo, device: str, store: Any, ti
     roles = tp_roles_for(dep.placement, info.global_rank)
     for node, walks in sorted(dep.placement.components_on(info.global_rank).items()):
         t0 = time.monotonic()
+        engine = dep.config.engine_for(info.global_rank, node)  # engine: with this node group's overrides
         if node in roles:  # the layers all-reduce on the replica's TP group
             tp = tp_groups[roles[node].ranks]
-            components[node] = dep.model.build_component(node, device=device, walks=set(walks), tp=tp)
+            components[node] = dep.model.build_component(node, device=device, walks=set(walks), engine=engine, tp=tp)
         else:
-            components[node] = dep.model.build_component(node, device=device, walks=set(walks))
+            components[node] = dep.model.build_component(node, device=device, walks=set(walks), engine=engine)
         components[node].warmup()
         log.info("loaded %s for walks %s on %s in %.1f s", node, sorted(walks), device, time.monotonic() - t0)
     return components

@@ -80,8 +80,7 @@ def step_for(calls: list[NodeCall], refs: dict[tuple[str, str], dict[str, str]],
                 inputs[name] = encode_tensor(value)
         out.append(m.TPCall(
             request_id=call.request_id, walk=call.run.walk, walk_index=ctx.walk_index, seed=ctx.seed,
-            sampling=m.Sampling(temperature=ctx.sampling.temperature, top_p=ctx.sampling.top_p,
-                                top_k=ctx.sampling.top_k),
+            sampling=m.Sampling(**ctx.sampling.knobs()),
             iteration=call.iteration, inputs=inputs, export=sorted(ctx.export),
             stop_token_ids=sorted(ctx.stop_token_ids)))
     return m.TPStep(node=calls[0].node, calls=out)
@@ -126,8 +125,7 @@ class Follower:
             if ctx is None:
                 ctx = self.contexts[key] = WalkContext(
                     request_id=c.request_id, walk=c.walk, walk_index=c.walk_index, seed=c.seed,
-                    sampling=SamplingParams(temperature=c.sampling.temperature, top_p=c.sampling.top_p,
-                                            top_k=c.sampling.top_k, seed=c.seed),
+                    sampling=SamplingParams.of(c.sampling, seed=c.seed),
                     export=frozenset(c.export), stop_token_ids=frozenset(c.stop_token_ids))
             calls.append(NodeCall(run=_Shim(c.request_id, c.walk, ctx), node=step.node, inputs=inputs,
                                   iteration=c.iteration))

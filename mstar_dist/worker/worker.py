@@ -247,8 +247,7 @@ class Worker:
             self.store.unpersist(msg.inputs[name].uuid)
         ctx = WalkContext(
             request_id=msg.request_id, walk=msg.walk, walk_index=msg.walk_index, seed=msg.seed,
-            sampling=SamplingParams(temperature=msg.sampling.temperature, top_p=msg.sampling.top_p,
-                                    top_k=msg.sampling.top_k, seed=msg.seed),
+            sampling=SamplingParams.of(msg.sampling, seed=msg.seed),
             export=frozenset(msg.export), stop_token_ids=frozenset(msg.stop_token_ids),
         )
         emits, streamed = self._emits[msg.request_id], self.streams.out[msg.request_id]
@@ -307,8 +306,8 @@ class Worker:
                     results = [tp_failure(tp_roles[node], r) for r in results]
             runs, spans = self.runs.by_key, self.spans.by_key
             for call, result in zip(calls, results):
-                if result is None:
-                    continue  # retry later
+                if not result:  # None or a Held (falsy): handed over again in a later turn
+                    continue
                 run = call.run
                 key = (run.request_id, run.walk)
                 if runs.get(key) is not run:

@@ -34,20 +34,21 @@ def pinned(base_url: str) -> list[str]:
 
 
 def test_the_llama_engine_on_cuda_leaves_prefills_in_flight_and_decode_yields_to_them_unless_told_not_to():
-    """The family's CUDA defaults (docs/architecture.md §8, "Prefill in flight", "Decode yields"): without them the rank
-    waits for each prefill, and decode steps start beside prefills on the GPU; on one H200 a 32-request wave's TTFT rose
-    ~1.5 ms without the first, and the conductor's 0.4-1.3 ms without the second."""
+    """The engine's CUDA defaults (docs/architecture.md §8, "Prefill in flight", "Decode yields"): without them the
+    rank waits for each prefill, and decode steps start beside prefills on the GPU, both of which delay first tokens
+    under a wave of requests."""
     from models.llama.chat import LLM, LlamaChat
+    from mstar_dist.config.engine import EngineConfig
 
-    def engine(**kwargs):
-        return LlamaChat(WEIGHTS, cuda_graphs=False, max_batch=4, **kwargs).build_component(
-            LLM, device="cuda", walks={"prefill", "decode"})
+    def engine(**knobs):
+        return LlamaChat(WEIGHTS).build_component(LLM, device="cuda", walks={"prefill", "decode"},
+                                                  engine=EngineConfig(cuda_graphs=False, max_batch=4, **knobs))
 
     default = engine()
-    assert default.prefill_in_flight and default.decode_yields and default.decode_yield_s == 0.008
+    assert default.prefill_in_flight and default.scheduler.decode_yields and default.scheduler.decode_yield_s == 0.008
     assert not engine(prefill_in_flight=False).prefill_in_flight
     told = engine(decode_yield_ms=0)
-    assert told.prefill_in_flight and not told.decode_yields
+    assert told.prefill_in_flight and not told.scheduler.decode_yields
 
 
 def test_single_rank_serves_on_cuda_and_repeats_pinned_requests():

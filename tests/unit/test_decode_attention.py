@@ -158,13 +158,13 @@ def test_decode_kernel_where_it_cannot_run_is_refused_with_the_reason():
         StaticKVCache(1, 1, 16, 2, 8, decode_kernel=True)
 
 
-def test_llama_chat_checks_decode_attention(tmp_path):
-    from models.llama.chat import LlamaChat
+def test_the_engine_config_checks_decode_attention():
+    from mstar_dist.config.engine import EngineConfig
 
-    with pytest.raises(ValueError, match="decode_attention must be one of auto, triton, sdpa, got 'flash'"):
-        LlamaChat(str(tmp_path), decode_attention="flash")
-    chat = LlamaChat(str(tmp_path), decode_attention="triton")
-    with pytest.raises(ValueError, match="triton attends in CUDA-graph decode steps, and cuda_graphs is off"):
-        chat._decode_kernel("cpu", graphs=False)
-    assert LlamaChat(str(tmp_path))._decode_kernel("cpu", graphs=False) is False  # auto: SDPA off the graphs
-    assert LlamaChat(str(tmp_path), decode_attention="sdpa")._decode_kernel("cuda", graphs=True) is False
+    with pytest.raises(ValueError, match=r"decode_attention = 'flash': must be one of auto \| triton \| sdpa"):
+        EngineConfig(decode_attention="flash")
+    with pytest.raises(ValueError, match="engine.decode_attention: triton attends in CUDA-graph decode steps, and "
+                                         "cuda_graphs is off"):
+        decode_attention.wanted("triton", "cpu", graphs=False)
+    assert decode_attention.wanted("auto", "cpu", graphs=False) is False  # auto: SDPA off the graphs
+    assert decode_attention.wanted("sdpa", "cuda", graphs=True) is False

@@ -156,23 +156,23 @@ def test_bf16_greedy_decode_in_captured_graphs_matches_the_plain_model():
     assert torch.equal(tokens[0], tokens[1])
 
 
-def test_the_family_validates_fused_pointwise(tmp_path, monkeypatch):
-    """``model_kwargs.fused_pointwise``: an unknown value, or triton where it cannot run or for a model without a
-    fused path, is a ValueError naming the key; auto fuses on CUDA only (never under the CPU interpreter, which is
-    there for tests), torch never."""
-    from models.llama.chat import LlamaChat
+def test_the_engine_config_validates_fused_pointwise(monkeypatch):
+    """``engine.fused_pointwise``: an unknown value, or triton where it cannot run or for a model without a fused
+    path, is a ValueError naming the key; auto fuses on CUDA only (never under the CPU interpreter, which is there
+    for tests), torch never."""
+    from mstar_dist.config.engine import EngineConfig
 
-    with pytest.raises(ValueError, match="model_kwargs.fused_pointwise must be one of auto, triton, torch"):
-        LlamaChat(str(tmp_path), fused_pointwise="inductor")
+    with pytest.raises(ValueError, match=r"fused_pointwise = 'inductor': must be one of auto \| triton \| torch"):
+        EngineConfig(fused_pointwise="inductor")
     plain = Llama(CFG)
     monkeypatch.setattr(fused, "available", lambda device: False)
-    with pytest.raises(ValueError, match="model_kwargs.fused_pointwise: triton needs Triton on a CUDA device"):
-        LlamaChat(str(tmp_path), fused_pointwise="triton")._fuses("cpu", plain)
-    with pytest.raises(ValueError, match="model_kwargs.fused_pointwise: triton, but the Module model"):
-        LlamaChat(str(tmp_path), fused_pointwise="triton")._fuses("cuda", torch.nn.Module())
+    with pytest.raises(ValueError, match="engine.fused_pointwise: triton needs Triton on a CUDA device"):
+        fused.wanted("triton", "cpu", plain)
+    with pytest.raises(ValueError, match="engine.fused_pointwise: triton, but the Module model"):
+        fused.wanted("triton", "cuda", torch.nn.Module())
     monkeypatch.setattr(fused, "available", lambda device: True)
-    assert LlamaChat(str(tmp_path), fused_pointwise="triton")._fuses("cpu", plain) is True
-    assert LlamaChat(str(tmp_path))._fuses("cpu", plain) is False  # auto: CUDA only
-    assert LlamaChat(str(tmp_path))._fuses("cuda:0", plain) is True
-    assert LlamaChat(str(tmp_path))._fuses("cuda:0", torch.nn.Module()) is False  # a model without a fused path
-    assert LlamaChat(str(tmp_path), fused_pointwise="torch")._fuses("cuda:0", plain) is False
+    assert fused.wanted("triton", "cpu", plain) is True
+    assert fused.wanted("auto", "cpu", plain) is False  # auto: CUDA only
+    assert fused.wanted("auto", "cuda:0", plain) is True
+    assert fused.wanted("auto", "cuda:0", torch.nn.Module()) is False  # a model without a fused path
+    assert fused.wanted("torch", "cuda:0", plain) is False

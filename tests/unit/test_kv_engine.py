@@ -3,11 +3,14 @@
 A failure here means decode steps run one ahead (lookahead) give other tokens than steps run one at a time, or
 prompts that arrive together change each other's output when they share a prefill forward
 (right padding leaks into a row's logits or its KV), the token budget is not honoured, a request without a free
-slot is lost instead of retried, or one bad prompt fails the others in its batch.
+slot is lost instead of handed over again, or one bad prompt fails the others in its batch. A call the engine does
+not answer in a turn is ``Held`` with the reason its scheduler gives (engine/scheduler.py): a wrong reason means the
+engine took another branch of its policy than the test describes.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -15,11 +18,16 @@ import torch
 
 from models.llama.config import LlamaConfig
 from models.llama.model import Llama
+from mstar_dist.config.engine import EngineConfig
 from mstar_dist.engine.component import WalkContext
 from mstar_dist.engine.kv_cache import StaticKVCache
 from mstar_dist.engine.kv_engine import KVCacheEngine
 from mstar_dist.engine.sampling import SamplingParams
-from mstar_dist.graph.walk import NodeCall
+from mstar_dist.engine.scheduler import (
+    BEHIND_PREFILL, DECODE_YIELD, GATHERING, JOINED_LOOKAHEAD, NO_FREE_SLOT, PREFILL_IN_FLIGHT, PREFILL_RUNNING,
+    PREFILLS_FIRST, Held, Scheduler,
+)
+from mstar_dist.graph.walk import NodeCall, NodeResult
 
 CFG = LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=96, n_layers=2, n_heads=4, n_kv_heads=2,
                   head_dim=16, rope_theta=10000.0, max_position_embeddings=128)
@@ -31,11 +39,20 @@ def model() -> Llama:
     return Llama(CFG).eval().requires_grad_(False)
 
 
+PLAIN = EngineConfig(cuda_graphs=False, prefill_graphs=False, lookahead=False, prefill_in_flight=False,
+                     decode_yield_ms=0.0)
+"""Every policy off: each test turns on what it tests."""
+
+
+def config(**knobs) -> EngineConfig:
+    return replace(PLAIN, **knobs)
+
+
 def engine(model: Llama, slots: int = 8, budget: int = 4096, lookahead: bool = False,
            max_seq_len: int = 64) -> KVCacheEngine:
     cache = StaticKVCache(n_layers=CFG.n_layers, n_kv_heads=CFG.n_kv_heads, head_dim=CFG.head_dim,
                           max_slots=slots, max_seq_len=max_seq_len)
-    return KVCacheEngine("LLM", model, cache, torch.device("cpu"), prefill_token_budget=budget, lookahead=lookahead)
+    return KVCacheEngine(model, cache, torch.device("cpu"), config(prefill_token_budget=budget, lookahead=lookahead))
 
 
 def on_cuda(model: Llama) -> Llama:
@@ -49,7 +66,7 @@ def on_cuda(model: Llama) -> Llama:
 def cuda_engine(gpu: Llama, slots: int = 9, **kwargs) -> KVCacheEngine:
     """A warmed-up engine with decode graphs on ``gpu`` (one of the ``slots`` is the graphs' scratch slot)."""
     cache = StaticKVCache(CFG.n_layers, CFG.n_kv_heads, CFG.head_dim, max_slots=slots, max_seq_len=64, device="cuda")
-    eng = KVCacheEngine("LLM", gpu, cache, torch.device("cuda"), cuda_graphs=True, **kwargs)
+    eng = KVCacheEngine(gpu, cache, torch.device("cuda"), config(cuda_graphs=True, **kwargs))
     eng.warmup()
     return eng
 
@@ -59,6 +76,11 @@ def call(request_id: str, inputs: dict, *, seed: int = 0, temperature: float = 0
     ctx = WalkContext(request_id=request_id, walk="w", walk_index=0, seed=seed,
                       sampling=SamplingParams(temperature=temperature, seed=seed), export=export)
     return NodeCall(run=SimpleNamespace(request_id=request_id, ctx=ctx), node="LLM", inputs=inputs, iteration=0)
+
+
+def held(results: list) -> bool:
+    """Whether any call of a turn was held (handed over again by the worker next turn)."""
+    return any(isinstance(r, Held) for r in results)
 
 
 def prompt(n: int, salt: int) -> torch.Tensor:
@@ -112,9 +134,9 @@ def test_token_budget_cuts_the_batch_and_a_request_without_a_slot_waits(model: L
     results = eng.run_batch(calls)
     # slots for three: [10, 10] share a forward (2 x 10 <= 40), 25 would pad them to 75 tokens: its own forward
     assert eng.prefill_batches == 2 and eng.prefills == 3
-    assert all(r is not None for r in results[:3]) and results[3] is None  # retried once a slot frees
+    assert all(isinstance(r, NodeResult) for r in results[:3]) and results[3] is NO_FREE_SLOT  # until a slot frees
     eng.release("r0")
-    assert eng.run_batch([calls[3]])[0] is not None
+    assert isinstance(eng.run_batch([calls[3]])[0], NodeResult)
 
 
 def test_a_bad_prompt_fails_alone(model: Llama) -> None:
@@ -128,8 +150,11 @@ def test_a_bad_prompt_fails_alone(model: Llama) -> None:
 
 
 def test_models_with_stateful_padding_share_forwards_only_at_one_length(model: Llama) -> None:
-    eng = engine(model)
-    eng.ragged_prefill = False  # what a model without pads_are_inert (a stateful MoE router) gets
+    import copy
+
+    coupled = copy.copy(model)
+    coupled.pads_are_inert = False  # a model whose pads are not inert (a stateful MoE router would count them)
+    eng = engine(coupled)
     eng.run_batch([call(f"r{i}", {"input_ids": prompt(n, i)}) for i, n in enumerate([5, 8, 5, 8, 3])])
     assert eng.prefill_batches == 3 and eng.prefills == 5
 
@@ -158,8 +183,8 @@ def run_schedule(eng: KVCacheEngine, steps: int, sampled: bool = True, routed: b
         calls[rid] = c
         return c
 
-    donor = KVCacheEngine("donor", eng.model, StaticKVCache(CFG.n_layers, CFG.n_kv_heads, CFG.head_dim, max_slots=1,
-                                                             max_seq_len=64, device=eng.device), eng.device)
+    donor = KVCacheEngine(eng.model, StaticKVCache(CFG.n_layers, CFG.n_kv_heads, CFG.head_dim, max_slots=1,
+                                                   max_seq_len=64, device=eng.device), eng.device, PLAIN, name="donor")
     kv = donor.run_batch([call("r4", {"input_ids": prompt(11, 4)}, export=frozenset({"kv"}))])[0]
     live = {"r0", "r1", "r2", "r5"}
     first = [make(rid, {"input_ids": prompt(n, i)}) for i, (rid, n) in enumerate([("r0", 6), ("r1", 9), ("r2", 4),
@@ -181,7 +206,7 @@ def run_schedule(eng: KVCacheEngine, steps: int, sampled: bool = True, routed: b
         for rid in sorted(live):
             if rid in {c.request_id for c in batch} or (rid == "r2" and step in (4, 5)):
                 continue
-            if rid in retry:  # answered None last step (it joined the lookahead): the worker hands the same call
+            if rid in retry:  # held last step (it joined the lookahead, or a prefill went first): the same call
                 batch.append(retry.pop(rid))
                 continue
             if rid == "r0" and step == 7:
@@ -190,7 +215,7 @@ def run_schedule(eng: KVCacheEngine, steps: int, sampled: bool = True, routed: b
                 given = handed[rid] if routed and rid in handed else torch.tensor([out[rid][-1]])
             batch.append(make(rid, {"token": given}))
         for c, r in zip(batch, eng.run_batch(batch)):
-            if r is None:
+            if isinstance(r, Held):
                 retry[c.request_id] = c
                 continue
             if isinstance(r, BaseException):
@@ -263,7 +288,7 @@ def test_a_prefill_runs_beside_the_decode_step_in_flight_unless_it_takes_a_slot_
 
         def turn(batch: list[NodeCall]) -> None:
             for c, r in zip(batch, eng.run_batch(batch)):
-                if r is None:
+                if isinstance(r, Held):
                     retry[c.request_id] = c
                 else:
                     out.setdefault(c.request_id, []).append(int(r.outputs["token"]))
@@ -304,19 +329,20 @@ def test_with_prefill_graphs_every_batch_fits_a_bucket_and_an_overlong_prompt_ru
     from mstar_dist.engine.cuda_graphs import PrefillGraphs
 
     eng = engine(model, slots=8, budget=128, max_seq_len=200)
-    eng.prefill_graphs = PrefillGraphs(model, eng.cache, scratch_slot=7, max_rows=4, max_tokens=128)
-    assert sorted({length for _, length in eng.prefill_graphs.buckets}) == [16, 24, 32, 48, 64, 96, 128]
+    graphs = PrefillGraphs(model, eng.cache, scratch_slot=7, max_rows=4, max_tokens=128)
+    assert sorted({length for _, length in graphs.buckets}) == [16, 24, 32, 48, 64, 96, 128]
+    plan = Scheduler(token_budget=128, ragged=True, buckets=graphs.buckets)  # what the engine's scheduler gets
     lengths = [5, 12, 20, 150, 30, 3, 9]
-    groups = eng._prefill_groups([(i, prompt(n, i)) for i, n in enumerate(lengths)])
+    groups = plan.groups([(i, f"r{i}", n) for i, n in enumerate(lengths)])
     # first fit in arrival order: 3 does not fit the first batch (4 rows at most) nor join the overlong prompt
-    assert [[lengths[i] for i, _ in g] for g in groups] == [[5, 12, 20, 30], [150], [3, 9]]
-    buckets = [eng.prefill_graphs.bucket_for(len(g), max(lengths[i] for i, _ in g)) for g in groups]
+    assert [[lengths[i] for i in g] for g in groups] == [[5, 12, 20, 30], [150], [3, 9]]
+    buckets = [graphs.bucket_for(len(g), max(lengths[i] for i in g)) for g in groups]
     assert buckets == [(4, 32), None, (2, 16)]  # what the forwards replay, each within the budget
     # three 35-token prompts: 105 tokens fit the budget unpadded, but their bucket would be (4, 48), 192 tokens
-    three = [(i, prompt(35, i)) for i in range(3)]
-    assert [len(g) for g in eng._prefill_groups(three)] == [2, 1]
-    eng.prefill_graphs = None
-    assert [len(g) for g in eng._prefill_groups(three)] == [3]
+    three = [(i, f"r{i}", 35) for i in range(3)]
+    assert [len(g) for g in plan.groups(three)] == [2, 1]
+    plan.buckets = None
+    assert [len(g) for g in plan.groups(three)] == [3]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -361,28 +387,28 @@ def test_a_new_prompt_gets_its_first_token_before_the_decode_step_of_the_others(
     first = eng.run_batch([call("a", {"input_ids": prompt(7, 1)})])[0].outputs["token"]
     step_a = call("a", {"token": first})
     mixed = eng.run_batch([step_a, call("b", {"input_ids": prompt(5, 2)})])
-    assert mixed[0] is None and mixed[1].outputs["token"].shape == (1,)
+    assert mixed[0] is PREFILLS_FIRST and mixed[1].outputs["token"].shape == (1,)
     assert eng.steps == 0
     again = eng.run_batch([step_a, call("c", {"input_ids": prompt(4, 3)})])  # never twice in a row
-    assert again[0] is not None and again[1] is not None and eng.steps == 1
+    assert isinstance(again[0], NodeResult) and isinstance(again[1], NodeResult) and eng.steps == 1
     reference = generate(engine(model), [call("a", {"input_ids": prompt(7, 1)})], steps=1)["a"]
     assert [int(first), int(again[0].outputs["token"])] == reference
 
 
 def test_beside_prefills_new_decode_rows_join_a_launch_instead_of_holding_the_first_tokens_back(model: Llama) -> None:
     """With lookahead, a turn that runs prefills and decode rows no lookahead step has run (a request's first decode)
-    launches those rows and answers them None: run at once, their forward would queue behind the prefills on the
+    launches those rows and holds them: run at once, their forward would queue behind the prefills on the
     GPU and the turn, with the prefills' first tokens, would wait for it. Next turn they take the launched step's
     tokens, which are those of an engine without lookahead."""
     eng = engine(model, lookahead=True)
     first = eng.run_batch([call("a", {"input_ids": prompt(7, 1)})])[0].outputs["token"]
     step_a = call("a", {"token": first})
-    assert eng.run_batch([step_a, call("b", {"input_ids": prompt(5, 2)})])[0] is None  # decode waits a turn
+    assert eng.run_batch([step_a, call("b", {"input_ids": prompt(5, 2)})])[0] is PREFILLS_FIRST  # waits a turn
     again = eng.run_batch([step_a, call("c", {"input_ids": prompt(4, 3)})])  # not twice: it goes, as a launch
-    assert again[0] is None and again[1] is not None
+    assert again[0] is JOINED_LOOKAHEAD and isinstance(again[1], NodeResult)
     assert eng.steps == 0 and eng.joined_rows == 1 and eng._ahead is not None
-    done = eng.run_batch([step_a])[0]  # the same call, retried, claims the launched row
-    assert done is not None and eng.steps == 1 and eng.ahead_rows_used == 1
+    done = eng.run_batch([step_a])[0]  # the same call, handed over again, claims the launched row
+    assert isinstance(done, NodeResult) and eng.steps == 1 and eng.ahead_rows_used == 1
     reference = generate(engine(model), [call("a", {"input_ids": prompt(7, 1)})], steps=1)["a"]
     assert [int(first), int(done.outputs["token"])] == reference
 
@@ -412,27 +438,27 @@ class GpuClock:
 def in_flight_engine(model: Llama, slots: int = 8, lookahead: bool = False) -> tuple[KVCacheEngine, GpuClock]:
     cache = StaticKVCache(n_layers=CFG.n_layers, n_kv_heads=CFG.n_kv_heads, head_dim=CFG.head_dim, max_slots=slots,
                           max_seq_len=64)
-    eng = KVCacheEngine("LLM", model, cache, torch.device("cpu"), prefill_in_flight=True, lookahead=lookahead)
+    eng = KVCacheEngine(model, cache, torch.device("cpu"), config(prefill_in_flight=True, lookahead=lookahead))
     return eng, GpuClock(eng)
 
 
 def test_prompts_that_arrive_while_a_prefill_is_on_the_gpu_go_as_one_batch_when_it_ends(model: Llama) -> None:
-    """With ``prefill_in_flight`` a turn returns while its prefill is on the GPU (its call answered None, the engine
+    """With ``prefill_in_flight`` a turn returns while its prefill is on the GPU (its call held, the engine
     pending); prompts that come meanwhile wait, and go as one forward in the turn that takes the first prefill's
     tokens. Every request's tokens are those of an engine that waits for each prefill."""
     eng, gpu = in_flight_engine(model)
     a, b, c = (call(rid, {"input_ids": prompt(n, i)}) for i, (rid, n) in enumerate([("a", 7), ("b", 12), ("c", 3)]))
-    assert eng.run_batch([a]) == [None] and eng.pending()
-    assert eng.run_batch([a, b]) == [None, None]
-    assert eng.run_batch([a, b, c]) == [None, None, None]
+    assert eng.run_batch([a]) == [PREFILL_RUNNING] and eng.pending()
+    assert eng.run_batch([a, b]) == [PREFILL_RUNNING, PREFILL_IN_FLIGHT]
+    assert eng.run_batch([a, b, c]) == [PREFILL_RUNNING, PREFILL_IN_FLIGHT, PREFILL_IN_FLIGHT]
     assert len(gpu.events) == 1 and eng.stats()["prefills_held_total"] == 2  # b and c wait for a's prefill
     gpu.end(0)
     first = eng.run_batch([a, b, c])
-    assert first[0] is not None and first[1:] == [None, None]  # a's token; b and c launched, together
+    assert isinstance(first[0], NodeResult) and first[1:] == [PREFILL_RUNNING] * 2  # a's token; b and c launched
     assert len(gpu.events) == 2 and eng.pending()
     gpu.end(1)
     rest = eng.run_batch([b, c])
-    assert None not in rest and not eng.pending() and eng.prefill_batches == 2
+    assert all(isinstance(r, NodeResult) for r in rest) and not eng.pending() and eng.prefill_batches == 2
     got = {"a": int(first[0].outputs["token"]), "b": int(rest[0].outputs["token"]),
            "c": int(rest[1].outputs["token"])}
     waiting = engine(model)  # each prefill waited for
@@ -449,10 +475,11 @@ def test_prompts_that_arrive_while_a_prefill_is_on_the_gpu_go_as_one_batch_when_
 def test_a_second_call_for_a_request_whose_prefill_is_on_the_gpu_fails_alone(model: Llama) -> None:
     eng, gpu = in_flight_engine(model)
     a = call("a", {"input_ids": prompt(7, 1)})
-    assert eng.run_batch([a]) == [None]
+    assert eng.run_batch([a]) == [PREFILL_RUNNING]
     gpu.end(0)
     again = eng.run_batch([call("a", {"input_ids": prompt(7, 1)}), a])  # two slots for one request would leak one
-    assert isinstance(again[0], RuntimeError) and "prefill on the GPU" in str(again[0]) and again[1] is not None
+    assert isinstance(again[0], RuntimeError) and "prefill on the GPU" in str(again[0])
+    assert isinstance(again[1], NodeResult)
     assert eng.cache.num_free == 7
 
 
@@ -469,27 +496,28 @@ def test_decode_steps_run_while_a_prefill_is_on_the_gpu_and_wait_one_turn_for_it
     eng, gpu = in_flight_engine(model)
     step_a, b, _ = decoding_a_and_prompt_b(eng, gpu)
     both = eng.run_batch([step_a, b])  # b launches and stays on the GPU: a's step is not held back for it
-    assert both[0] is not None and both[1] is None and eng.steps == 1
+    assert isinstance(both[0], NodeResult) and both[1] is PREFILL_RUNNING and eng.steps == 1
     gpu.end(1)
     step_a2 = call("a", {"token": both[0].outputs["token"]})
     again = eng.run_batch([step_a2, b])  # b's first token goes out; a's step waits this one turn
-    assert again[0] is None and again[1] is not None and eng.steps == 1
-    assert eng.run_batch([step_a2])[0] is not None and eng.steps == 2
+    assert again[0] is PREFILLS_FIRST and isinstance(again[1], NodeResult) and eng.steps == 1
+    assert isinstance(eng.run_batch([step_a2])[0], NodeResult) and eng.steps == 2
 
 
 def test_a_lookahead_step_queued_behind_a_prefill_in_flight_is_not_waited_for(model: Llama) -> None:
-    """The turn after a prefill's launch finds the lookahead step queued behind it: its rows are answered None and the
+    """The turn after a prefill's launch finds the lookahead step queued behind it: its rows are held and the
     turn returns at once (waiting would hold the rank, and the prompts arriving meanwhile, until both end); the step's
     tokens are taken once the prefill's have gone out, and they are an engine's that waits for everything."""
     eng, gpu = in_flight_engine(model, lookahead=True)
     step_a, b, tok_a = decoding_a_and_prompt_b(eng, gpu)
-    assert eng.run_batch([step_a, b]) == [None, None]  # b on the GPU; a's step launched behind it (lookahead)
+    # b on the GPU; a's first step launched behind it (lookahead)
+    assert eng.run_batch([step_a, b]) == [JOINED_LOOKAHEAD, PREFILL_RUNNING]
     assert len(gpu.events) == 3
-    assert eng.run_batch([step_a, b]) == [None, None] and eng.pending()
+    assert eng.run_batch([step_a, b]) == [BEHIND_PREFILL, PREFILL_RUNNING] and eng.pending()
     assert not gpu.events[2].ended  # nobody waited for a's step
     gpu.end(1)
     out = eng.run_batch([step_a, b])  # b's first token; a's step waits this one turn
-    assert out[0] is None and out[1] is not None
+    assert out[0] is PREFILLS_FIRST and isinstance(out[1], NodeResult)
     gpu.end(2)
     tok_a2 = eng.run_batch([step_a])[0].outputs["token"]
     ref = engine(model)
@@ -505,35 +533,37 @@ def test_decode_steps_yield_to_prefills_on_the_gpu_for_at_most_decode_yield_s_in
     """With ``decode_yield_s`` decode rows are held back while any prefill is on the GPU, across batches, but never
     longer than that in a row: then one step runs beside the prefills and a new hold begins. Their tokens are those of
     an engine that never holds them."""
-    import mstar_dist.engine.kv_engine as kv
+    import mstar_dist.engine.scheduler as scheduler
 
     now = [100.0]
-    monkeypatch.setattr(kv.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(scheduler.time, "monotonic", lambda: now[0])
     cache = StaticKVCache(n_layers=CFG.n_layers, n_kv_heads=CFG.n_kv_heads, head_dim=CFG.head_dim, max_slots=8,
                           max_seq_len=64)
-    eng = KVCacheEngine("LLM", model, cache, torch.device("cpu"), prefill_in_flight=True, decode_yield_s=0.010)
+    eng = KVCacheEngine(model, cache, torch.device("cpu"), config(prefill_in_flight=True, decode_yield_ms=10.0))
     gpu = GpuClock(eng)
     step_a, b, tok_a = decoding_a_and_prompt_b(eng, gpu)
-    assert eng.run_batch([step_a, b]) == [None, None] and eng.steps == 0  # b on the GPU: a's step is held
+    assert eng.run_batch([step_a, b]) == [DECODE_YIELD, PREFILL_RUNNING] and eng.steps == 0  # b on the GPU
     gpu.end(1)
     c = call("c", {"input_ids": prompt(4, 3)})
-    out = eng.run_batch([step_a, b, c])  # b's token; c launched; a still held (c is on the GPU now)
-    assert out[0] is None and out[1] is not None and out[2] is None and eng.steps == 0
+    out = eng.run_batch([step_a, b, c])  # b's token; c launched; a still held (b's first token goes first)
+    assert out[0] is PREFILLS_FIRST and isinstance(out[1], NodeResult) and out[2] is PREFILL_RUNNING
+    assert eng.steps == 0
     now[0] += 0.009
-    assert eng.run_batch([step_a, c]) == [None, None] and eng.steps == 0  # 9 ms held: still within the 10
+    assert eng.run_batch([step_a, c]) == [DECODE_YIELD, PREFILL_RUNNING] and eng.steps == 0  # 9 ms held: within 10
     now[0] += 0.002
     ran = eng.run_batch([step_a, c])  # 11 ms: a's step runs beside c's prefill
-    assert ran[0] is not None and ran[1] is None and eng.steps == 1
+    assert isinstance(ran[0], NodeResult) and ran[1] is PREFILL_RUNNING and eng.steps == 1
     step_a2 = call("a", {"token": ran[0].outputs["token"]})
-    assert eng.run_batch([step_a2, c]) == [None, None]  # and a new hold begins
+    assert eng.run_batch([step_a2, c]) == [DECODE_YIELD, PREFILL_RUNNING]  # and a new hold begins
     gpu.end(2)  # c's prefill
-    assert eng.run_batch([step_a2, c])[1] is not None
-    assert eng.run_batch([step_a2])[0] is not None and eng.steps == 2 and eng.stats()["decode_yields_total"] == 2
+    assert isinstance(eng.run_batch([step_a2, c])[1], NodeResult)
+    assert isinstance(eng.run_batch([step_a2])[0], NodeResult)
+    assert eng.steps == 2 and eng.stats()["decode_yields_total"] == 2
     ref = engine(model)
     want = generate(ref, [call("a", {"input_ids": prompt(7, 1)})], steps=1)["a"]
     assert [int(tok_a), int(ran[0].outputs["token"])] == want
-    with pytest.raises(ValueError, match="decode_yield_s must be >= 0"):
-        KVCacheEngine("LLM", model, cache, torch.device("cpu"), prefill_in_flight=True, decode_yield_s=-1)
+    with pytest.raises(ValueError, match="decode_yield_ms = -1: must be a finite number >= 0"):
+        config(prefill_in_flight=True, decode_yield_ms=-1)
 
 
 def test_an_idle_engine_gathers_a_burst_of_prompts_into_one_forward(model: Llama, monkeypatch) -> None:
@@ -541,42 +571,42 @@ def test_an_idle_engine_gathers_a_burst_of_prompts_into_one_forward(model: Llama
     the first of a burst went alone, the rest in one or two more forwards of a tenth of a second each): they go as one
     forward once none came for that long, or the oldest has waited ten times it; never while decode rows run. Their
     tokens are those of an engine that does not gather."""
-    import mstar_dist.engine.kv_engine as kv
+    import mstar_dist.engine.scheduler as scheduler
 
     now = [100.0]
-    monkeypatch.setattr(kv.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(scheduler.time, "monotonic", lambda: now[0])
     cache = StaticKVCache(n_layers=CFG.n_layers, n_kv_heads=CFG.n_kv_heads, head_dim=CFG.head_dim, max_slots=32,
                           max_seq_len=64)
-    eng = KVCacheEngine("LLM", model, cache, torch.device("cpu"), prefill_gather_s=0.003)
+    eng = KVCacheEngine(model, cache, torch.device("cpu"), config(prefill_gather_ms=3.0))
     a, b, c = (call(rid, {"input_ids": prompt(n, i)}) for i, (rid, n) in enumerate([("a", 7), ("b", 12), ("c", 3)]))
-    assert eng.run_batch([a]) == [None] and eng.pending()  # the worker hands it over again soon, not when woken
+    assert eng.run_batch([a]) == [GATHERING] and eng.pending()  # the worker hands it over again soon, not when woken
     now[0] += 0.002
-    assert eng.run_batch([a, b]) == [None, None]  # b came 2 ms after a: more may follow
+    assert eng.run_batch([a, b]) == [GATHERING, GATHERING]  # b came 2 ms after a: more may follow
     now[0] += 0.0031
     first = eng.run_batch([a, b])  # nothing new for 3.1 ms: both go, in one forward
-    assert None not in first and eng.prefill_batches == 1 and not eng.pending()
+    assert not held(first) and eng.prefill_batches == 1 and not eng.pending()
     want = engine(model).run_batch([call(rid, {"input_ids": prompt(n, i)})
                                     for i, (rid, n) in enumerate([("a", 7), ("b", 12)])])
     assert [int(r.outputs["token"]) for r in first] == [int(r.outputs["token"]) for r in want]
     # decoding rows: a new prompt is not held for company
     steps = [call(x.request_id, {"token": r.outputs["token"]}) for x, r in zip((a, b), first)]
     out = eng.run_batch([*steps, c])
-    assert out[2] is not None and eng.prefill_batches == 2
+    assert isinstance(out[2], NodeResult) and eng.prefill_batches == 2
     # prompts that keep coming 2.1 ms apart go once the oldest has waited 30 ms, in one forward
     for rid in ("a", "b", "c"):
         eng.release(rid)
     burst = [call(f"r{k}", {"input_ids": prompt(4, 10 + k)}) for k in range(7)]
     for k in range(7):
         got = eng.run_batch(burst[: k + 1])
-        if None not in got:
+        if not held(got):
             break
         now[0] += 0.0021 if k < 6 else 0.0
-    assert None in got  # 12.6 ms: still coming
+    assert held(got)  # 12.6 ms: still coming
     for k in range(12):
         now[0] += 0.0021
         burst.append(call(f"s{k}", {"input_ids": prompt(4, 30 + k)}))
         got = eng.run_batch(burst)
-        if None not in got:
+        if not held(got):
             break
     assert k == 8 and len(got) == 16 and eng.prefill_batches == 3  # the oldest came 31.5 ms ago: all 16 go at once
 
@@ -589,7 +619,7 @@ def test_a_request_released_while_its_prefill_is_on_the_gpu_gives_its_slot_back(
     eng.release("a")  # its client left: b still waits for the batch, a's slot comes back when it has ended
     assert eng.cache.num_free == 2 and eng.pending()
     gpu.end(0)
-    assert eng.run_batch([b])[0] is not None
+    assert isinstance(eng.run_batch([b])[0], NodeResult)
     assert eng.cache.num_free == 3 and "a" not in eng._seqs and not eng.pending()
     c = call("c", {"input_ids": prompt(5, 3)})
     eng.run_batch([c])
@@ -614,13 +644,14 @@ def test_on_cuda_a_turn_returns_while_its_prefill_replays_and_the_next_prompts_s
     eng = make(True)
     first, *rest = calls()
     torch.cuda._sleep(200_000_000)  # the GPU is busy: r0's prefill queues behind this
-    assert eng.run_batch([first]) == [None] and eng.pending()
+    assert eng.run_batch([first]) == [PREFILL_RUNNING] and eng.pending()
     got: dict[str, int] = {}
     waiting = [first, *rest]
     while waiting:  # the worker's loop: the same calls, handed over again until answered
         results = eng.run_batch(waiting)
-        got.update({c.request_id: int(r.outputs["token"]) for c, r in zip(waiting, results) if r is not None})
-        waiting = [c for c, r in zip(waiting, results) if r is None]
+        got.update({c.request_id: int(r.outputs["token"]) for c, r in zip(waiting, results)
+                    if not isinstance(r, Held)})
+        waiting = [c for c, r in zip(waiting, results) if isinstance(r, Held)]
     assert got == want
     assert eng.prefill_batches == 2 and eng.stats()["prefills_held_total"] == 3  # r1..r3 waited, then went together
     assert not eng.pending()

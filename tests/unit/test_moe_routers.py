@@ -22,6 +22,7 @@ from models.moe.config import MoEConfig
 from models.moe.model import Qwen3Moe
 from models.moe.routers import LoadBiasedRouter, TopKRouter, build_router
 from models.moe.weights import load_moe
+from mstar_dist.config.engine import EngineConfig
 from mstar_dist.engine.kv_cache import StaticKVCache
 
 pytestmark = pytest.mark.usefixtures("one_intraop_thread")
@@ -174,10 +175,10 @@ def test_router_spec_kwargs_reach_the_router() -> None:
 
 
 def test_custom_router_from_model_kwargs_is_the_one_that_runs(weights_dir: Path) -> None:
-    family = MoEChat(str(weights_dir), router="tests.unit.test_moe_routers:RecordingRouter", max_batch=2,
-                     max_seq_len=64)
+    family = MoEChat(str(weights_dir), router="tests.unit.test_moe_routers:RecordingRouter")
     assert family.model_kwargs["router"] == "tests.unit.test_moe_routers:RecordingRouter"
-    engine = family.build_component(LLM, device="cpu", walks={"prefill", "decode"})
+    engine = family.build_component(LLM, device="cpu", walks={"prefill", "decode"},
+                                    engine=EngineConfig(max_batch=2, max_seq_len=64))
     router = engine.model.layers[0].mlp.router
     assert type(router) is RecordingRouter and not engine.model.layers[1].sparse
     before = len(router.received)

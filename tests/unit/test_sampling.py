@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mstar_dist.engine.sampling import SamplingParams, make_generator, sample
+from mstar_dist.engine.sampling import SamplingParams, make_generator, sample, seeded
 
 V = 49152  # SmolLM2's vocabulary: wide enough for the top-p first-guess path
 
@@ -106,3 +106,21 @@ def test_bad_params_raise_naming_the_field(kwargs: dict, field: str) -> None:
 def test_mismatched_lengths_raise() -> None:
     with pytest.raises(ValueError, match="2 params"):
         sample(logits(3, vocab=10), [SamplingParams()] * 2, [None] * 3)
+
+
+def test_a_request_s_knobs_become_a_walk_s_parameters_in_one_place_and_go_back_as_sent() -> None:
+    """Every shape a request's knobs travel in (the conductor's GenerationParams, the wire's Sampling, a TP call) has
+    the three knobs; the walk's seed comes apart. A bad knob is refused naming it, whichever shape brought it."""
+    from mstar_dist.control.messages import Sampling
+    from mstar_dist.events import GenerationParams
+
+    wire = Sampling(temperature=0.7, top_p=0.9, top_k=20)
+    params = SamplingParams.of(wire, seed=11)
+    assert params == SamplingParams(temperature=0.7, top_p=0.9, top_k=20, seed=11)
+    assert Sampling(**params.knobs()) == wire
+    request = GenerationParams(request_id="r", prompt="hi", messages=None, max_tokens=4, temperature=0.0, top_k=3)
+    assert SamplingParams.of(request, seed=None) == SamplingParams(temperature=0.0, top_k=3)
+    with pytest.raises(ValueError, match="top_p must be in"):
+        SamplingParams.of(Sampling(top_p=0.0), seed=1)
+    a, b = seeded(5), make_generator(SamplingParams(seed=5))
+    assert torch.equal(torch.rand(3, generator=a), torch.rand(3, generator=b))

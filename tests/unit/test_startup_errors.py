@@ -71,16 +71,22 @@ def test_smollm2_prepares_only_its_default_path(tmp_path):
     assert not (tmp_path / "typo").exists()
 
 
-def test_bad_llama_knobs_are_errors_naming_the_key_before_any_rank_builds_an_engine(tmp_path):
-    """The family checks its model_kwargs when it is made (every rank makes it before loading weights), so a typo or
-    a negative wait is one error naming the key, not a traceback from each rank's engine after its weights loaded."""
+def test_bad_engine_knobs_are_errors_naming_the_key_before_any_rank_builds_an_engine(tmp_path):
+    """The deployment's engine: is checked when the config is read (every rank reads it before loading weights), so a
+    typo or a negative wait is one error naming the key, not a traceback from each rank's engine after its weights
+    loaded; an engine knob left in the family's model_kwargs, where it used to be, says where it goes now."""
     for key in ("prefill_gather_ms", "decode_yield_ms"):
         for bad in (-1, "5", True):
-            with pytest.raises(ValueError, match=rf"model_kwargs.{key} .*got {bad!r}"):
+            with pytest.raises(ConfigError, match=rf"d.yaml: engine.{key} = {bad!r}: must be"):
+                parse_config({"model": "smollm2", "node_groups": GROUPS, "engine": {key: bad}}, "d.yaml")
+            with pytest.raises(ValueError, match=rf"model_kwargs.{key} = {bad!r}: is engine policy: set engine.{key}"):
                 SmolLM2Chat(str(tmp_path), **{key: bad})
     with pytest.raises(ValueError, match=r"model_kwargs: unknown keys \['prefill_gather_s'\]"):
         SmolLM2Chat(str(tmp_path), prefill_gather_s=5)
-    assert SmolLM2Chat(str(tmp_path), prefill_gather_ms=5)._ms("prefill_gather_ms") == 5.0
+    with pytest.raises(ConfigError, match=r"engine.prefill_gather_s: unknown key .*did you mean 'prefill_gather_ms'"):
+        parse_config({"model": "smollm2", "node_groups": GROUPS, "engine": {"prefill_gather_s": 5}}, "d.yaml")
+    assert parse_config({"model": "smollm2", "node_groups": GROUPS, "engine": {"prefill_gather_ms": 5}},
+                        "d.yaml").engine.prefill_gather_ms == 5.0
 
 
 def test_a_port_in_use_is_an_error_naming_it_and_a_reserved_port_serves():

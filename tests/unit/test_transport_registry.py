@@ -114,8 +114,6 @@ def test_the_command_line_offers_a_registered_transport(loop_registered):
     assert args.intra_host_tensor_protocol == args.inter_host_tensor_protocol == "loop"
 
 
-@pytest.mark.xfail(strict=True, reason="config/deployment.py checks transport names against its own tuple until it "
-                                       "reads registry.names()")
 def test_the_config_accepts_a_registered_transport(loop_registered):
     assert TransportConfig(intra_host="loop", inter_host="loop").intra_host == "loop"
 

@@ -1,0 +1,81 @@
+"""The pieces of the KV engine's batched prefill (engine/kv_engine.py): the record of a batch on the device, the
+eager padded forward, and the rule for running a batch beside the decode step in flight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from mstar_dist.engine.component import WalkContext
+from mstar_dist.engine.kv_cache import StaticKVCache
+from mstar_dist.engine.sampling import to_device
+from mstar_dist.graph.walk import NodeCall
+
+PREFILL_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+"""The attention kernels a prefill may use: not cuDNN's, which builds a new plan for every new (rows, length) shape,
+and prefill shapes vary with every batch of prompts. Decode steps keep every kernel: their shapes are the CUDA
+graphs' buckets, planned once at capture."""
+
+
+@dataclass(eq=False)
+class Launched:
+    """A batched prefill queued on the device whose tokens are not on the host yet. Compared by identity
+    (``list.remove``, ``in``): two batches are never the same one."""
+
+    calls: list[NodeCall]
+    ctxs: list[WalkContext]
+    slots: list[int]
+    lengths: list[int]
+    host: torch.Tensor
+    """(rows,) the sampled first tokens, complete once ``ready`` has fired."""
+    ready: object
+    """A CUDA event after the copy (None on CPU: the copy is done)."""
+    stream: object
+    """The side stream it runs on, or None (the current stream)."""
+    replayed: bool
+    """It replays a captured prefill graph."""
+    ids: list[str]
+    dropped: set[str] = field(default_factory=set)
+    """Requests released while the batch was on the device: their slots go back when it is finished."""
+
+
+def prefill_eager(model: torch.nn.Module, cache: StaticKVCache, prompts: list[torch.Tensor], slots: list[int],
+                  lengths: list[int]) -> torch.Tensor:
+    """One forward of ``prompts`` (on the cache's device) right-padded to the longest, each row from position 0 of
+    its slot: the last-token logits (rows, 1, V), each row's at its own last token."""
+    device = cache.device
+    longest = max(lengths)
+    ids = torch.zeros((len(prompts), longest), dtype=torch.long, device=device)
+    for row, prompt in enumerate(prompts):
+        ids[row, : prompt.numel()] = prompt
+    positions = torch.arange(longest, device=device).expand(len(prompts), longest)
+    cache.bind(slots, [0] * len(prompts), longest)
+    last = None if min(lengths) == longest else to_device([n - 1 for n in lengths], device)
+    with sdpa_kernel(PREFILL_ATTENTION):
+        return model(ids, positions, cache, last_only=True, last_index=last)
+
+
+def side_stream(side: torch.cuda.Stream | None, busy: set[int], slots: list[int], prompts: list[torch.Tensor]
+                ) -> torch.cuda.Stream | None:
+    """``side`` when a turn's prefills (into ``slots``, from ``prompts``) may run beside the decode step in flight
+    (``busy``: the slots it writes), else None (the current stream).
+
+    A lookahead step launched last turn is usually still on the device when prefills arrive; on the same stream the
+    prefill, and so the first tokens, would wait for it. Both are latency-bound graphs that leave most of the device
+    idle, so the prefill runs beside it on a higher-priority stream. Safe because nothing on the side stream touches
+    what the step does: the prefill writes only its own slots (chosen outside ``busy``; if it must take a slot the step
+    writes, such as a finished request's whose dropped row the step still runs, it goes behind the step), the prompts
+    cross on the side stream, the host waits for the prefill's tokens (an event after its KV writes) before anything
+    reads its slots (a later decode step, an export), and the only memory both write is the graphs' scratch slot,
+    which only padding rows read. Earlier steps are done: the host waited for their tokens. The prompts must be host
+    tensors (the worker hands inline ``input_ids`` over on the host, ``Component.host_inputs``): one already on the
+    device may have been made by work still queued on the current stream. All of a turn's prefills take one stream:
+    the prefill graphs share one memory pool, so two replays on two streams could write each other's outputs."""
+    if side is None or not busy or busy.intersection(slots):
+        return None
+    if any(p.device.type != "cpu" for p in prompts):  # made on the current stream, maybe still queued there
+        return None
+    return side
