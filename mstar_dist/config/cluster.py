@@ -3,8 +3,8 @@
 Index spaces: ``node_rank`` is a host's position in the spec's ``hosts`` list; ``local_rank`` is a process's
 position within its host (0..len(devices)-1); ``device_index`` is the GPU index ``devices[local_rank]``;
 ``global_rank`` is the *logical* rank from the spec: host k holds the global ranks that follow the devices of
-hosts 0..k-1. ``torch_rank`` is the RANK torchrun gave the process; it equals ``global_rank`` under static
-rendezvous and may differ under c10d rendezvous (see `identify`).
+hosts 0..k-1. torchrun's RANK equals ``global_rank`` under static rendezvous and may differ under c10d rendezvous;
+the runtime uses ``global_rank`` everywhere (see `identify`).
 
 Everything here is pure: it reads plain values and an env mapping, never the process group.
 """
@@ -92,8 +92,6 @@ class RankInfo:
     """Index of this process within its host: 0..len(devices)-1. Not a global rank."""
     device_index: int
     """GPU index on the host: ``devices[local_rank]``."""
-    torch_rank: int | None = field(default=None, compare=False)
-    """RANK torchrun gave the process (set by `identify`); may differ from global_rank under c10d."""
 
 
 @dataclass(frozen=True)
@@ -232,8 +230,8 @@ def identify(spec: ClusterSpec, env: Mapping[str, str], hostnames: set[str] | No
       3. ``GROUP_RANK``: under static rendezvous (``--node-rank k``) node rank k is spec host k.
     With k from GROUP_RANK the torch RANK must equal the logical global rank (first rank of host k +
     LOCAL_RANK). With k from 1 or 2 (c10d rendezvous assigns GROUP_RANK in arbitrary order) RANK may
-    differ: `RankInfo.torch_rank` keeps it, and the caller translates torch ↔ logical ranks after
-    ``init_process_group`` with `logical_ranks` (which also catches two processes claiming one rank).
+    differ: the process joins the process group with its logical global rank all the same (torchrun's agent store
+    accepts any permutation), so no rank number of torchrun's is used past this point.
 
     Every mismatch is a ValueError naming the host, node rank and the numbers on both sides. Pure: reads
     `env` only.
@@ -268,9 +266,7 @@ def identify(spec: ClusterSpec, env: Mapping[str, str], hostnames: set[str] | No
             f"LOCAL_RANK={local_rank} is global rank {info.global_rank}, but torchrun gave RANK={torch_rank}: "
             f"the hosts before it run other device counts than the spec lists"
         )
-    return RankInfo(
-        info.global_rank, info.node_rank, info.host_name, info.addr, info.local_rank, info.device_index, torch_rank
-    )
+    return info
 
 
 def _check_world(spec: ClusterSpec, env: Mapping[str, str], world_size: int) -> None:
@@ -355,21 +351,3 @@ def _is_loopback(token: str) -> bool:
     if token in ("localhost", "ip6-localhost", "ip6-loopback"):
         return True
     return _is_ip(token) and ipaddress.ip_address(token).is_loopback
-
-
-def logical_ranks(infos: Sequence[RankInfo], spec: ClusterSpec) -> tuple[int, ...]:
-    """Logical global rank of every torch rank, from each process's `identify` result gathered in torch-rank
-    order (e.g. ``all_gather_object`` after ``init_process_group``). ValueError when a logical rank is claimed
-    twice or not at all (two nodes took the same host, e.g. a wrong MSTAR_NODE_RANK)."""
-    if len(infos) != spec.world_size:
-        raise ValueError(f"got {len(infos)} rank identities for a cluster of world_size={spec.world_size}")
-    owner: dict[int, int] = {}
-    for torch_rank, info in enumerate(infos):
-        if info.global_rank in owner:
-            raise ValueError(
-                f"torch ranks {owner[info.global_rank]} and {torch_rank} both identified as global rank "
-                f"{info.global_rank} (host {info.host_name!r}, node rank {info.node_rank}, local rank "
-                f"{info.local_rank}): two nodes took the same cluster host; set MSTAR_NODE_RANK per node"
-            )
-        owner[info.global_rank] = torch_rank
-    return tuple(info.global_rank for info in infos)

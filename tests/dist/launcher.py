@@ -19,24 +19,18 @@ import os
 import pickle
 import queue
 import signal
-import socket
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["free_port", "run_ranks", "RankFailed"]
+from tests.helpers import free_port
+
+__all__ = ["run_ranks", "RankFailed"]
 
 
 class RankFailed(RuntimeError):
     """A rank raised, died, or the world did not finish in time. The message carries the rank's traceback."""
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that the OS reports free right now (it may be taken again before use)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 _CTX: mp.context.BaseContext | None = None

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -14,6 +13,8 @@ from pathlib import Path
 
 import httpx
 import yaml
+
+from tests.helpers import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 WEIGHTS = os.path.expanduser(os.environ.get("MSTAR_TEST_WEIGHTS", "~/.cache/mstar_dist/smollm2-135m-instruct"))
@@ -92,27 +93,6 @@ def _gpus_per_node(nodes: list[int]) -> list[str] | None:
         out.append(",".join(ids[start:start + n]))
         start += n
     return out
-
-
-def free_port(span: int = 1) -> int:
-    """A loopback port that is free, with the ``span - 1`` ports after it (a launch that also uses its port + 1,
-    as ``launch/serve_node.sh``'s join check does, must not find a listener of another test there)."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port + span <= 65536 and all(_bindable(port + k) for k in range(1, span)):
-            return port
-    raise RuntimeError(f"found no {span} free consecutive loopback ports in 100 tries")
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 _HEALTH = """

@@ -72,7 +72,7 @@ def test_a_host_that_never_joins_is_named_within_the_startup_timeout(node_rank, 
     import os
     import time
 
-    from tests.e2e.server import free_port
+    from tests.helpers import free_port
 
     t0 = time.monotonic()
     out = subprocess.run(["bash", str(REPO / "launch/serve_node.sh"), str(REPO / "launch/configs/smollm2_pd_2host.yaml")],
@@ -91,7 +91,7 @@ def test_a_join_whose_port_another_service_holds_ends_within_its_bound():
     import socket
     import time
 
-    from tests.e2e.server import free_port
+    from tests.helpers import free_port
 
     port = free_port()
     with socket.socket() as other:  # accepts connections (the kernel's backlog) and never answers

@@ -22,7 +22,8 @@ import httpx
 import pytest
 import yaml
 
-from tests.e2e.server import REPO, descendants, free_port, metric, wait_for
+from tests.e2e.server import REPO, descendants, metric, wait_for
+from tests.helpers import free_port
 
 SERVE = REPO / "launch/serve.sh"
 

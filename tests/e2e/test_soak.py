@@ -19,8 +19,6 @@ import pytest
 from scripts.soak import checks, plan, run_soak
 from tests.e2e.server import REPO, Server
 
-pytestmark = pytest.mark.slow
-
 PD = REPO / "launch/configs/smollm2_pd.yaml"
 REQUESTS, BASELINE_AFTER, MAX_GROWTH_MIB = 120, 40, 64.0
 

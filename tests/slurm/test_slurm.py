@@ -19,7 +19,8 @@ import httpx
 import pytest
 import yaml
 
-from tests.e2e.server import REPO, WEIGHTS, descendants, free_port
+from tests.e2e.server import REPO, WEIGHTS, descendants
+from tests.helpers import free_port
 
 SETUP = REPO / "tests/slurm/setup_cluster.sh"
 

@@ -13,7 +13,6 @@ from mstar_dist.config.cluster import (
     default_cluster,
     device_for,
     identify,
-    logical_ranks,
     parse_cluster,
 )
 
@@ -53,11 +52,10 @@ def test_identify_static_rendezvous_maps_every_process():
             info = identify(SPEC, torchrun_env(rank, local_rank, node_rank, len(host.devices)))
             assert (info.global_rank, info.node_rank, info.host_name, info.local_rank) == (
                 rank, node_rank, host.name, local_rank)
-            assert info.device_index == host.devices[local_rank] and info.torch_rank == rank
+            assert info.device_index == host.devices[local_rank]
             seen.append(info)
     assert [i.global_rank for i in seen] == [0, 1, 2, 3, 4]
     assert [i.device_index for i in seen] == [0, 1, 2, 4, 6]
-    assert logical_ranks(seen, SPEC) == (0, 1, 2, 3, 4)
 
 
 def test_wrong_world_size_names_both_numbers():
@@ -107,25 +105,25 @@ def test_bad_or_missing_env():
         identify(SPEC, torchrun_env(3, 3, 0, 3))
 
 
-def test_c10d_node_rank_from_override_keeps_torch_rank_for_translation():
+def test_c10d_node_rank_from_override_gives_the_logical_rank():
     # c10d gave node-b GROUP_RANK 0 (so torch RANK 0, 1 there); MSTAR_NODE_RANK says it is spec host 1.
     env = torchrun_env(1, 1, 0, 2, MSTAR_NODE_RANK=1)
     info = identify(SPEC, env)
-    assert (info.global_rank, info.host_name, info.device_index, info.torch_rank) == (4, "node-b", 6, 1)
+    assert (info.global_rank, info.host_name, info.device_index) == (4, "node-b", 6)
     # SLURM_NODEID works the same way; MSTAR_NODE_RANK wins over it.
     assert identify(SPEC, torchrun_env(1, 1, 0, 2, SLURM_NODEID=1)).global_rank == 4
     assert identify(SPEC, torchrun_env(1, 1, 0, 2, SLURM_NODEID=0, MSTAR_NODE_RANK=1)).global_rank == 4
-    # The gathered table translates torch ranks to logical ranks.
+    # Every process of a c10d launch finds its logical rank, whatever RANK torchrun gave it.
     infos = [
         identify(SPEC, torchrun_env(r, lr, 0, 2, MSTAR_NODE_RANK=1)) for r, lr in ((0, 0), (1, 1))
     ] + [identify(SPEC, torchrun_env(r, r - 2, 1, 3, MSTAR_NODE_RANK=0)) for r in (2, 3, 4)]
-    assert logical_ranks(infos, SPEC) == (3, 4, 0, 1, 2)
+    assert [info.global_rank for info in infos] == [3, 4, 0, 1, 2]
 
 
 def test_c10d_node_rank_from_hostname_or_address():
     env = torchrun_env(0, 0, 0, 2)  # c10d: node-b came first
     info = identify(SPEC, env, hostnames={"machine-b.example.com", "10.0.0.2", "127.0.0.1"})
-    assert (info.host_name, info.global_rank, info.torch_rank) == ("node-b", 3, 0)
+    assert (info.host_name, info.global_rank) == ("node-b", 3)
     # Name match (FQDN short form) works too.
     assert identify(SPEC, env, hostnames={"node-b.cluster.local"}).host_name == "node-b"
     # GROUP_RANK's host among the matches: GROUP_RANK stands and RANK is checked.
@@ -157,15 +155,6 @@ def test_no_way_to_tell_the_host():
     del env["GROUP_RANK"]
     with pytest.raises(ValueError, match="GROUP_RANK, MSTAR_NODE_RANK and SLURM_NODEID are unset"):
         identify(SPEC, env, hostnames={"x"})
-
-
-def test_logical_ranks_rejects_a_rank_claimed_twice():
-    a = SPEC.rank_info(3)
-    infos = [SPEC.rank_info(r) for r in (0, 1, 2)] + [a, a]
-    with pytest.raises(ValueError, match=r"torch ranks 3 and 4 both identified as global rank 3 \(host 'node-b', node rank 1"):
-        logical_ranks(infos, SPEC)
-    with pytest.raises(ValueError, match="got 3 rank identities for a cluster of world_size=5"):
-        logical_ranks(infos[:3], SPEC)
 
 
 def test_default_cluster_and_device_for():
