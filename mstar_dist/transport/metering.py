@@ -22,7 +22,7 @@ import torch
 from mstar_dist.control import messages as m
 from mstar_dist.transport.base import Transfer
 
-__all__ = ["BYTE_BOUNDS", "SECOND_BOUNDS", "Buckets", "EdgeStats", "MeteredSend", "TimedRecv", "TransferMeter"]
+__all__ = ["BYTE_BOUNDS", "SECOND_BOUNDS", "Buckets", "EdgeStats", "Metered", "MeteredSend", "TimedRecv", "TransferMeter"]
 
 BYTE_BOUNDS = tuple(float(4**k) for k in range(4, 16))
 """Transfer size buckets: 256 B, 1 KiB, 4 KiB ... 1 GiB."""
@@ -93,9 +93,9 @@ def _quantile(ordered: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-class MeteredSend:
-    """A posted send that records its time in ``seconds`` the first time it is seen complete. ``inner`` is the
-    transport's own transfer (what ``withdraw`` recognises)."""
+class Metered:
+    """A posted transfer the Router times; ``inner`` is the transport's own transfer (what ``withdraw``
+    recognises)."""
 
     __slots__ = ("inner", "_seconds", "_t0")
 
@@ -107,6 +107,12 @@ class MeteredSend:
     def tensor(self) -> torch.Tensor:
         return self.inner.tensor
 
+
+class MeteredSend(Metered):
+    """A posted send that records its time in ``seconds`` the first time it is seen complete."""
+
+    __slots__ = ()
+
     def done(self) -> bool:
         finished = self.inner.done()
         if finished and self._t0 is not None:
@@ -115,20 +121,16 @@ class MeteredSend:
         return finished
 
 
-class TimedRecv:
+class TimedRecv(Metered):
     """A posted receive that records its edge statistics and its transport's time histogram the first time it is
     seen complete."""
 
-    __slots__ = ("inner", "_edges", "_key", "_nbytes", "_seconds", "_t0")
+    __slots__ = ("_edges", "_key", "_nbytes")
 
     def __init__(self, inner: Transfer, edges: EdgeStats, key: tuple[str, int, int, str, str], nbytes: int,
                  seconds: Buckets) -> None:
-        self.inner, self._edges, self._key, self._nbytes, self._seconds = inner, edges, key, nbytes, seconds
-        self._t0: float | None = time.perf_counter()
-
-    @property
-    def tensor(self) -> torch.Tensor:
-        return self.inner.tensor
+        super().__init__(inner, seconds)
+        self._edges, self._key, self._nbytes = edges, key, nbytes
 
     def done(self) -> bool:
         finished = self.inner.done()

@@ -28,7 +28,7 @@ import torch
 from mstar_dist.control import messages as m
 from mstar_dist.transport.base import DataPlane, Done, PeerDeadError, Transfer
 from mstar_dist.transport.inline import decode_tensor, dtype_to_str, encode_tensor, str_to_dtype
-from mstar_dist.transport.metering import EdgeStats, MeteredSend, TimedRecv, TransferMeter
+from mstar_dist.transport.metering import EdgeStats, Metered, MeteredSend, TimedRecv, TransferMeter
 
 __all__ = ["Router"]
 
@@ -105,7 +105,7 @@ class Router:
         plane = self._transports[value.via]
         slot = -1 if value.at is None else value.at.slot
         if value.at is None:
-            if not plane.withdraw(transfer.inner if isinstance(transfer, MeteredSend) else transfer):
+            if not plane.withdraw(transfer.inner if isinstance(transfer, Metered) else transfer):
                 plane.abort_peer(dst, reason)
         elif slot >= 0:
             plane.on_ack(dst, m.TransferAck(via=value.via, slots=[slot]))
