@@ -66,7 +66,15 @@ class MooncakeLocation(msgspec.Struct, frozen=True, tag=True):
     slot: int
 
 
-Location = Union[ShmLocation, MooncakeLocation]
+class EncodedLocation(msgspec.Struct, frozen=True, tag=True):
+    """Where the bytes wait, for a transport whose location is its own type: that type encoded by the transport
+    (e.g. ``msgspec.msgpack.encode``) and read back by the same transport on the consumer (``WireTensor.via``
+    names it). A new transport needs no struct here."""
+
+    data: bytes
+
+
+Location = Union[ShmLocation, MooncakeLocation, EncodedLocation]
 
 
 class WireTensor(msgspec.Struct, frozen=True, tag=True):
@@ -86,7 +94,8 @@ class WireTensor(msgspec.Struct, frozen=True, tag=True):
     via: str = "p2p"
     """The transport that carries it: "p2p", "shm" or "mooncake"."""
     at: Location | None = None
-    """Where the bytes are (arena transports); None for p2p."""
+    """Where the bytes are (arena transports; another transport's own location as ``EncodedLocation``); None for
+    p2p."""
 
 
 class Remote(msgspec.Struct, frozen=True, tag=True):

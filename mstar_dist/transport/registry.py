@@ -14,9 +14,10 @@ builds the transports its peers need (``transport.plane.build_transports``) and 
 which picks one per tensor by the consumer's host, meters every transfer and dispatches each receive by the
 descriptor's ``via``. Tests (and plugins) add one at run time with ``register``.
 
-The descriptor's ``at`` is one of the ``m.Location`` structs of ``control/messages.py`` (or None, for a
-transport whose sends and receives pair up in order, like p2p): a transport that needs a location of a new shape
-adds its struct there too, since the wire types never import a transport.
+The descriptor's ``at`` says where the bytes wait: None for a transport whose sends and receives pair up in order
+(p2p), or the transport's own location type encoded into ``m.EncodedLocation`` (the wire types never import a
+transport, so a new one needs no struct in ``control/messages.py``; shm and mooncake have theirs there because
+they came first).
 
 This module imports neither torch, nor the config, nor any transport: the config and the CLI read the names
 without an import circle or a heavy import, and a transport's module is imported only when a rank first builds

@@ -8,8 +8,7 @@ its name says) is not caught with a message naming it.
 
 from __future__ import annotations
 
-import collections
-
+import msgspec
 import pytest
 import torch
 
@@ -21,12 +20,20 @@ from mstar_dist.transport.plane import TransportSetup, build, build_transports
 from mstar_dist.transport.registry import names, register, unregister
 from mstar_dist.transport.router import Router
 
-_WIRE: collections.deque = collections.deque()
-"""What the loopback transports of this module have sent and not yet received, in order."""
+_WIRE: dict[int, torch.Tensor] = {}
+"""What the loopback transports of this module have sent and not yet received, by key."""
+
+
+class LoopSlot(msgspec.Struct, frozen=True):
+    """The loop transport's own location: which rank sent the tensor and where it waits."""
+
+    owner: int
+    key: int
 
 
 class LoopTransport:
-    """The smallest transport: sends and receives pair up in order through one in-process queue, like p2p's."""
+    """The smallest transport: the bytes wait in one in-process table under a key of its own, which the descriptor
+    carries as the transport's own location type (``LoopSlot``, encoded: no struct of it in control/messages.py)."""
 
     name = "loop"
 
@@ -37,11 +44,14 @@ class LoopTransport:
 
     def post_send(self, tensor, dst):
         self.sent.append(dst)
-        _WIRE.append(tensor.clone())
-        return Done(tensor), None
+        slot = LoopSlot(owner=self.global_rank, key=len(_WIRE))
+        _WIRE[slot.key] = tensor.clone()
+        return Done(tensor), m.EncodedLocation(data=msgspec.msgpack.encode(slot))
 
     def post_recv(self, wire, src, device=None):
-        return Done(_WIRE.popleft())
+        slot = msgspec.msgpack.decode(wire.at.data, type=LoopSlot)
+        assert slot.owner == src
+        return Done(_WIRE.pop(slot.key))
 
     def flush(self):
         pass
@@ -101,6 +111,8 @@ def test_a_registered_transport_is_built_and_chosen_by_the_router_for_a_pair_on_
     tensor = torch.arange(12, dtype=torch.float32).view(3, 4)
     _, wire = producer.post_send(tensor, 1)
     assert isinstance(wire, m.WireTensor) and wire.via == "loop" and planes[0]["loop"].sent == [1]
+    done = m.NodeDone(request_id="r", walk="w", node="n", seq=0, signals=["x"], values={"x": wire})
+    wire = m.decode(m.encode("t", "rank0", done)).body.values["x"]  # as the consumer gets it off the wire
     got = consumer.post_recv(wire, 0, walk="w", signal="x")
     assert got.done() and torch.equal(got.tensor, tensor)
     assert [(e.via, e.count) for e in consumer.edges.snapshot()] == [("loop", 1)]
