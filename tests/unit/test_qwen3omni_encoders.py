@@ -11,6 +11,9 @@ placeholders the front end inserts no longer equals the rows an encoder returns.
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -202,6 +205,14 @@ def test_placeholder_counts_equal_transformers_and_the_encoder(audio_pair) -> No
         out = ours(torch.randn(128, sum(odd)), odd)
     assert out.token_counts == [audio_token_count(n) for n in odd] and out.embeds.shape[0] == sum(out.token_counts)
     assert image_token_count((1, 4, 6)) == 6 and image_token_count([2, 8, 4], 2) == 16
+
+
+def test_placeholder_counts_import_no_torch() -> None:
+    """The front end sizes prompts with token_counts; importing it must not pull torch into that process."""
+    code = "import sys, models.qwen3_omni.token_counts; assert 'torch' not in sys.modules, 'torch imported'"
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
 
 
 def _name_shape(name: str) -> str:
