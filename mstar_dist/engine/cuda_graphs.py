@@ -140,13 +140,12 @@ class DecodeGraphs:
         cap.tokens[:n, 0].copy_(tokens.reshape(-1))
         # padding rows write position 0 of the scratch slot; one copy through pinned memory (a copy from pageable
         # memory may wait for the queue: a step launched ahead)
-        rows = [*positions, *[0] * pad, *slots, *[self.scratch] * pad]
+        host = [*positions, *[0] * pad, *slots, *[self.scratch] * pad]
         if self.offsets:
-            rows += [*(positions if rope is None else rope), *[0] * pad]
+            host += [*(positions if rope is None else rope), *[0] * pad]
         elif rope is not None:
             raise ValueError("DecodeGraphs: rotary positions given to graphs captured without offsets")
-        rows = torch.tensor(rows, dtype=torch.long)
-        cap.rows.copy_(rows.pin_memory(), non_blocking=True)
+        cap.rows.copy_(torch.tensor(host, dtype=torch.long).pin_memory(), non_blocking=True)
         if pad:
             cap.tokens[n:].zero_()
         cap.graph.replay()

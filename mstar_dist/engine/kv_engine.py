@@ -6,11 +6,9 @@ Inputs a call may carry:
   whatever each request's length.
 - ``kv`` (n_layers, 2, n_kv_heads, T, head_dim): a KV cache produced by a prefill on another rank (P/D split);
   it is imported into a fresh slot before the request's first decode step here.
-- A prefill's model inputs, for a model that names them in ``prefill_inputs`` (and ``position_ids``):
-  ``prefill.row_inputs`` says how they reach its forward. Such a prompt is a forward of its own, never a graph.
-- ``position_offset`` (an int or a one-element tensor) on a prefill or a KV import, for a model with
-  ``position_offsets``: its decode steps take rotary position = cache position + offset (M-RoPE's ``rope_delta``).
-  Requests without one cost the decode step no per-row work.
+- A prefill's model inputs (the model's ``prefill_inputs``, and ``position_ids``): see ``prefill.row_inputs``.
+- ``position_offset`` (an int or one-element tensor) on a prefill or KV import, for a model with ``position_offsets``:
+  its decode steps rotate by cache position + offset (M-RoPE's ``rope_delta``); requests without one cost nothing.
 
 Outputs: ``token`` (1,) int64 always; ``kv`` after a prefill when the walk context exports it (the decode rank is
 another rank), in which case this rank's slot is freed at once. The stop check fires on the model's EOS ids.
@@ -297,7 +295,10 @@ class KVCacheEngine(Component):
             return []
         busy = self._busy_slots()
         slots = [[self.cache.alloc(avoid=busy) for _ in group] for group in groups]
-        side = side_stream(self._side, busy, [s for g in slots for s in g], [p for g in prompts for p in g])
+        given = [p for g in prompts for p in g]
+        if self.prefill_inputs:  # model inputs too: one made on the device must not cross to the side stream
+            given += [t for g in groups for c in g for t in c.inputs.values() if torch.is_tensor(t)]
+        side = side_stream(self._side, busy, [s for g in slots for s in g], given)
         out: list[Launched | BaseException] = []
         for group, group_prompts, group_slots in zip(groups, prompts, slots):
             try:
@@ -353,7 +354,8 @@ class KVCacheEngine(Component):
                 results.append(RELEASED)
                 continue
             self._seqs[call.request_id] = Seq(slot=slot, length=n)
-            self._keep_offset(slot, self._offset_of(call))
+            if offset := self._offset_of(call):  # its decode steps rotate by cache position + offset
+                self._offsets[slot] = offset
             outputs = {"token": torch.tensor([token])}
             if "kv" in ctx.export:  # on the current stream, where a p2p send of it is ordered (its KV writes are done)
                 outputs["kv"] = self.cache.export(slot, n)
@@ -414,7 +416,8 @@ class KVCacheEngine(Component):
             self.cache.free(slot)  # a malformed KV must not cost a slot for good
             raise
         self._seqs[call.request_id] = Seq(slot=slot, length=int(kv.shape[3]))
-        self._keep_offset(slot, offset)
+        if offset:
+            self._offsets[slot] = offset
         call.inputs.pop("kv")  # imported: let the received buffer go
         return True
 
@@ -426,11 +429,6 @@ class KVCacheEngine(Component):
         if not self.position_offsets:
             raise ValueError(f"{self.name!r}: its model takes no position_offset (request {call.request_id!r})")
         return int(offset.reshape(-1)[0]) if isinstance(offset, torch.Tensor) else int(offset)
-
-    def _keep_offset(self, slot: int, offset: int) -> None:
-        """Decode steps of the request in ``slot`` add ``offset`` to their rotary positions (kept only if nonzero)."""
-        if offset:
-            self._offsets[slot] = offset
 
     def _decode(self, calls: list[NodeCall], step: Step) -> list[NodeResult | Held]:
         t0 = time.perf_counter()

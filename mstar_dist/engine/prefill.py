@@ -62,7 +62,8 @@ def row_inputs(call: NodeCall, names: tuple[str, ...], device: torch.device) -> 
     """The model inputs a prefill call carries (those in ``names``, the model's ``prefill_inputs``, and
     ``position_ids``) moved to ``device``, or None. ``prefill_eager`` hands them to the model's forward of that one
     row as keyword arguments, as given, except ``position_ids`` (T,) or (A, T), which become its ``positions``
-    (1, T) or (A, 1, T) in place of 0..T-1 (A position axes: M-RoPE's three)."""
+    (1, T) or (A, 1, T) in place of 0..T-1 (A position axes: M-RoPE's three). Such a prompt is a forward of its own
+    (``alone_with_inputs``) and eager: prefill graphs capture token ids only."""
     if not names:
         return None
     given = {name: call.inputs[name] for name in (*names, "position_ids") if name in call.inputs}

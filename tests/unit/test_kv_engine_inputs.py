@@ -144,3 +144,31 @@ def test_position_ids_of_another_length_fail_that_prompt(weights) -> None:
     (result,) = engine_of(recording(weights)).run_batch(
         [call("x", {"input_ids": prompt(6, 13), "position_ids": torch.zeros(3, 5, dtype=torch.long)})])
     assert isinstance(result, ValueError) and "position_ids" in str(result)
+
+
+class Offsets(Llama):
+    """A Llama whose decode steps may take position offsets (nothing else differs)."""
+
+    position_offsets = True
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_decode_graphs_rotate_by_the_offset_as_eager_steps_do(weights) -> None:
+    gpu = Offsets(CFG).to("cuda").eval().requires_grad_(False)
+    gpu.load_state_dict(weights)
+    gpu.init_rope_tables()
+
+    def tokens(graphs: bool, lookahead: bool, offset: int) -> dict[str, list[int]]:
+        cache = StaticKVCache(CFG.n_layers, CFG.n_kv_heads, CFG.head_dim, max_slots=5, max_seq_len=64, device="cuda")
+        eng = KVCacheEngine(gpu, cache, torch.device("cuda"), config(cuda_graphs=graphs, lookahead=lookahead))
+        eng.warmup()
+        calls = [call("mm", {"input_ids": prompt(9, 14), "position_offset": offset}),
+                 call("txt", {"input_ids": prompt(6, 15)})]
+        return generate(eng, calls, steps=8)
+
+    eager = tokens(graphs=False, lookahead=False, offset=-5)
+    assert tokens(graphs=True, lookahead=False, offset=-5) == eager
+    ahead = tokens(graphs=True, lookahead=True, offset=-5)  # lookahead launches the same steps one ahead
+    assert all(ahead[rid] == eager[rid][:len(ahead[rid])] for rid in eager), (ahead, eager)
+    unshifted = tokens(graphs=True, lookahead=False, offset=0)
+    assert unshifted["txt"] == eager["txt"] and unshifted["mm"] != eager["mm"]
