@@ -310,8 +310,9 @@ class Qwen3OmniThinker(DecoderLM):
 
     def checkpoint_sources(self, prefix: str = "thinker.") -> dict[str, tuple[str, ...]]:
         """Our parameter name -> the published tensor that fills it (for models/common/checkpoint.py's loader):
-        every state-dict entry under ``prefix`` but a tied head. A router without a ``weight`` has no entry: the
-        loader must ignore that layer's ``mlp.gate.weight`` (models/moe/routers.py)."""
+        every state-dict entry under ``prefix`` but a tied head (the loader fills it with the embedding, as
+        models/moe/weights.py does). A router without a ``weight`` has no entry: the loader must ignore that layer's
+        ``mlp.gate.weight`` (models/moe/routers.py)."""
         names = [n for n in self.state_dict() if not (self.config.tie_word_embeddings and n == "lm_head.weight")]
         return {n: (prefix + n,) for n in names}
 
@@ -320,8 +321,11 @@ class Qwen3OmniThinker(DecoderLM):
         """Input embeddings (B, T, H): the token embeddings of ``input_ids`` (B, T), with ``mm_embeds`` (N, H) placed
         at the positions where ``mm_mask`` (B, T) is true (image and audio placeholders), row-major (``place``)."""
         h = self.embed(input_ids)
-        return h if mm_embeds is None else place(h, mm_embeds, mm_mask if mm_mask is not None else
-                                                 torch.zeros_like(input_ids, dtype=torch.bool))
+        if mm_embeds is None:
+            return h
+        if mm_mask is None:
+            raise ValueError("multimodal embeddings need mm_mask (their placeholder positions)")
+        return place(h, mm_embeds, mm_mask)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, signed sin (B, T, 1, hd) of positions (B, T) (one value on every axis) or (3, B, T) (M-RoPE)."""
