@@ -75,27 +75,14 @@ class SwiGLU(nn.Module):
         return self.w_down(F.silu(gate) * up)
 
 
-class Experts(nn.Module):
-    """E SwiGLU experts, fused; on a TP rank each holds its I/size slice and returns partial sums (not reduced)."""
+class FusedExperts(nn.Module):
+    """The compute of E SwiGLU experts held fused: a subclass provides ``num_experts`` and the tensors ``w_gate_up``
+    (E, 2I, H) = [gate_e; up_e] per expert and ``w_down`` (E, H, I), as parameters or buffers (on a TP rank I is its
+    slice, and the output a partial sum, not reduced)."""
 
-    def __init__(self, num_experts: int, hidden: int, inter: int, tp: TPGroup) -> None:
-        super().__init__()
-        self.tp = tp
-        self.num_experts = num_experts
-        local = tp.split(inter, "MoE experts: moe_intermediate_size")
-        self.w_gate_up = nn.Parameter(torch.empty(num_experts, 2 * local, hidden).normal_(std=0.02))
-        self.w_down = nn.Parameter(torch.empty(num_experts, hidden, local).normal_(std=0.02))
-
-    def weight_loader(self, name: str, full_parts: list[Any]) -> torch.Tensor:
-        """This rank's fused tensor from per-expert HF tensors (tensors or safetensors slices): for `w_gate_up`
-        [gate_0, up_0, gate_1, up_1, ...] each (I, H); for `w_down` [down_0, down_1, ...] each (H, I)."""
-        E = self.num_experts
-        if name == "w_gate_up" and len(full_parts) == 2 * E:
-            return torch.stack([torch.cat((shard_rows(full_parts[2 * e], self.tp),
-                                           shard_rows(full_parts[2 * e + 1], self.tp))) for e in range(E)])
-        if name == "w_down" and len(full_parts) == E:
-            return torch.stack([shard_cols(p, self.tp) for p in full_parts])
-        raise ValueError(f"Experts: unexpected {len(full_parts)} parts for {name!r} with {E} experts")
+    num_experts: int
+    w_gate_up: torch.Tensor
+    w_down: torch.Tensor
 
     def forward(self, x: torch.Tensor, selected: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x (N, H), selected (N, k) int64, weights (N, k) -> sum_j weights * expert_j(x): (N, H), partial on TP."""
@@ -134,6 +121,29 @@ class Experts(nn.Module):
         gate, up = torch.bmm(self.w_gate_up[flat], xs).squeeze(-1).chunk(2, dim=-1)  # (N*k, I) each
         y = torch.bmm(self.w_down[flat], (F.silu(gate) * up)[:, :, None]).squeeze(-1)  # (N*k, H)
         return (y.view(N, k, -1) * weights.to(x.dtype)[:, :, None]).sum(dim=1)
+
+
+class Experts(FusedExperts):
+    """E SwiGLU experts, fused; on a TP rank each holds its I/size slice and returns partial sums (not reduced)."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int, tp: TPGroup) -> None:
+        super().__init__()
+        self.tp = tp
+        self.num_experts = num_experts
+        local = tp.split(inter, "MoE experts: moe_intermediate_size")
+        self.w_gate_up = nn.Parameter(torch.empty(num_experts, 2 * local, hidden).normal_(std=0.02))
+        self.w_down = nn.Parameter(torch.empty(num_experts, hidden, local).normal_(std=0.02))
+
+    def weight_loader(self, name: str, full_parts: list[Any]) -> torch.Tensor:
+        """This rank's fused tensor from per-expert HF tensors (tensors or safetensors slices): for `w_gate_up`
+        [gate_0, up_0, gate_1, up_1, ...] each (I, H); for `w_down` [down_0, down_1, ...] each (H, I)."""
+        E = self.num_experts
+        if name == "w_gate_up" and len(full_parts) == 2 * E:
+            return torch.stack([torch.cat((shard_rows(full_parts[2 * e], self.tp),
+                                           shard_rows(full_parts[2 * e + 1], self.tp))) for e in range(E)])
+        if name == "w_down" and len(full_parts) == E:
+            return torch.stack([shard_cols(p, self.tp) for p in full_parts])
+        raise ValueError(f"Experts: unexpected {len(full_parts)} parts for {name!r} with {E} experts")
 
 
 class MoEBlock(nn.Module):

@@ -12,7 +12,9 @@ after copying its inputs in; the rows past n are padding that decode into a scra
 are ignored. Attention over a context bucket instead of the whole cache keeps a step's cost near what its
 requests' lengths need (a whole long cache read by short requests would cost several times the attention).
 Sampling stays outside the graph (per-request generators). Built on ``StaticKVCache.bind_graph``, whose
-attention reads slots and positions on the device (no host syncs).
+attention reads slots and positions on the device (no host syncs). For a model with position offsets
+(``offsets``) the rotary positions are a third static input beside the written positions (a multimodal request's
+differ: kv_engine's ``position_offset``); a text model's graphs have two.
 
 Prefill (``PrefillGraphs``): one graph per (rows bucket, length bucket): rows 1, 2, 4, 6, 8, 12, 16, 24, ... up to the
 engine's batch, lengths 16, 24, 32, 48, 64, 96, ... up to the cache's ``max_seq_len`` (half steps between powers of two:
@@ -60,17 +62,21 @@ class _Captured:
     graph: torch.cuda.CUDAGraph
     tokens: torch.Tensor
     rows: torch.Tensor
-    """(2 * B,) long: positions, then slots, so that a step's host inputs reach the device in one copy."""
+    """(2 * B,) long: positions, then slots (then rotary positions, with offsets), so that a step's host inputs
+    reach the device in one copy."""
     positions: torch.Tensor
     slots: torch.Tensor
     logits: torch.Tensor
 
 
 class DecodeGraphs:
-    def __init__(self, model: torch.nn.Module, cache: StaticKVCache, scratch_slot: int, max_batch: int):
+    def __init__(self, model: torch.nn.Module, cache: StaticKVCache, scratch_slot: int, max_batch: int,
+                 offsets: bool = False):
+        """``offsets``: the model's rotary positions may differ from the positions written (``logits``' ``rope``)."""
         self.model = model
         self.cache = cache
         self.scratch = scratch_slot
+        self.offsets = offsets
         self.buckets = _pow2_buckets(max_batch)
         limit = cache.max_seq_len
         self.contexts = kernel_contexts(limit) if cache.decode_kernel else context_buckets(limit)
@@ -88,18 +94,19 @@ class DecodeGraphs:
         for bucket in sorted(self.buckets, reverse=True):
             for ctx in sorted(self.contexts, reverse=True):
                 tokens = torch.zeros((bucket, 1), dtype=torch.long, device=device)
-                rows = torch.zeros(2 * bucket, dtype=torch.long, device=device)
-                positions, slots = rows[:bucket], rows[bucket:]
+                rows = torch.zeros((3 if self.offsets else 2) * bucket, dtype=torch.long, device=device)
+                positions, slots = rows[:bucket], rows[bucket:2 * bucket]
+                rope = rows[2 * bucket:] if self.offsets else positions
                 slots.fill_(self.scratch)
                 side = torch.cuda.Stream(device)
                 side.wait_stream(torch.cuda.current_stream(device))
                 with torch.cuda.stream(side):  # warm the kernels (and cuBLAS workspaces) outside the capture
                     for _ in range(2):
-                        self._forward(tokens, positions, slots, ctx)
+                        self._forward(tokens, positions, slots, ctx, rope)
                 torch.cuda.current_stream(device).wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    logits = self._forward(tokens, positions, slots, ctx)
+                    logits = self._forward(tokens, positions, slots, ctx, rope)
                 self._captured[(bucket, ctx)] = _Captured(graph, tokens, rows, positions, slots, logits)
         for bucket in self.buckets:  # the host buffers a step of each batch bucket pins (pinned memory's first use)
             self.logits(torch.zeros(bucket, dtype=torch.long, device=device), [0] * bucket, [self.scratch] * bucket)
@@ -112,17 +119,20 @@ class DecodeGraphs:
             torch.cuda.synchronize(self.cache.device)
         self._captured.clear()
 
-    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, ctx: int) -> torch.Tensor:
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, ctx: int,
+                 rope: torch.Tensor) -> torch.Tensor:
         self.cache.bind_graph(slots, positions, ctx)
-        return self.model(tokens, positions[:, None], self.cache, last_only=True)
+        return self.model(tokens, rope[:, None], self.cache, last_only=True)
 
     def bucket_for(self, n: int, longest: int) -> tuple[int, int]:
         """(batch bucket, context bucket) of a step of ``n`` rows whose highest written position is ``longest``."""
         return (next(b for b in self.buckets if b >= n), next(c for c in self.contexts if c > longest))
 
-    def logits(self, tokens: torch.Tensor, positions: list[int], slots: list[int]) -> torch.Tensor:
+    def logits(self, tokens: torch.Tensor, positions: list[int], slots: list[int],
+               rope: list[int] | None = None) -> torch.Tensor:
         """Last-token logits (n, 1, V) of one decode step for n <= max_rows rows, each writing the position given
-        (below the cache's ``max_seq_len``); valid until the next call."""
+        (below the cache's ``max_seq_len``), rotated by ``rope`` (default: the same positions; other values only
+        with ``offsets``); valid until the next call."""
         n = len(slots)
         bucket, ctx = self.bucket_for(n, max(positions))
         cap = self._captured[(bucket, ctx)]
@@ -130,8 +140,12 @@ class DecodeGraphs:
         cap.tokens[:n, 0].copy_(tokens.reshape(-1))
         # padding rows write position 0 of the scratch slot; one copy through pinned memory (a copy from pageable
         # memory may wait for the queue: a step launched ahead)
-        rows = torch.tensor([*positions, *[0] * pad, *slots, *[self.scratch] * pad], dtype=torch.long)
-        cap.rows.copy_(rows.pin_memory(), non_blocking=True)
+        host = [*positions, *[0] * pad, *slots, *[self.scratch] * pad]
+        if self.offsets:
+            host += [*(positions if rope is None else rope), *[0] * pad]
+        elif rope is not None:
+            raise ValueError("DecodeGraphs: rotary positions given to graphs captured without offsets")
+        cap.rows.copy_(torch.tensor(host, dtype=torch.long).pin_memory(), non_blocking=True)
         if pad:
             cap.tokens[n:].zero_()
         cap.graph.replay()

@@ -6,6 +6,9 @@ Inputs a call may carry:
   whatever each request's length.
 - ``kv`` (n_layers, 2, n_kv_heads, T, head_dim): a KV cache produced by a prefill on another rank (P/D split);
   it is imported into a fresh slot before the request's first decode step here.
+- A prefill's model inputs (the model's ``prefill_inputs``, and ``position_ids``): see ``prefill.row_inputs``.
+- ``position_offset`` (an int or one-element tensor) on a prefill or KV import, for a model with ``position_offsets``:
+  its decode steps rotate by cache position + offset (M-RoPE's ``rope_delta``); requests without one cost nothing.
 
 Outputs: ``token`` (1,) int64 always; ``kv`` after a prefill when the walk context exports it (the decode rank is
 another rank), in which case this rank's slot is freed at once. The stop check fires on the model's EOS ids.
@@ -43,7 +46,9 @@ from mstar_dist.config.engine import EngineConfig
 from mstar_dist.engine.component import Component, WalkContext
 from mstar_dist.engine.kv_cache import Seq, StaticKVCache
 from mstar_dist.engine.lookahead import Ahead, claim
-from mstar_dist.engine.prefill import PREFILL_ATTENTION, Launched, prefill_eager, side_stream
+from mstar_dist.engine.prefill import (
+    PREFILL_ATTENTION, Launched, alone_with_inputs, prefill_eager, row_inputs, side_stream,
+)
 from mstar_dist.engine.sampling import SamplingParams, sample, to_device
 from mstar_dist.engine.scheduler import (
     JOINED_LOOKAHEAD, NO_FREE_SLOT, PREFILL_RUNNING, RELEASED, Held, Scheduler, Step,
@@ -69,6 +74,11 @@ class KVCacheEngine(Component):
         self.logit_bias = None if logit_bias is None else logit_bias.to(device, torch.float32)
         self.model, self.cache, self.device = model, cache, device
         self.ragged_prefill = bool(getattr(model, "pads_are_inert", False))
+        self.prefill_inputs: tuple[str, ...] = tuple(getattr(model, "prefill_inputs", ()))
+        """Call inputs a prefill hands the model's forward (with ``position_ids``); empty for text decoders."""
+        self.position_offsets = bool(getattr(model, "position_offsets", False))
+        self._offsets: dict[int, int] = {}
+        """Slot -> its request's decode position offset, only the nonzero ones (empty: text-only traffic)."""
         self.graphs = self.prefill_graphs = None
         if config.cuda_graphs:
             self._build_graphs(config)
@@ -97,7 +107,7 @@ class KVCacheEngine(Component):
         if self.device.type != "cuda":
             raise ValueError(f"cuda_graphs needs a CUDA device, got {self.device}")
         self.graphs = DecodeGraphs(self.model, self.cache, scratch_slot=self.cache.alloc(),
-                                   max_batch=self.cache.num_free)
+                                   max_batch=self.cache.num_free, offsets=self.position_offsets)
         if config.prefill_graphs and self.ragged_prefill:
             self.prefill_graphs = PrefillGraphs(self.model, self.cache, scratch_slot=self.graphs.scratch,
                                                 max_rows=self.graphs.max_rows,
@@ -122,15 +132,16 @@ class KVCacheEngine(Component):
                                             busy=bool(decode or launched_before))
         for i, why in plan.held:
             results[i] = why
-        groups = [[calls[i] for i in group] for group in plan.groups]
-        launched = self._launch_prefills(groups, [[ids[i] for i in group] for group in plan.groups])
+        planned = alone_with_inputs(plan.groups, calls, self.prefill_inputs) if self.prefill_inputs else plan.groups
+        groups = [[calls[i] for i in group] for group in planned]
+        launched = self._launch_prefills(groups, [[ids[i] for i in group] for group in planned])
         self._decode_turn(calls, decode, results, ended=ended, launched=launched, earlier=earlier)
         if ended:
             at = {call: i for i, call in enumerate(calls)}
             for batch in ended:
                 self._launched.remove(batch)
                 self._answer(batch, at, results)
-        for group, batch in zip(plan.groups, launched):
+        for group, batch in zip(planned, launched):
             if isinstance(batch, BaseException):
                 for i in group:
                     results[i] = batch
@@ -208,6 +219,7 @@ class KVCacheEngine(Component):
         self.scheduler.forget(request_id)
         seq = self._seqs.pop(request_id, None)
         if seq is not None:
+            self._offsets.pop(seq.slot, None)
             self.cache.free(seq.slot)
         for batch in self._launched:
             if request_id in batch.ids:  # on the device: its slot goes back when the batch is finished
@@ -267,6 +279,7 @@ class KVCacheEngine(Component):
         if call.request_id in self._seqs:
             raise RuntimeError(f"request {call.request_id!r} already has a KV slot on {self.name!r}")
         ids = call.inputs["input_ids"].reshape(-1).long()
+        self._offset_of(call)  # a bad one fails the prompt now, not its batch later
         if ids.numel() == 0:
             raise ValueError("empty prompt")
         if ids.numel() >= self.cache.max_seq_len:
@@ -282,7 +295,10 @@ class KVCacheEngine(Component):
             return []
         busy = self._busy_slots()
         slots = [[self.cache.alloc(avoid=busy) for _ in group] for group in groups]
-        side = side_stream(self._side, busy, [s for g in slots for s in g], [p for g in prompts for p in g])
+        given = [p for g in prompts for p in g]
+        if self.prefill_inputs:  # model inputs too: one made on the device must not cross to the side stream
+            given += [t for g in groups for c in g for t in c.inputs.values() if torch.is_tensor(t)]
+        side = side_stream(self._side, busy, [s for g in slots for s in g], given)
         out: list[Launched | BaseException] = []
         for group, group_prompts, group_slots in zip(groups, prompts, slots):
             try:
@@ -302,12 +318,13 @@ class KVCacheEngine(Component):
         if trace.ON:
             trace.event("eng_prefill_start", rows=len(group), tokens=sum(lengths), padded=longest * len(group),
                         ids=ids, engine=self.name)
-        bucket = None if self.prefill_graphs is None else self.prefill_graphs.bucket_for(len(group), longest)
+        extras = row_inputs(group[0], self.prefill_inputs, self.device) if len(group) == 1 else None
+        bucket = None if self.prefill_graphs is None or extras else self.prefill_graphs.bucket_for(len(group), longest)
         if bucket is not None:  # host prompts go to the graph's inputs in one copy
             logits = self.prefill_graphs.logits(prompts, slots, bucket)
         else:
             on_device = [to_device(p, self.device) for p in prompts]  # no stream sync
-            logits = prefill_eager(self.model, self.cache, on_device, slots, lengths)
+            logits = prefill_eager(self.model, self.cache, on_device, slots, lengths, extras)
         if trace.ON:
             trace.event("eng_prefill_replayed", rows=len(group), engine=self.name)
         ctxs: list[WalkContext] = [c.ctx for c in group]
@@ -337,6 +354,8 @@ class KVCacheEngine(Component):
                 results.append(RELEASED)
                 continue
             self._seqs[call.request_id] = Seq(slot=slot, length=n)
+            if offset := self._offset_of(call):  # its decode steps rotate by cache position + offset
+                self._offsets[slot] = offset
             outputs = {"token": torch.tensor([token])}
             if "kv" in ctx.export:  # on the current stream, where a p2p send of it is ordered (its KV writes are done)
                 outputs["kv"] = self.cache.export(slot, n)
@@ -387,6 +406,7 @@ class KVCacheEngine(Component):
             raise RuntimeError(
                 f"request {call.request_id!r}: decode on {self.name!r} without a KV cache (no prefill here, none sent)"
             )
+        offset = self._offset_of(call)
         if self.cache.num_free == 0:
             return False
         slot = self.cache.alloc()
@@ -396,8 +416,19 @@ class KVCacheEngine(Component):
             self.cache.free(slot)  # a malformed KV must not cost a slot for good
             raise
         self._seqs[call.request_id] = Seq(slot=slot, length=int(kv.shape[3]))
+        if offset:
+            self._offsets[slot] = offset
         call.inputs.pop("kv")  # imported: let the received buffer go
         return True
+
+    def _offset_of(self, call: NodeCall) -> int:
+        """The call's ``position_offset`` (0 without one); ValueError when the model takes none."""
+        offset = call.inputs.get("position_offset")
+        if offset is None:
+            return 0
+        if not self.position_offsets:
+            raise ValueError(f"{self.name!r}: its model takes no position_offset (request {call.request_id!r})")
+        return int(offset.reshape(-1)[0]) if isinstance(offset, torch.Tensor) else int(offset)
 
     def _decode(self, calls: list[NodeCall], step: Step) -> list[NodeResult | Held]:
         t0 = time.perf_counter()
@@ -504,11 +535,13 @@ class KVCacheEngine(Component):
         its samples (n,) on the device. With ``keep_states``: {row: (generator, state before the draw)}."""
         positions = [s.length for s in seqs]
         slots = [s.slot for s in seqs]
+        offsets = self._offsets
+        rope = [p + offsets.get(slot, 0) for p, slot in zip(positions, slots)] if offsets else None
         if self.graphs is not None and len(seqs) <= self.graphs.max_rows:
-            logits = self.graphs.logits(tokens, positions, slots)
+            logits = self.graphs.logits(tokens, positions, slots, rope)
         else:
             self.cache.bind(slots, positions, 1)
-            logits = self.model(tokens[:, None], to_device(positions, self.device)[:, None], self.cache,
+            logits = self.model(tokens[:, None], to_device(rope or positions, self.device)[:, None], self.cache,
                                 last_only=True)
         params: list[SamplingParams] = [x.sampling for x in ctxs]
         generators = _generators(ctxs)

@@ -42,20 +42,56 @@ class Launched:
     """Requests released while the batch was on the device: their slots go back when it is finished."""
 
 
+def alone_with_inputs(groups: list[list[int]], calls: list[NodeCall], names: tuple[str, ...]) -> list[list[int]]:
+    """The prefill ``groups`` (call indices) with every prompt that carries model inputs (``names`` or
+    ``position_ids``) in a group of its own: its inputs are one row's."""
+    out: list[list[int]] = []
+    for group in groups:
+        rest = []
+        for i in group:
+            if any(name in calls[i].inputs for name in (*names, "position_ids")):
+                out.append([i])
+            else:
+                rest.append(i)
+        if rest:
+            out.append(rest)
+    return out
+
+
+def row_inputs(call: NodeCall, names: tuple[str, ...], device: torch.device) -> dict[str, torch.Tensor] | None:
+    """The model inputs a prefill call carries (those in ``names``, the model's ``prefill_inputs``, and
+    ``position_ids``) moved to ``device``, or None. ``prefill_eager`` hands them to the model's forward of that one
+    row as keyword arguments, as given, except ``position_ids`` (T,) or (A, T), which become its ``positions``
+    (1, T) or (A, 1, T) in place of 0..T-1 (A position axes: M-RoPE's three). Such a prompt is a forward of its own
+    (``alone_with_inputs``) and eager: prefill graphs capture token ids only."""
+    if not names:
+        return None
+    given = {name: call.inputs[name] for name in (*names, "position_ids") if name in call.inputs}
+    return {name: to_device(t, device) for name, t in given.items()} or None
+
+
 def prefill_eager(model: torch.nn.Module, cache: StaticKVCache, prompts: list[torch.Tensor], slots: list[int],
-                  lengths: list[int]) -> torch.Tensor:
+                  lengths: list[int], inputs: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
     """One forward of ``prompts`` (on the cache's device) right-padded to the longest, each row from position 0 of
-    its slot: the last-token logits (rows, 1, V), each row's at its own last token."""
+    its slot: the last-token logits (rows, 1, V), each row's at its own last token. ``inputs``: one prompt's model
+    inputs (``row_inputs``)."""
     device = cache.device
     longest = max(lengths)
     ids = torch.zeros((len(prompts), longest), dtype=torch.long, device=device)
     for row, prompt in enumerate(prompts):
         ids[row, : prompt.numel()] = prompt
     positions = torch.arange(longest, device=device).expand(len(prompts), longest)
+    kwargs = dict(inputs or {})
+    given = kwargs.pop("position_ids", None)
+    if given is not None:
+        if len(prompts) != 1 or given.shape[-1] != longest or given.dim() > 2:
+            raise ValueError(f"position_ids of shape {tuple(given.shape)} do not fit one prompt of {longest} tokens "
+                             f"(expected (T,) or (axes, T))")
+        positions = given.long().reshape(*given.shape[:-1], 1, longest)
     cache.bind(slots, [0] * len(prompts), longest)
     last = None if min(lengths) == longest else to_device([n - 1 for n in lengths], device)
     with sdpa_kernel(PREFILL_ATTENTION):
-        return model(ids, positions, cache, last_only=True, last_index=last)
+        return model(ids, positions, cache, last_only=True, last_index=last, **kwargs)
 
 
 def side_stream(side: torch.cuda.Stream | None, busy: set[int], slots: list[int], prompts: list[torch.Tensor]
