@@ -9,9 +9,7 @@ trained on CORPUS with Qwen's pre-tokenizer, then Qwen3-Omni's 33 added tokens i
 CHAT_TEMPLATE), ``chat_template.json``, ``preprocessor_config.json`` (Qwen2-VL image processor and Whisper feature
 extractor settings) and ``generation_config.json``.
 
-Tensor names and shapes are the published checkpoint's: transformers' ``Qwen3OmniMoeForConditionalGeneration``
-state dict with the MoE experts per expert (``...mlp.experts.{e}.gate_proj.weight``), the layout Qwen publishes and
-that transformers' ``qwen2_moe`` conversion fuses on load (``conversion_mapping.py``). Values come from a generator
+Tensor names and shapes are the published checkpoint's (``weights.tensor_shapes``). Values come from a generator
 seeded by (seed, tensor name), so a tensor's values do not depend on which others exist: tensors of two or more
 dims N(0, 0.02), biases 0, SnakeBeta's log-scales (``alpha``, ``beta``) 0, every other 1-D tensor (norm weights,
 layer scales) 1. The same seed gives the same bytes. No transformers needed: serving writes the default checkpoint
@@ -36,6 +34,7 @@ from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from models.qwen3_omni.config import ARCHITECTURE, MODEL_TYPE, Qwen3OmniConfig
+from models.qwen3_omni.weights import Shapes, tensor_shapes
 
 DEFAULT_QWEN3OMNI_DIR = "~/.cache/mstar_dist/qwen3omni-tiny"
 """Where serving prepares the default checkpoint (seed 0, float32) on first start."""
@@ -316,163 +315,6 @@ GENERATION_CONFIG = {"talker_max_new_tokens": 4096, "talker_repetition_penalty":
 """generation_config.json as published: the talker's sampling defaults."""
 
 
-Shapes = list[tuple[str, tuple[int, ...]]]
-
-
-def _attention(p: str, hidden: int, sub: dict[str, Any], qk_norm: bool) -> Shapes:
-    """q/k/v/o projections of one decoder attention (no bias), with per-head q/k RMSNorms when `qk_norm`."""
-    heads, kv = sub["num_attention_heads"], sub.get("num_key_value_heads") or sub["num_attention_heads"]
-    hd = sub.get("head_dim") or hidden // heads
-    out = [(p + "q_proj.weight", (heads * hd, hidden)), (p + "k_proj.weight", (kv * hd, hidden)),
-           (p + "v_proj.weight", (kv * hd, hidden)), (p + "o_proj.weight", (hidden, heads * hd))]
-    return out + ([(p + "q_norm.weight", (hd,)), (p + "k_norm.weight", (hd,))] if qk_norm else [])
-
-
-def _swiglu(p: str, hidden: int, inter: int) -> Shapes:
-    return [(p + "gate_proj.weight", (inter, hidden)), (p + "up_proj.weight", (inter, hidden)),
-            (p + "down_proj.weight", (hidden, inter))]
-
-
-def _moe_decoder(p: str, sub: dict[str, Any], *, shared_expert: bool) -> Shapes:
-    """``{p}layers.N.*`` of a Qwen3-MoE decoder (experts per expert; the talker's blocks add a gated shared
-    expert and are all sparse), then ``{p}norm.weight``."""
-    d, n_exp = sub["hidden_size"], sub["num_experts"]
-    out: Shapes = []
-    for i in range(sub["num_hidden_layers"]):
-        q = f"{p}layers.{i}."
-        out += [(q + "input_layernorm.weight", (d,)), *_attention(q + "self_attn.", d, sub, qk_norm=True),
-                (q + "post_attention_layernorm.weight", (d,))]
-        sparse = shared_expert or (i not in sub.get("mlp_only_layers", []) and n_exp > 0
-                                   and (i + 1) % sub.get("decoder_sparse_step", 1) == 0)
-        if not sparse:
-            out += _swiglu(q + "mlp.", d, sub["intermediate_size"])
-            continue
-        out.append((q + "mlp.gate.weight", (n_exp, d)))
-        for e in range(n_exp):
-            out += _swiglu(f"{q}mlp.experts.{e}.", d, sub["moe_intermediate_size"])
-        if shared_expert:
-            out += _swiglu(q + "mlp.shared_expert.", d, sub["shared_expert_intermediate_size"])
-            out.append((q + "mlp.shared_expert_gate.weight", (1, d)))
-    return out + [(p + "norm.weight", (d,))]
-
-
-def _linear(p: str, n_in: int, n_out: int, bias: bool = True) -> Shapes:
-    return [(p + "weight", (n_out, n_in))] + ([(p + "bias", (n_out,))] if bias else [])
-
-
-def _audio_shapes(a: dict[str, Any]) -> Shapes:
-    """``thinker.audio_tower.*``: three stride-2 3x3 convs over (mel, time), the linear into the model width, the
-    encoder layers (Whisper-style, biased), the final norm and the two-layer projection to the thinker width."""
-    p, d, ch = "thinker.audio_tower.", a["d_model"], a["downsample_hidden_size"]
-    freq = (((a["num_mel_bins"] + 1) // 2 + 1) // 2 + 1) // 2
-    out = [(p + "conv2d1.weight", (ch, 1, 3, 3)), (p + "conv2d1.bias", (ch,))]
-    for conv in ("conv2d2", "conv2d3"):
-        out += [(f"{p}{conv}.weight", (ch, ch, 3, 3)), (f"{p}{conv}.bias", (ch,))]
-    out += _linear(p + "conv_out.", ch * freq, d, bias=False)
-    for i in range(a["encoder_layers"]):
-        q = f"{p}layers.{i}."
-        for proj in ("k_proj", "v_proj", "q_proj", "out_proj"):
-            out += _linear(f"{q}self_attn.{proj}.", d, d)
-        out += [(q + "self_attn_layer_norm.weight", (d,)), (q + "self_attn_layer_norm.bias", (d,))]
-        out += _linear(q + "fc1.", d, a["encoder_ffn_dim"]) + _linear(q + "fc2.", a["encoder_ffn_dim"], d)
-        out += [(q + "final_layer_norm.weight", (d,)), (q + "final_layer_norm.bias", (d,))]
-    out += [(p + "ln_post.weight", (d,)), (p + "ln_post.bias", (d,))]
-    return out + _linear(p + "proj1.", d, d) + _linear(p + "proj2.", d, a["output_dim"])
-
-
-def _merger(p: str, v: dict[str, Any], norm_width: int) -> Shapes:
-    merged = v["hidden_size"] * v["spatial_merge_size"] ** 2
-    return ([(p + "ln_q.weight", (norm_width,)), (p + "ln_q.bias", (norm_width,))]
-            + _linear(p + "mlp.0.", merged, merged) + _linear(p + "mlp.2.", merged, v["out_hidden_size"]))
-
-
-def _vision_shapes(v: dict[str, Any]) -> Shapes:
-    """``thinker.visual.*``: the 3-D patch embedding, the learned position grid, the blocks, the final merger
-    (norm before the 2x2 merge) and one deepstack merger per deepstack index (norm after the merge)."""
-    p, d = "thinker.visual.", v["hidden_size"]
-    kernel = (v["temporal_patch_size"], v["patch_size"], v["patch_size"])
-    out = [(p + "patch_embed.proj.weight", (d, v["in_channels"], *kernel)), (p + "patch_embed.proj.bias", (d,)),
-           (p + "pos_embed.weight", (v["num_position_embeddings"], d))]
-    for i in range(v["depth"]):
-        q = f"{p}blocks.{i}."
-        out += [(q + "norm1.weight", (d,)), (q + "norm1.bias", (d,)), (q + "norm2.weight", (d,)),
-                (q + "norm2.bias", (d,))]
-        out += _linear(q + "attn.qkv.", d, 3 * d) + _linear(q + "attn.proj.", d, d)
-        out += _linear(q + "mlp.linear_fc1.", d, v["intermediate_size"])
-        out += _linear(q + "mlp.linear_fc2.", v["intermediate_size"], d)
-    out += _merger(p + "merger.", v, d)
-    for j in range(len(v["deepstack_visual_indexes"])):
-        out += _merger(f"{p}merger_list.{j}.", v, d * v["spatial_merge_size"] ** 2)
-    return out
-
-
-def _talker_shapes(config: Qwen3OmniConfig) -> Shapes:
-    """``talker.*``: codec embedding and decoder, the two resize MLPs from the thinker's width, the codec head and
-    the code predictor (one embedding and one head per residual codebook)."""
-    t, cp = config.talker_text, config.code_predictor
-    d, thinker_d, inter = t["hidden_size"], config.talker["thinker_hidden_size"], t["intermediate_size"]
-    out = [("talker.model.codec_embedding.weight", (t["vocab_size"], d))]
-    out += _moe_decoder("talker.model.", t, shared_expert=True)
-    for proj in ("text_projection", "hidden_projection"):
-        out += _linear(f"talker.{proj}.linear_fc1.", thinker_d, inter) + _linear(f"talker.{proj}.linear_fc2.", inter, d)
-    out.append(("talker.codec_head.weight", (t["vocab_size"], d)))
-    p, dc = "talker.code_predictor.", cp["hidden_size"]
-    for i in range(cp["num_hidden_layers"]):
-        q = f"{p}model.layers.{i}."
-        out += [(q + "input_layernorm.weight", (dc,)), *_attention(q + "self_attn.", dc, cp, qk_norm=True),
-                (q + "post_attention_layernorm.weight", (dc,)), *_swiglu(q + "mlp.", dc, cp["intermediate_size"])]
-    out.append((p + "model.norm.weight", (dc,)))
-    residual = range(cp["num_code_groups"] - 1)
-    out += [(f"{p}model.codec_embedding.{j}.weight", (cp["vocab_size"], dc)) for j in residual]
-    return out + [(f"{p}lm_head.{j}.weight", (cp["vocab_size"], dc)) for j in residual]
-
-
-def _code2wav_shapes(c: dict[str, Any]) -> Shapes:
-    """``code2wav.*``: the summed per-quantizer code embedding, the transformer with layer scales, the 2x
-    upsamplers (transposed conv + ConvNeXt block) and the SnakeBeta/conv decoder down to one channel."""
-    d, p = c["hidden_size"], "code2wav."
-    out = [(p + "code_embedding.weight", (c["codebook_size"] * c["num_quantizers"], d))]
-    for i in range(c["num_hidden_layers"]):
-        q = f"{p}pre_transformer.layers.{i}."
-        out += [(q + "input_layernorm.weight", (d,)), *_attention(q + "self_attn.", d, c, qk_norm=False),
-                *_swiglu(q + "mlp.", d, c["intermediate_size"]), (q + "post_attention_layernorm.weight", (d,)),
-                (q + "self_attn_layer_scale.scale", (d,)), (q + "mlp_layer_scale.scale", (d,))]
-    out.append((p + "pre_transformer.norm.weight", (d,)))
-    for j, factor in enumerate(c["upsampling_ratios"]):
-        q = f"{p}upsample.{j}."
-        out += [(q + "0.conv.weight", (d, d, factor)), (q + "0.conv.bias", (d,)),
-                (q + "1.dwconv.conv.weight", (d, 1, 7)), (q + "1.dwconv.conv.bias", (d,)), (q + "1.gamma", (d,)),
-                (q + "1.norm.weight", (d,)), (q + "1.norm.bias", (d,))]
-        out += _linear(q + "1.pwconv1.", d, 4 * d) + _linear(q + "1.pwconv2.", 4 * d, d)
-    dim = c["decoder_dim"]
-    out += [(p + "decoder.0.conv.weight", (dim, d, 7)), (p + "decoder.0.conv.bias", (dim,))]
-    for i, rate in enumerate(c["upsample_rates"]):
-        q, half = f"{p}decoder.{i + 1}.block.", dim // 2
-        out += [(q + "0.alpha", (dim,)), (q + "0.beta", (dim,)), (q + "1.conv.weight", (dim, half, 2 * rate)),
-                (q + "1.conv.bias", (half,))]
-        for unit in (2, 3, 4):
-            r = f"{q}{unit}."
-            out += [(r + "act1.alpha", (half,)), (r + "act1.beta", (half,)), (r + "conv1.conv.weight", (half, half, 7)),
-                    (r + "conv1.conv.bias", (half,)), (r + "act2.alpha", (half,)), (r + "act2.beta", (half,)),
-                    (r + "conv2.conv.weight", (half, half, 1)), (r + "conv2.conv.bias", (half,))]
-        dim = half
-    n = len(c["upsample_rates"]) + 1
-    return out + [(f"{p}decoder.{n}.alpha", (dim,)), (f"{p}decoder.{n}.beta", (dim,)),
-                  (f"{p}decoder.{n + 1}.conv.weight", (1, dim, 7)), (f"{p}decoder.{n + 1}.conv.bias", (1,))]
-
-
-def tensor_shapes(config: Qwen3OmniConfig) -> Shapes:
-    """Every tensor of the published layout for `config`, in the order the shards hold them (encoders, thinker
-    decoder and head, talker, code2wav)."""
-    text = config.thinker_text
-    out = _audio_shapes(config.audio) + _vision_shapes(config.vision)
-    out.append(("thinker.model.embed_tokens.weight", (text["vocab_size"], text["hidden_size"])))
-    out += _moe_decoder("thinker.model.", text, shared_expert=False)
-    out.append(("thinker.lm_head.weight", (text["vocab_size"], text["hidden_size"])))
-    if config.enable_audio_output:
-        out += _talker_shapes(config) + _code2wav_shapes(config.code2wav)
-    return out
-
 
 CONV_GAIN = 0.7
 """Convolution kernels are N(0, (CONV_GAIN / sqrt(fan_in))^2): with 0.02 the code2wav decoder's ~20 stacked convs
@@ -491,7 +333,7 @@ def init_tensor(name: str, shape: tuple[int, ...], seed: int, dtype: torch.dtype
     return torch.randn(shape, generator=gen).mul_(std).to(dtype)
 
 
-def _plan_shards(shapes: Shapes, itemsize: int, max_shard_bytes: int) -> list[list[tuple[str, tuple[int, ...]]]]:
+def _plan_shards(shapes: Shapes, itemsize: int, max_shard_bytes: int) -> list[Shapes]:
     """Consecutive tensors grouped into shards of at most `max_shard_bytes` (a bigger tensor gets its own)."""
     shards: list[Shapes] = [[]]
     size = 0
