@@ -10,9 +10,9 @@ CHAT_TEMPLATE), ``chat_template.json``, ``preprocessor_config.json`` (Qwen2-VL i
 extractor settings) and ``generation_config.json``.
 
 Tensor names and shapes are the published checkpoint's (``weights.tensor_shapes``). Values come from a generator
-seeded by (seed, tensor name), so a tensor's values do not depend on which others exist: tensors of two or more
-dims N(0, 0.02), biases 0, SnakeBeta's log-scales (``alpha``, ``beta``) 0, every other 1-D tensor (norm weights,
-layer scales) 1. The same seed gives the same bytes. No transformers needed: serving writes the default checkpoint
+seeded by (seed, tensor name), so a tensor's values do not depend on which others exist: matrices N(0, 0.02),
+convolution kernels N(0, (CONV_GAIN / sqrt(fan_in))^2), biases 0, SnakeBeta's log-scales (``alpha``, ``beta``) 0,
+every other 1-D tensor (norm weights, layer scales) 1. The same seed gives the same bytes. No transformers needed: serving writes the default checkpoint
 on first start (``write_default_checkpoint``).
 """
 
@@ -315,7 +315,6 @@ GENERATION_CONFIG = {"talker_max_new_tokens": 4096, "talker_repetition_penalty":
 """generation_config.json as published: the talker's sampling defaults."""
 
 
-
 CONV_GAIN = 0.7
 """Convolution kernels are N(0, (CONV_GAIN / sqrt(fan_in))^2): with 0.02 the code2wav decoder's ~20 stacked convs
 give a waveform near 1e-7 (a parity test's absolute tolerance would pass anything), with gain 1 it saturates
@@ -414,7 +413,11 @@ def write_default_checkpoint(out: str | Path = DEFAULT_QWEN3OMNI_DIR) -> Path:
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
     try:
         make_qwen3omni_checkpoint(tmp, seed=0)
-        tmp.rename(out)
+        try:
+            tmp.rename(out)
+        except OSError:  # another process on this host renamed its copy first
+            if not (out / "model.safetensors.index.json").is_file():
+                raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out

@@ -16,6 +16,9 @@ import copy
 import json
 import math
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -34,6 +37,8 @@ pytestmark = pytest.mark.usefixtures("one_intraop_thread")
 
 IMAGE_PART = {"type": "image", "image": "ignored.png"}
 AUDIO_PART = {"type": "audio", "audio": "ignored.wav"}
+TRANSFORMERS = "5.0"
+"""The reference tests use transformers 5's API (its in-memory module names, the PIL image-processor backend)."""
 MEDIA_PROMPT = ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n"
                 "<|vision_start|><|image_pad|><|vision_end|><|audio_start|><|audio_pad|><|audio_end|>"
                 "What is this?<|im_end|>\n<|im_start|>assistant\n")
@@ -201,6 +206,18 @@ def test_writer_refuses_a_non_empty_directory_and_bad_arguments(ckpt, tmp_path) 
     bad["code2wav_config"]["num_quantizers"] = 8
     with pytest.raises(ValueError, match="code2wav_config.num_quantizers"):
         ck.make_qwen3omni_checkpoint(tmp_path / "b", config=bad)
+
+
+def test_the_writer_and_loader_need_no_transformers(ckpt, tmp_path) -> None:
+    # Serving writes the default checkpoint on first start, where transformers (a test dependency) may be absent.
+    code = ("import sys; sys.modules['transformers'] = None\n"
+            "from models.qwen3_omni.checkpoint import make_qwen3omni_checkpoint\n"
+            "from models.qwen3_omni.weights import read_tensors\n"
+            f"make_qwen3omni_checkpoint({str(tmp_path / 'c')!r})\n"
+            f"read_tensors({str(tmp_path / 'c')!r}, 'talker.')\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
+    assert (tmp_path / "c" / "config.json").read_bytes() == (ckpt / "config.json").read_bytes()
 
 
 def test_the_default_checkpoint_is_written_once(tmp_path) -> None:
@@ -388,7 +405,7 @@ def test_a_shard_that_is_absent_is_named_only_when_needed(ckpt, tmp_path) -> Non
 
 
 def test_transformers_loads_the_checkpoint_with_no_missing_or_unexpected_keys(ckpt) -> None:
-    transformers = pytest.importorskip("transformers")
+    transformers = pytest.importorskip("transformers", minversion=TRANSFORMERS)
     model, info = transformers.Qwen3OmniMoeForConditionalGeneration.from_pretrained(ckpt, output_loading_info=True)
     assert {k: list(v) for k, v in info.items()} == {"missing_keys": [], "unexpected_keys": [],
                                                      "mismatched_keys": [], "error_msgs": []}
@@ -400,7 +417,7 @@ def test_transformers_loads_the_checkpoint_with_no_missing_or_unexpected_keys(ck
 
 
 def test_transformers_tokenizer_and_media_processors_load_and_render_an_image_and_audio_prompt(ckpt) -> None:
-    transformers = pytest.importorskip("transformers")
+    transformers = pytest.importorskip("transformers", minversion=TRANSFORMERS)
     tok = transformers.AutoTokenizer.from_pretrained(ckpt)
     assert type(tok).__name__ == "Qwen2Tokenizer"
     assert (tok.image_token_id, tok.audio_token_id, tok.video_token_id) == (1036, 1056, 1037)
@@ -417,7 +434,7 @@ def test_transformers_tokenizer_and_media_processors_load_and_render_an_image_an
 
 
 def test_transformers_processor_expands_an_image_and_an_audio_clip_from_the_chat_template(ckpt, monkeypatch) -> None:
-    transformers = pytest.importorskip("transformers")
+    transformers = pytest.importorskip("transformers", minversion=TRANSFORMERS)
     from PIL import Image
 
     try:
