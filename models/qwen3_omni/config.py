@@ -104,7 +104,8 @@ def _bad(path: str, value: Any, why: str) -> ValueError:
 
 
 def _sub(hf: Mapping[str, Any], path: str) -> dict[str, Any]:
-    """The dict at dotted `path` of `hf`; ValueError naming the first key that is missing or not an object."""
+    """A copy of the dict at dotted `path` of `hf`; ValueError naming the first key that is missing or not an
+    object."""
     node: Any = hf
     walked = []
     for key in path.split("."):
@@ -112,7 +113,7 @@ def _sub(hf: Mapping[str, Any], path: str) -> dict[str, Any]:
         node = node.get(key) if isinstance(node, Mapping) else None
         if not isinstance(node, Mapping):
             raise _bad(".".join(walked), node, "expected an object")
-    return dict(node)
+    return copy.deepcopy(dict(node))
 
 
 def _int(node: Mapping[str, Any], path: str, key: str, *, below: int | None = None) -> int:
