@@ -43,7 +43,7 @@ from models.common import fused  # noqa: E402
 from mstar_dist.engine import decode_attention  # noqa: E402
 from mstar_dist.engine.cuda_graphs import context_buckets  # noqa: E402
 from mstar_dist.engine.kv_cache import StaticKVCache  # noqa: E402
-from mstar_dist.engine.kv_engine import _PREFILL_ATTENTION  # noqa: E402
+from mstar_dist.engine.kv_engine import PREFILL_ATTENTION  # noqa: E402
 from models.llama.weights import load_llama  # noqa: E402
 
 MAX_SEQ_LEN = 2048
@@ -146,7 +146,7 @@ def main() -> None:
 
                 def forward(m, ids=ids, slot_idx=slot_idx, pos=pos, last=last, tokens=tokens):
                     cache.bind_prefill_graph(slot_idx, tokens)
-                    with sdpa_kernel(_PREFILL_ATTENTION):
+                    with sdpa_kernel(PREFILL_ATTENTION):
                         return m(ids, pos, cache, last_only=True, last_index=last)
             case = {"kind": kind, "rows": rows, "tokens": tokens}
             case["graph_ms"] = round(graph_ms(lambda: forward(model), args.replays, args.repeats), 4)
