@@ -47,7 +47,8 @@ def decode_audio(data: bytes, *, format: str | None, target_rate: int, max_bytes
     kind = sniff(data)
     if kind not in AUDIO_FORMATS:
         found = f"it is {describe(kind)}" if kind else "its first bytes match no audio format"
-        raise MediaError(f"the audio is not a {', '.join(AUDIO_FORMATS)} file ({found}); send one of those")
+        raise MediaError(f"the audio is not {', '.join(AUDIO_FORMATS[:-1])} or {AUDIO_FORMATS[-1]} ({found}); send one "
+                         f"of those")
     if declared is not None and declared != kind:
         raise MediaError(f"the audio's format is given as {declared!r} but the data is {describe(kind)}; set "
                          f"format to {kind!r} or send {declared.upper()} data")

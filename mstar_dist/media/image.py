@@ -45,9 +45,8 @@ def decode_image(data: bytes, *, max_bytes: int, max_pixels: int) -> np.ndarray:
     check_size(data, what="image", max_bytes=max_bytes)
     kind = sniff(data)
     if kind not in PILLOW_FORMATS:
-        supported = ", ".join(f.upper() for f in PILLOW_FORMATS)
         found = f"it is {describe(kind)}" if kind else "its first bytes match no image format"
-        raise MediaError(f"the image is not a {supported} file ({found}); send one of those")
+        raise MediaError(f"the image is not PNG, JPEG or WebP ({found}); send one of those")
     image = _open(data, kind, max_pixels)
     width, height = image.size
     if width * height > max_pixels:
