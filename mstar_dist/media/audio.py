@@ -8,8 +8,9 @@ channels averaged to mono, soxr at its ``HQ`` quality, the result cut or zero-pa
 
 Order of checks, cheapest first: byte count, the declared ``format`` against the container's magic bytes, the
 header's frame count against ``max_seconds`` (a few kilobytes of FLAC can hold hours of silence), and only then the
-samples. A WAV whose data stops early decodes what arrived (its header may be a streaming one with no length);
-FLAC and OGG that stop early or do not parse are errors, as is MP3 that does not parse.
+samples. WAV and MP3 whose data stops early decode what arrived (a WAV header may be a streaming one with no
+length, and mpg123 reads MPEG frames as a stream); FLAC and OGG that stop early are errors, as is any file whose
+header does not parse.
 """
 
 from __future__ import annotations

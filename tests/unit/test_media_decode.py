@@ -284,11 +284,15 @@ def test_cut_short_audio_is_a_media_error(fmt):
             decode_audio(data[:cut], format=None, target_rate=16000, max_bytes=BIG, max_seconds=60)
 
 
-def test_wav_cut_in_its_samples_decodes_what_arrived():
-    """A WAV's header may be a streaming one with no length, so samples that stop early are what the clip is."""
+def test_wav_and_mp3_cut_in_their_samples_decode_what_arrived():
+    """A WAV's header may be a streaming one with no length, and MP3 is a stream of frames: samples that stop early
+    are what the clip is."""
     data = audio_bytes(tone(440, 16000, 1.0), 16000, "wav")
     out = decode_audio(data[:44 + 2 * 4000], format="wav", target_rate=16000, max_bytes=BIG, max_seconds=60)
     assert out.shape == (4000,)
+    data = audio_bytes(tone(440, 16000, 3.0), 16000, "mp3")
+    out = decode_audio(data[:len(data) // 2], format="mp3", target_rate=16000, max_bytes=BIG, max_seconds=60)
+    assert 0 < out.shape[0] < 48000
 
 
 def test_corrupt_flac_is_a_media_error():
