@@ -20,7 +20,7 @@ import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from mstar_dist.media import wav_bytes, wav_header
+from mstar_dist.media.wav import wav_bytes, wav_header
 from mstar_dist.server.backend import Finished, GenerationBackend, GenerationEvent, GenerationParams, MediaDelta
 from mstar_dist.server.checks import (
     REQUEST_ID_HEADER, ApiError, check_modality, check_model, header_request_id, parse_body,

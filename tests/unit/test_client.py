@@ -24,7 +24,7 @@ from openai import OpenAI
 from mstar_dist.client import MStarClient, MStarError
 from mstar_dist.server.app import build_app
 from mstar_dist.server.http_server import HttpServer
-from mstar_dist.media import wav_header
+from mstar_dist.media.wav import wav_header
 from tests.fakes import (
     AUDIO_DELTAS, AUDIO_PCM, SAMPLE_RATE, UNICODE_DELTAS, UNICODE_TEXT, FakeBackend, parse_wav, png_size,
 )

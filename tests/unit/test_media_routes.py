@@ -1,4 +1,4 @@
-"""Speech, images and media on /generate, over the fake backend; plus the WAV writer (``mstar_dist.media``).
+"""Speech, images and media on /generate, over the fake backend; plus the WAV writer (``mstar_dist.media.wav``).
 
 A failure here means a speech client gets a WAV that does not parse or does not hold the model's audio, streamed
 audio that waits for the whole utterance, a failed stream that looks like a complete file, n images that are the
@@ -17,7 +17,7 @@ import httpx
 import pytest
 from starlette.testclient import TestClient
 
-from mstar_dist.media import wav_bytes, wav_header
+from mstar_dist.media.wav import wav_bytes, wav_header
 from mstar_dist.server.app import build_app
 from mstar_dist.server.backend import BackendError, MediaDelta
 from mstar_dist.server.http_server import HttpServer
