@@ -301,8 +301,8 @@ class Code2Wav(nn.Module):
         super().__init__()
         c = self.config = config
         self.total_upsample = config.total_upsample
-        self.code_embedding = nn.Embedding(c.codebook_size * c.num_quantizers, c.hidden_size)
         self.pre_transformer = PreTransformer(c)
+        self.code_embedding = nn.Embedding(c.codebook_size * c.num_quantizers, c.hidden_size)
         self.upsample = nn.ModuleList(nn.ModuleList([CausalTransConv(c.hidden_size, c.hidden_size, r, r),
                                                      ConvNeXtBlock(c.hidden_size)]) for r in c.upsampling_ratios)
         out_dim = c.decoder_dim // 2 ** len(c.upsample_rates)
