@@ -36,6 +36,7 @@ from models.common.linear import Linear
 from models.llama.model import RMSNorm
 from models.moe.config import MoEConfig
 from models.moe.model import Block
+from models.moe.routers import probe_router
 from mstar_dist.distributed.tp import TPGroup
 
 if TYPE_CHECKING:
@@ -104,8 +105,8 @@ class TalkerConfig:
     projection_size: int
     """Inner width of ``text_projection`` / ``hidden_projection`` (``text_config.intermediate_size``)."""
     accept_hidden_layer: int
-    """Index (in HF's ``hidden_states``, 0 = embeddings) of the thinker layer whose output feeds multimodal
-    positions."""
+    """Which thinker hidden state feeds the talker's multimodal positions, as an index of HF's ``hidden_states``:
+    0 = the input embeddings, i = the output of decoder layer i - 1 (before any deepstack addition)."""
     codec: CodecTokens
     """The codec special tokens."""
     speakers: dict[str, int]
@@ -355,6 +356,16 @@ class Talker(nn.Module):
         self.text_projection = ResizeMLP(config.thinker_hidden_size, config.projection_size, t.hidden_size)
         self.hidden_projection = ResizeMLP(config.thinker_hidden_size, config.projection_size, t.hidden_size)
         self.code_predictor = CodePredictor(config)
+
+    def check_routers(self) -> None:
+        """Probe every MoE block's router on a real input (models/moe/routers.py's contract); call once the weights
+        are loaded. ValueError naming the layer."""
+        t = self.config.text
+        weight = self.model.codec_embedding.weight
+        for i, layer in enumerate(self.model.layers):
+            if layer.sparse:
+                probe_router(layer.mlp.router, layer_idx=i, hidden=t.hidden_size, k=t.num_experts_per_tok,
+                             num_experts=t.num_experts, device=weight.device, dtype=weight.dtype)
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, cache: AttentionCache,
                 last_only: bool = False, last_index: torch.Tensor | None = None, *, return_hidden: bool = False

@@ -216,6 +216,11 @@ class CodecLogitsProcessor:
         self.suppress = torch.zeros(vocab_size, dtype=torch.bool)
         self.suppress[list(suppress_tokens)] = True
 
+    def logit_bias(self) -> torch.Tensor:
+        """(V,) fp32: -inf at the suppressed codes, 0 elsewhere - the suppression alone, as the KV engine's
+        ``logit_bias`` takes it (the repetition penalty has no engine counterpart)."""
+        return torch.zeros(self.vocab_size).masked_fill(self.suppress, float("-inf"))
+
     def history(self, rows: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """An empty history (rows, V)."""
         return torch.zeros((rows, self.vocab_size), dtype=torch.bool, device=device)

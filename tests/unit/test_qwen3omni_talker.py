@@ -113,6 +113,11 @@ def test_the_state_dict_speaks_the_published_names_and_round_trips(models):
         again = Talker(ours.config)
     again.load_state_dict(state, assign=True, strict=True)
     assert torch.equal(again.model.layers[1].mlp.experts.w_gate_up, ours.model.layers[1].mlp.experts.w_gate_up)
+    outer = torch.nn.Module()  # inside a composite: the names under ``talker.``, as in the published checkpoint
+    outer.talker = again
+    nested = outer.state_dict()
+    assert set(nested) == {"talker." + k for k in pub}
+    outer.load_state_dict(nested, strict=True)
 
 
 def test_the_published_talker_config_is_read(models):
@@ -347,6 +352,19 @@ def test_the_codec_logits_processor_equals_hfs_penalty_and_suppression():
         CodecLogitsProcessor.record(seen, step)
     assert torch.equal(proc(logits, seen), ref)
     assert torch.equal(proc(logits, proc.history(3)), SuppressTokensLogitsProcessor(suppress)(history, logits))
+    assert torch.equal(logits + proc.logit_bias(), proc(logits, proc.history(3)))  # the engine's logit_bias form
+
+
+def test_routers_are_probed_after_loading(models):
+    _, ours, _ = models
+    ours.check_routers()
+    original = ours.model.layers[1].mlp.router.forward
+    ours.model.layers[1].mlp.router.forward = lambda x, state=None: (x[:, :2], torch.full_like(x[:, :2], 7).long(), None)
+    try:
+        with pytest.raises(ValueError, match=r"layer 1: router selected_experts has indices in .*outside"):
+            ours.check_routers()
+    finally:
+        ours.model.layers[1].mlp.router.forward = original
 
 
 def test_talker_sampling_defaults_and_checks():
