@@ -306,9 +306,9 @@ class Code2Wav(nn.Module):
         self.upsample = nn.ModuleList(nn.ModuleList([CausalTransConv(c.hidden_size, c.hidden_size, r, r),
                                                      ConvNeXtBlock(c.hidden_size)]) for r in c.upsampling_ratios)
         out_dim = c.decoder_dim // 2 ** len(c.upsample_rates)
-        self.decoder = nn.ModuleList([CausalConv(c.hidden_size, c.decoder_dim, 7),
-                                      *(DecoderBlock(c.decoder_dim // 2 ** i, r) for i, r in enumerate(c.upsample_rates)),
-                                      SnakeBeta(out_dim), CausalConv(out_dim, 1, 7)])
+        blocks = [DecoderBlock(c.decoder_dim // 2 ** i, r) for i, r in enumerate(c.upsample_rates)]
+        self.decoder = nn.ModuleList([CausalConv(c.hidden_size, c.decoder_dim, 7), *blocks, SnakeBeta(out_dim),
+                                      CausalConv(out_dim, 1, 7)])
         self.register_buffer("code_offset", torch.empty(1, c.num_quantizers, 1, dtype=torch.long), persistent=False)
         self.init_buffers()
 

@@ -142,10 +142,10 @@ class TalkerConfig:
                      accept_hidden_layer=int(tc.get("accept_hidden_layer", 18)), codec=codec,
                      speakers={str(k).lower(): int(v) for k, v in (tc.get("speaker_id") or {}).items()},
                      tokens=OmniTokens(**{k: int(v) for k, v in ids.items()}, multimodal=multimodal))
-        config.check(tc)
+        config._check(tc)
         return config
 
-    def check(self, tc: dict[str, Any]) -> None:
+    def _check(self, tc: dict[str, Any]) -> None:
         """ValueError naming the ``talker_config`` key whose value the architecture cannot run."""
         hd, V = self.text.head_dim, self.text.vocab_size
         if len(self.mrope_section) != 3 or sum(self.mrope_section) != hd // 2:
@@ -201,6 +201,9 @@ def _moe_config(hf: dict[str, Any], where: str, *, dense: bool) -> MoEConfig:
         n = _get(hf, "num_hidden_layers", where)
         plain.update(moe_intermediate_size=_get(hf, "intermediate_size", where), num_experts=1,
                      num_experts_per_tok=1, mlp_only_layers=list(range(n)))
+    else:  # HF's talker layer is sparse with a shared expert whatever mlp_only_layers / decoder_sparse_step say
+        _get(hf, "shared_expert_intermediate_size", where)
+        plain.update(mlp_only_layers=[], decoder_sparse_step=1)
     try:
         return MoEConfig.from_hf(plain)
     except ValueError as exc:
@@ -401,7 +404,7 @@ class FrameCache:
         """q (B, nh, T, hd), k/v (B, nkv, T, hd) -> (B, nh, T, hd); causal within a first multi-token call."""
         if layer in self.keys:
             if q.shape[2] != 1:
-                raise ValueError(f"FrameCache: only the first call of a frame may hold several tokens, got {q.shape[2]}")
+                raise ValueError(f"FrameCache: only a frame's first call may hold several tokens, got {q.shape[2]}")
             k, v = torch.cat((self.keys[layer], k), dim=2), torch.cat((self.values[layer], v), dim=2)
         self.keys[layer], self.values[layer] = k, v
         return F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1, enable_gqa=True)

@@ -76,7 +76,8 @@ def published(hf: torch.nn.Module) -> dict[str, torch.Tensor]:
                 out[f"{m.group(1)}{e}.down_proj.weight"] = t[e].clone()
             else:
                 gate, up = t[e].chunk(2)
-                out[f"{m.group(1)}{e}.gate_proj.weight"], out[f"{m.group(1)}{e}.up_proj.weight"] = gate.clone(), up.clone()
+                out[f"{m.group(1)}{e}.gate_proj.weight"] = gate.clone()
+                out[f"{m.group(1)}{e}.up_proj.weight"] = up.clone()
     return out
 
 
@@ -144,10 +145,14 @@ def test_the_published_talker_config_is_read(models):
     ("num_code_groups", 5, "num_code_groups"),
     ("codec_eos_token_id", 5000, "outside the codec vocabulary"),
     ("thinker_hidden_size", None, "missing key 'thinker_hidden_size'"),
+    ("text_config.shared_expert_intermediate_size", None,
+     "talker_config.text_config: missing key 'shared_expert_intermediate_size'"),
+    ("code_predictor_config.hidden_size", 32, "must equal text_config.hidden_size"),
 ])
 def test_a_talker_config_the_architecture_cannot_run_is_refused(key, value, match):
     tc = small_hf_config().to_dict()
-    tc[key] = value
+    *outer, last = key.split(".")
+    (tc[outer[0]] if outer else tc)[last] = value
     with pytest.raises(ValueError, match=match):
         TalkerConfig.from_hf({"talker_config": tc, **TOP})
 
@@ -275,7 +280,8 @@ def test_greedy_generation_matches_hfs_talker_generate(models):
     assert list(config.suppress_tokens) == hf_suppress(hf)
     prompt, trailing, tts, feed = _inputs(4)
     proc = CodecLogitsProcessor(config.text.vocab_size, config.suppress_tokens, 1.05)
-    got = generate_codes(ours, prompt, feed, max_frames=8, pick_code0=lambda logits, seen: proc(logits, seen).argmax(-1),
+    got = generate_codes(ours, prompt, feed, max_frames=8,
+                         pick_code0=lambda logits, seen: proc(logits, seen).argmax(-1),
                          pick_residual=lambda logits, group: logits.argmax(-1))
     ref = _hf_generate(hf, prompt, trailing, tts, 8, do_sample=False)
     assert got.shape == (8, G)  # more frames than text entries: tts_eos, then tts_pad steps are covered
@@ -359,7 +365,8 @@ def test_routers_are_probed_after_loading(models):
     _, ours, _ = models
     ours.check_routers()
     original = ours.model.layers[1].mlp.router.forward
-    ours.model.layers[1].mlp.router.forward = lambda x, state=None: (x[:, :2], torch.full_like(x[:, :2], 7).long(), None)
+    out_of_range = torch.full((4, 2), 7)  # expert 7 of 4
+    ours.model.layers[1].mlp.router.forward = lambda x, state=None: (x[:, :2], out_of_range, None)
     try:
         with pytest.raises(ValueError, match=r"layer 1: router selected_experts has indices in .*outside"):
             ours.check_routers()
