@@ -450,7 +450,7 @@ class CodePredictor(nn.Module):
         """talker_hidden, code0_embed (B, H) -> codes (B, G - 1) of codebooks 1..G-1, as HF's code predictor
         ``generate``: a 2-token prefill [hidden, codebook-0 embedding] predicts codebook 1, then each code's embedding
         predicts the next. ``pick(logits (B, V), group) -> (B,)`` chooses each code (greedy, or sampled with
-        ``ResidualSampling``)."""
+        ``TalkerSampling.residual``)."""
         B, G = talker_hidden.shape[0], self.config.num_code_groups
         device = talker_hidden.device
         cache = FrameCache()

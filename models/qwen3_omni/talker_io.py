@@ -18,8 +18,9 @@ Each decode step's input (`step_embeds`) is the sum of the previous frame's G co
 
 Sampling (`TalkerSampling`, HF's defaults): codebook 0 with temperature 0.9, top-k 50, top-p 1.0, a repetition
 penalty of 1.05 over the codebook-0 tokens generated so far and the codec special tokens suppressed; the residual
-codebooks (`TalkerSampling.residual`) with top-k 50, top-p 0.8 at temperature 1. The engine's sampler (engine/sampling.py) has no
-repetition penalty: `CodecLogitsProcessor` applies it, and the suppression, to the logits before the engine samples.
+codebooks (`TalkerSampling.residual`) with top-k 50, top-p 0.8 at temperature 1. The engine's sampler
+(engine/sampling.py) has no repetition penalty: `CodecLogitsProcessor` applies it, and the suppression, to the logits
+before the engine samples.
 Tensors here are one request's, without a batch dimension, unless a docstring says (B, ...).
 """
 
