@@ -185,7 +185,8 @@ class ServerConfig:
         read_int(self.http_processes, "http_processes", minimum=1, maximum=64)
 
 
-MEDIA_DOMAIN = re.compile(r"^(?=.{1,253}$)[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?(?:\.[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?)*$")
+_LABEL = r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?"
+MEDIA_DOMAIN = re.compile(rf"^(?=.{{1,253}}$){_LABEL}(?:\.{_LABEL})*$")
 """A host name as ``media.allowed_domains`` lists it: lower-case labels of letters, digits and hyphens (no scheme,
 port, path or wildcard)."""
 

@@ -1,9 +1,9 @@
 """The OpenAI media routes: ``POST /v1/audio/speech`` and ``POST /v1/images/generations``.
 
-Speech needs a backend whose model produces audio (``output_modalities``): the response is a WAV file or raw PCM16, whole, or
-streamed as the audio deltas arrive (``"stream": true``). Images need one that produces "image": ``n`` backend requests run
-concurrently and come back as base64 PNG. Both keep OpenAI's error body; request checking and the relay
-guarantees (abort on disconnect, errors per request) are the app's (``checks``, ``relay``).
+Speech needs a backend whose model produces audio (``output_modalities``): the response is a WAV file or raw
+PCM16, whole, or streamed as the audio deltas arrive (``"stream": true``). Images need one that produces "image":
+``n`` backend requests run concurrently and come back as base64 PNG. Both keep OpenAI's error body; request
+checking and the relay guarantees (abort on disconnect, errors per request) are the app's (``checks``, ``relay``).
 """
 
 from __future__ import annotations

@@ -103,8 +103,8 @@ class ChatMessage(_Lenient):
     @classmethod
     def _check_content(cls, value: Any, info: ValidationInfo) -> Any:
         # Checked up front so a wrong part gets one clear message instead of one error per union branch. A route
-        # validates with the context {"model": name, "inputs": what it reads} (``checks.served_context``), so a part the model
-        # does not read is named as such before its shape is looked at.
+        # validates with the context {"model": name, "inputs": what it reads} (``checks.served_context``), so a part
+        # the model does not read is named as such before its shape is looked at.
         if isinstance(value, str):
             return value
         if not isinstance(value, list):
@@ -127,6 +127,7 @@ def _part_problem(part: Any, model: str | None = None, inputs: tuple[str, ...] |
     """What is wrong with one content part (a message starting at the part's key path), or None. ``inputs``: what
     the served model reads (None: any part type)."""
     kind = part.get("type") if isinstance(part, dict) else None
+    kind = kind if isinstance(kind, str) else None
     if inputs is not None and kind in _PART_INPUT and _PART_INPUT[kind] not in inputs:
         parts = " and ".join(tag for tag, kind_ in _PART_INPUT.items() if kind_ in inputs)
         return (f" is an {kind} part, but {model!r} takes only {parts} parts (it reads no "
