@@ -234,6 +234,49 @@ def test_params_with_media_cross_the_wire_to_the_conductor_unchanged():
     assert msgspec.msgpack.decode(wire, type=m.Envelope).body.params.media[1].data == bytes(range(256))
 
 
+def test_an_intake_leaves_the_tokenizing_of_a_media_request_to_the_family_and_sends_its_bytes():
+    """An intake's prompt encoder knows nothing of media placeholders: a request with media goes without ids (the
+    family's preprocess places them), with the bytes in its Submit."""
+    import asyncio
+
+    from mstar_dist.server.intake_backend import IntakeBackend
+
+    class Link:
+        health = (True, "ok")
+
+        def __init__(self):
+            self.sent = []
+
+        def send(self, body):
+            self.sent.append(m.decode(m.encode("s", "intake0", body)).body)  # as the conductor receives it
+
+    class Encoder:
+        def encode_prompt(self, prompt, messages):
+            return [1, 2, 3]
+
+    link = Link()
+    backend = IntakeBackend(link, None, model_name="omni", max_context_tokens=64, max_tokens_limit=8,
+                            output_modality="text", encoder=Encoder(), output_modalities=["text", "audio"],
+                            input_modalities=["text", "image"])
+    assert (backend.input_modalities, backend.output_modalities) == (("text", "image"), ("text", "audio"))
+    item = MediaItem("image", PNG, "image/png", 0, 0, "messages[0].content[0]")
+
+    async def start(params):
+        stream = backend.generate(params)
+        task = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0.01)  # the Submit is out; nothing comes back here
+        task.cancel()
+
+    async def both():
+        await start(GenerationParams("plain", None, [{"role": "user", "content": "hi"}], 4))
+        await start(GenerationParams("media", None, [{"role": "user", "content": ""}], 4, media=[item],
+                                     media_limits=MediaLimits(1, 2, 3.0)))
+
+    asyncio.run(both())
+    plain, media = [body.params for body in link.sent if isinstance(body, m.Submit)]
+    assert plain.prompt_ids == [1, 2, 3] and (media.prompt_ids, media.media) == (None, [item])
+
+
 def test_the_family_sees_media_and_output_modalities_on_its_request_state():
     from mstar_dist.conductor.request import request_state
 
