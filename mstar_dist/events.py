@@ -23,6 +23,49 @@ MODALITIES = ("text", "audio", "image")
 """What a model family can emit to the client."""
 
 
+INPUT_MEDIA = ("image", "audio")
+"""What a request may carry beside text (``MediaItem.kind``)."""
+AUDIO_INPUT_FORMATS = ("wav", "mp3", "flac", "ogg")
+"""Container formats of an input audio clip (OpenAI's ``input_audio.format`` names)."""
+
+
+class MediaItem(msgspec.Struct, frozen=True):
+    """One image or audio clip of a request, as the client sent it: raw bytes (base64 and URLs are the HTTP
+    server's business) and the format it declared. Not decoded yet: the family decodes it in ``preprocess``
+    (``mstar_dist.media``), within the request's :class:`MediaLimits`."""
+
+    kind: str
+    """One of ``INPUT_MEDIA``: "image" or "audio"."""
+    data: bytes
+    """The file as sent: a PNG, JPEG, WebP... image, or a WAV, MP3, FLAC or OGG clip."""
+    format: str
+    """For an image its declared MIME type ("image/png"), or "" when nothing declared one (the decoder looks at the
+    bytes); for audio one of ``AUDIO_INPUT_FORMATS``. A declaration the bytes contradict is the decoder's 400."""
+    message: int
+    """Index in ``GenerationParams.messages`` of the message whose content held this item."""
+    offset: int
+    """Characters of that message's ``content`` (its text parts joined) that came before this item: the item stood
+    between ``content[:offset]`` and ``content[offset:]``. Items at one offset keep their order in the list."""
+    source: str
+    """Where the client put it, for error messages: ``messages[0].content[2]`` (or ``files[1]`` for an upload)."""
+    detail: str | None = None
+    """An image's ``image_url.detail`` ("auto", "low", "high") when the client gave one."""
+
+
+class MediaLimits(msgspec.Struct, frozen=True):
+    """The deployment's ``media:`` limits that only decoding can check, handed to the family with each request that
+    carries media (its ``preprocess`` passes them to the decoders). A breach is a ``ValueError`` (a 400) naming the
+    key and its value, e.g. "messages[0].content[1]: the image is 5000x5000 = 25000000 pixels, above
+    media.max_image_pixels = 16777216"."""
+
+    max_item_bytes: int
+    """``media.max_item_bytes``: already checked on the bytes as sent (the decoder's ``max_bytes``)."""
+    max_image_pixels: int
+    """``media.max_image_pixels``: width x height of a decoded image."""
+    max_audio_seconds: float
+    """``media.max_audio_seconds``: duration of a decoded clip."""
+
+
 @dataclass(frozen=True)
 class GenerationParams:
     """One validated request, as the backend receives it (already checked against the backend's limits)."""
@@ -58,6 +101,16 @@ class GenerationParams:
     prompt_ids: list[int] | None = None
     """The prompt's token ids when an HTTP intake process already encoded it (``CompositeModel.prompt_encoder``);
     None: the conductor's ``preprocess`` tokenizes. Never taken from the client."""
+    media: list[MediaItem] = field(default_factory=list)
+    """The images and audio clips of ``messages``, in the order the client gave them (checked for count, size,
+    base64, declared format and URL policy; not decoded). Only for a family that takes them (the backend's
+    ``input_modalities``); the server refuses them for any other with a 400."""
+    media_limits: MediaLimits | None = None
+    """The decoding limits for ``media``; set whenever ``media`` is not empty."""
+    output_modalities: list[str] | None = None
+    """What the client asked to receive, a subset of ``MODALITIES`` the backend produces (chat ``modalities``:
+    ["text"] or ["text", "audio"]; ``/v1/audio/speech``: ["audio"]); None: whatever the family gives by default. A
+    family that can speak starts its speech partitions only when "audio" is asked for."""
 
 
 class TextDelta(msgspec.Struct, frozen=True, tag=True):

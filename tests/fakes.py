@@ -3,6 +3,8 @@
 FakeBackend implements ``GenerationBackend`` the way the conductor does, over a scripted model: text, audio or
 image deltas; stop strings applied once, before the app sees the text (the conductor's ``StopTrimmer``); model
 knobs (``model_kwargs``) validated like a family's ``preprocess`` (an unknown knob or value is a 400 naming it).
+A fake that reads media (``input_modalities``) says first what it received (``media_echo``); one that also speaks
+(``output_modalities=("text", "audio")``) follows each text delta with audio when a request asks for it.
 It records every request it saw and whether each generator was closed and whether it was aborted (closed before
 its Finished). The flags are ``threading.Event``s because the app may run on a server thread while the test
 waits on the main thread. ``parse_wav`` and ``png_size`` read back what clients receive.
@@ -110,14 +112,33 @@ KNOBS: dict[str, dict[str, Callable[[Any], str | None]]] = {
 Script = list[str | MediaDelta | Callable[[GenerationParams], MediaDelta]]
 
 
+def media_echo(params: GenerationParams) -> str:
+    """What the fake says first about the media it received: the byte sizes of its images and audio clips, in order,
+    e.g. ``"images=[68, 70] audio=[44] "`` (the whole path from the client's parts to the family, in one line)."""
+    images = [len(m.data) for m in params.media if m.kind == "image"]
+    audio = [len(m.data) for m in params.media if m.kind == "audio"]
+    return f"images={images} audio={audio} "
+
+
+def speech_for(i: int) -> MediaDelta:
+    """The audio delta a speaking fake sends after its text delta number ``i``."""
+    return audio_delta(pcm_chunk(100 + i))
+
+
 class FakeBackend:
     model_name = "fake-model"
     max_context_tokens = 64
     max_tokens_limit = 32
 
     def __init__(self, deltas: Script | None = None, *, output_modality: str = "text", fail_at: int | None = None,
-                 error: BaseException | None = None, hang_at: int | None = None, gate_at: int | None = None) -> None:
+                 error: BaseException | None = None, hang_at: int | None = None, gate_at: int | None = None,
+                 input_modalities: tuple[str, ...] = ("text",),
+                 output_modalities: tuple[str, ...] | None = None) -> None:
         self.output_modality = output_modality
+        self.input_modalities = input_modalities
+        """What requests may carry; with "image" / "audio" the fake's first text delta is :func:`media_echo`."""
+        self.output_modalities = output_modalities or (output_modality,)
+        """With ("text", "audio"), a request asking for audio gets :func:`speech_for` after each text delta."""
         default = {"text": UNICODE_DELTAS, "audio": AUDIO_DELTAS, "image": [fake_image]}[output_modality]
         self.deltas: Script = list(default if deltas is None else deltas)
         """What each request yields, one token an item: text, a media delta, or a function of the request's
@@ -163,7 +184,9 @@ class FakeBackend:
         """Like a family's preprocess: the prompt's token count, or BackendError naming what is wrong."""
         if not self.serving:
             raise BackendError(503, "not serving: rank 1 is not ready")
-        knobs = KNOBS[self.output_modality]
+        knobs = dict(KNOBS[self.output_modality])
+        if "audio" in self.output_modalities:
+            knobs["voice"] = _check_voice
         for name, value in params.model_kwargs.items():
             if name not in knobs:
                 raise BackendError(400, f"unknown model_kwargs key {name!r}; this model takes {sorted(knobs)}")
@@ -189,6 +212,18 @@ class FakeBackend:
             await gate.wait()
         await asyncio.sleep(0)
 
+    def script(self, params: GenerationParams) -> Script:
+        """What this request yields: the media echo first when it carries media, then the deltas, each text delta
+        followed by its speech when the request asks for audio from a text model that speaks."""
+        script: Script = [media_echo(params)] if params.media else []
+        speaks = (self.output_modality == "text" and "audio" in self.output_modalities
+                  and "audio" in (params.output_modalities or ()))
+        for i, item in enumerate(self.deltas):
+            script.append(item)
+            if speaks and isinstance(item, str):
+                script.append(speech_for(i))
+        return script
+
     async def generate(self, params: GenerationParams):
         self.calls.append(params)
         prompt_tokens = self._check(params)
@@ -197,7 +232,7 @@ class FakeBackend:
         stops = StopTrimmer(params.stop)  # the conductor's job: the app relays text as it comes
         try:
             n = 0
-            for i, item in enumerate(self.deltas):
+            for i, item in enumerate(self.script(params)):
                 await self._pause(i)
                 if n == params.max_tokens:
                     break

@@ -1,5 +1,6 @@
 """MStarClient: a small synchronous SDK for an mstar_dist server (native /generate, OpenAI chat, speech and
-image generations).
+image generations), with images and audio in (``image_part``, ``audio_part``; files on ``/generate``) and spoken
+answers out (``modalities=["text", "audio"]``).
 
 Streamed NDJSON is split on b"\\n" and each line decoded as UTF-8 whatever the response's Content-Type says
 (a missing charset must not turn "東京" into mojibake), and a partial line or multi-byte character split
@@ -48,11 +49,34 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class SpokenAudio:
+    """``message.audio`` of a chat answer asked for with ``modalities=["text", "audio"]``."""
+
+    id: str
+    data: bytes
+    """A whole WAV file (``audio_format="wav"``) or raw little-endian PCM16 (``"pcm16"``)."""
+    transcript: str
+    expires_at: int = 0
+
+
+@dataclass(frozen=True)
 class ChatResult:
     text: str
     finish_reason: str
     usage: Usage | None
     id: str = ""
+    audio: SpokenAudio | None = None
+    """The spoken answer, when asked for."""
+
+
+@dataclass(frozen=True)
+class ChatDelta:
+    """One streamed chat event: new ``text`` (may be ""), new ``audio`` (raw PCM16 bytes, may be b""), and on the
+    last one the ``finish_reason``."""
+
+    text: str
+    audio: bytes = b""
+    finish_reason: str | None = None
 
 
 @dataclass(frozen=True)
@@ -139,38 +163,63 @@ class MStarClient:
     def models(self) -> list[str]:
         return [m["id"] for m in self._request("GET", "/v1/models").json()["data"]]
 
-    def chat(self, messages: str | list[dict[str, Any]], *, model: str | None = None, **sampling: Any) -> ChatResult:
-        """OpenAI chat completion (non-streaming). ``messages`` may be a plain user text."""
-        if isinstance(messages, str):
-            messages = [{"role": "user", "content": messages}]
-        body: dict[str, Any] = {"messages": messages, **_sampling(sampling)}
-        if model is not None:
-            body["model"] = model
+    def chat(self, messages: str | list[dict[str, Any]], *, model: str | None = None,
+             modalities: list[str] | None = None, voice: str | None = None, audio_format: str | None = None,
+             **sampling: Any) -> ChatResult:
+        """OpenAI chat completion (non-streaming). ``messages`` may be a plain user text; a message's content may
+        be a list of parts (text, ``image_part(...)``, ``audio_part(...)``). ``modalities=["text", "audio"]`` asks
+        for the answer spoken too (``voice``: the model's, default its own; ``audio_format``: "wav" (default) or
+        "pcm16"), returned in ``ChatResult.audio``."""
+        body = _chat_body(messages, model, modalities, voice, audio_format, sampling, stream=False)
         data = self._request("POST", "/v1/chat/completions", json=body).json()
         choice = data["choices"][0]
-        return ChatResult(text=choice["message"]["content"] or "", finish_reason=choice["finish_reason"],
-                          usage=Usage.from_dict(data.get("usage")), id=data.get("id", ""))
+        message = choice["message"]
+        spoken = message.get("audio")
+        audio = None if not spoken else SpokenAudio(id=spoken["id"], data=base64.b64decode(spoken["data"]),
+                                                   transcript=spoken["transcript"],
+                                                   expires_at=spoken.get("expires_at", 0))
+        return ChatResult(text=message["content"] or "", finish_reason=choice["finish_reason"],
+                          usage=Usage.from_dict(data.get("usage")), id=data.get("id", ""), audio=audio)
+
+    def chat_stream(self, messages: str | list[dict[str, Any]], *, model: str | None = None,
+                    modalities: list[str] | None = None, voice: str | None = None,
+                    **sampling: Any) -> Iterator[ChatDelta]:
+        """Streamed chat completion: a :class:`ChatDelta` per server-sent event with text or audio (PCM16 chunks, as
+        the model makes them, when ``modalities`` holds "audio"), the last one with the finish reason. Raises
+        MStarError on an HTTP error or an error event; closing the iterator aborts the request on the server."""
+        body = _chat_body(messages, model, modalities, voice, None, sampling, stream=True)
+        with self._open_stream("/v1/chat/completions", body) as resp:
+            for line in _ndjson_lines(resp.iter_bytes()):
+                delta = _chat_event(line)
+                if delta is not None:
+                    yield delta
 
     def generate(self, prompt: str | None = None, messages: list[dict[str, Any]] | None = None, *,
                  request_id: str | None = None, model_kwargs: dict[str, Any] | None = None,
-                 **sampling: Any) -> GenerateResult:
+                 modalities: list[str] | None = None, images: list[bytes] | None = None,
+                 audio: list[tuple[bytes, str]] | None = None, **sampling: Any) -> GenerateResult:
         """Native ``POST /generate`` (non-streaming); give exactly one of ``prompt`` / ``messages``.
         ``model_kwargs``: the model family's knobs (e.g. ``{"voice": "alice"}``), sent with the sampling ones.
+        ``modalities``: what to produce (e.g. ["text", "audio"]; the model's default when None). ``images`` (image
+        files) and ``audio`` ((file, format) pairs, format "wav", "mp3", "flac" or "ogg") go up as files of a
+        multipart body, added to the last user message of ``messages``; parts in ``messages`` work too.
         ``outputs`` holds the text, all audio as one PCM16 entry, and one PNG entry per image."""
-        body = _generate_body(prompt, messages, request_id, sampling, model_kwargs, stream=False)
-        data = self._request("POST", "/generate", json=body).json()
+        body = _generate_body(prompt, messages, request_id, sampling, model_kwargs, stream=False,
+                              modalities=modalities)
+        data = self._request("POST", "/generate", **_payload(body, images, audio)).json()
         outputs = [Output(o["modality"], base64.b64decode(o["data"]), o.get("metadata", {})) for o in data["outputs"]]
         return GenerateResult(request_id=data["request_id"], text=data["text"], finish_reason=data["finish_reason"],
                               usage=Usage.from_dict(data.get("usage")), outputs=outputs)
 
     def stream(self, text: str | None = None, messages: list[dict[str, Any]] | None = None, *,
                request_id: str | None = None, model_kwargs: dict[str, Any] | None = None,
-               **sampling: Any) -> Iterator[StreamChunk]:
+               modalities: list[str] | None = None, images: list[bytes] | None = None,
+               audio: list[tuple[bytes, str]] | None = None, **sampling: Any) -> Iterator[StreamChunk]:
         """Native streaming ``/generate``: yields chunks (text, audio or image) as they arrive; raises MStarError
         on an HTTP error or an error line. Breaking out of the loop (closing the iterator) closes the connection,
-        which aborts the request on the server."""
-        body = _generate_body(text, messages, request_id, sampling, model_kwargs, stream=True)
-        with self._open_stream("/generate", body) as resp:
+        which aborts the request on the server. ``modalities``, ``images``, ``audio``: as :meth:`generate`."""
+        body = _generate_body(text, messages, request_id, sampling, model_kwargs, stream=True, modalities=modalities)
+        with self._open_stream("/generate", body, images, audio) as resp:
             for line in _ndjson_lines(resp.iter_bytes()):
                 chunk = _chunk(line)
                 if chunk.modality == "error":
@@ -207,11 +256,12 @@ class MStarClient:
         return [base64.b64decode(item["b64_json"]) for item in data["data"]]
 
     @contextmanager
-    def _open_stream(self, path: str, body: dict[str, Any]) -> Iterator[httpx.Response]:
+    def _open_stream(self, path: str, body: dict[str, Any], images: list[bytes] | None = None,
+                     audio: list[tuple[bytes, str]] | None = None) -> Iterator[httpx.Response]:
         """A streamed POST whose status is checked (MStarError on >= 400); a network failure while it is open,
         including a transfer that breaks off, is MStarError with status 0. Leaving the block closes it."""
         try:
-            with self._http.stream("POST", path, json=body) as resp:
+            with self._http.stream("POST", path, **_payload(body, images, audio)) as resp:
                 if resp.status_code >= 400:
                     resp.read()
                     raise MStarError(resp.status_code, _error_message(resp))
@@ -237,7 +287,8 @@ def _sampling(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 def _generate_body(prompt: str | None, messages: list[dict[str, Any]] | None, request_id: str | None,
-                   sampling: dict[str, Any], model_kwargs: dict[str, Any] | None, *, stream: bool) -> dict[str, Any]:
+                   sampling: dict[str, Any], model_kwargs: dict[str, Any] | None, *, stream: bool,
+                   modalities: list[str] | None = None) -> dict[str, Any]:
     if (prompt is None) == (messages is None):
         raise ValueError("give exactly one of prompt/text or messages")
     knobs = dict(model_kwargs or {})
@@ -248,7 +299,99 @@ def _generate_body(prompt: str | None, messages: list[dict[str, Any]] | None, re
     body["prompt" if prompt is not None else "messages"] = prompt if prompt is not None else messages
     if request_id is not None:
         body["request_id"] = request_id
+    if modalities is not None:
+        body["modalities"] = list(modalities)
     return body
+
+
+def _chat_body(messages: str | list[dict[str, Any]], model: str | None, modalities: list[str] | None,
+               voice: str | None, audio_format: str | None, sampling: dict[str, Any], *,
+               stream: bool) -> dict[str, Any]:
+    if isinstance(messages, str):
+        messages = [{"role": "user", "content": messages}]
+    body: dict[str, Any] = {"messages": messages, **_sampling(sampling)}
+    if stream:
+        body["stream"] = True
+    if model is not None:
+        body["model"] = model
+    if modalities is not None:
+        body["modalities"] = list(modalities)
+    audio = {k: v for k, v in (("voice", voice), ("format", audio_format)) if v is not None}
+    if audio:
+        body["audio"] = audio
+    return body
+
+
+def _chat_event(line: bytes) -> ChatDelta | None:
+    """The delta of one server-sent event line (``data: {...}``); None for other lines and ``[DONE]``."""
+    if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+        return None
+    try:
+        chunk = json.loads(line[len(b"data: "):].decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise MStarError(0, f"malformed event {line[:200]!r}: {exc}") from exc
+    if "error" in chunk:
+        err = chunk["error"]
+        raise MStarError(int(err.get("code") or 500), str(err.get("message", err)))
+    if not chunk.get("choices"):
+        return None
+    choice = chunk["choices"][0]
+    delta = choice.get("delta") or {}
+    audio = (delta.get("audio") or {}).get("data")
+    return ChatDelta(text=delta.get("content") or "", audio=base64.b64decode(audio) if audio else b"",
+                     finish_reason=choice.get("finish_reason"))
+
+
+IMAGE_SIGNATURES = ((b"\x89PNG\r\n\x1a\n", "image/png"), (b"\xff\xd8\xff", "image/jpeg"), (b"GIF8", "image/gif"),
+                    (b"BM", "image/bmp"))
+
+
+def image_type(data: bytes) -> str:
+    """The MIME type of an image file from its first bytes (PNG, JPEG, WebP, GIF, BMP); ValueError otherwise."""
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "image/webp"
+    for signature, mime in IMAGE_SIGNATURES:
+        if data.startswith(signature):
+            return mime
+    raise ValueError(f"not an image file this client recognises (starts {data[:8]!r}); give its MIME type")
+
+
+def image_part(data: bytes, mime: str | None = None, *, detail: str | None = None) -> dict[str, Any]:
+    """A chat content part carrying an image file inline (a base64 ``data:`` URL; ``mime`` sniffed when None)."""
+    url = f"data:{mime or image_type(data)};base64,{base64.b64encode(data).decode('ascii')}"
+    part: dict[str, Any] = {"type": "image_url", "image_url": {"url": url}}
+    if detail is not None:
+        part["image_url"]["detail"] = detail
+    return part
+
+
+def image_url_part(url: str, *, detail: str | None = None) -> dict[str, Any]:
+    """A chat content part naming an image by URL (the server fetches only from hosts it allows)."""
+    part: dict[str, Any] = {"type": "image_url", "image_url": {"url": url}}
+    if detail is not None:
+        part["image_url"]["detail"] = detail
+    return part
+
+
+def audio_part(data: bytes, format: str = "wav") -> dict[str, Any]:
+    """A chat content part carrying an audio file (``format``: "wav", "mp3", "flac" or "ogg")."""
+    return {"type": "input_audio", "input_audio": {"data": base64.b64encode(data).decode("ascii"), "format": format}}
+
+
+AUDIO_MIME = {"wav": "audio/wav", "mp3": "audio/mpeg", "flac": "audio/flac", "ogg": "audio/ogg"}
+
+
+def _payload(body: dict[str, Any], images: list[bytes] | None,
+             audio: list[tuple[bytes, str]] | None) -> dict[str, Any]:
+    """httpx arguments for ``body``: JSON, or with files a multipart body (``request`` + ``image`` / ``audio``)."""
+    if not images and not audio:
+        return {"json": body}
+    files = [("image", (f"image{i}", data, image_type(data))) for i, data in enumerate(images or ())]
+    for i, (data, fmt) in enumerate(audio or ()):
+        if fmt not in AUDIO_MIME:
+            raise ValueError(f"audio format {fmt!r} is not one of {sorted(AUDIO_MIME)}")
+        files.append(("audio", (f"audio{i}.{fmt}", data, AUDIO_MIME[fmt])))
+    return {"data": {"request": json.dumps(body)}, "files": files}
 
 
 def _speech_body(input: str, voice: str | None, response_format: str, seed: int | None, kw: dict[str, Any], *,

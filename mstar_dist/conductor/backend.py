@@ -28,9 +28,14 @@ if TYPE_CHECKING:
 
 class ConductorBackend:
     def __init__(self, conductor: Conductor, *, model_name: str, max_context_tokens: int, max_tokens_limit: int,
-                 output_modality: str = "text"):
+                 output_modality: str = "text", output_modalities: list[str] | None = None,
+                 input_modalities: list[str] | None = None):
         self.conductor = conductor
         self.output_modality = output_modality
+        self.output_modalities = tuple(output_modalities or (output_modality,))
+        """Every modality the model can produce when asked (``runtime.deployment.served``)."""
+        self.input_modalities = tuple(input_modalities or ("text",))
+        """What requests may carry: "text", "image", "audio" (the server refuses other media with a 400)."""
         self.model_name = model_name
         self.max_context_tokens = max_context_tokens
         self.max_tokens_limit = max_tokens_limit

@@ -37,7 +37,8 @@ def request_state(params: GenerationParams, pinned_id: bool) -> RequestState:
     """What the model family sees of a new request (``CompositeModel.preprocess`` and after)."""
     state = RequestState(request_id=params.request_id, seed=request_seed(params, pinned_id),
                          max_tokens=params.max_tokens, max_tokens_given=params.max_tokens_given,
-                         knobs=dict(params.model_kwargs))
+                         knobs=dict(params.model_kwargs), media=params.media, media_limits=params.media_limits,
+                         output_modalities=params.output_modalities)
     if params.prompt_ids is not None:
         state.data["prompt_ids"] = params.prompt_ids  # encoded by an intake (``CompositeModel.prompt_encoder``)
     return state

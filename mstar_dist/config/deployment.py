@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -184,9 +185,62 @@ class ServerConfig:
         read_int(self.http_processes, "http_processes", minimum=1, maximum=64)
 
 
+_LABEL = r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?"
+MEDIA_DOMAIN = re.compile(rf"^(?=.{{1,253}}$){_LABEL}(?:\.{_LABEL})*$")
+"""A host name as ``media.allowed_domains`` lists it: lower-case labels of letters, digits and hyphens (no scheme,
+port, path or wildcard)."""
+
+
+@dataclass(frozen=True)
+class MediaConfig:
+    """Images and audio clips that requests carry (chat ``image_url`` / ``input_audio`` parts, ``/generate``
+    files): how much of them the server accepts and where it may fetch them. A breach is a 400 naming the key and
+    its value; the byte, count and URL limits are checked by the HTTP server, the pixel and duration limits by the
+    model family's decoders (they travel with each request: ``mstar_dist.events.MediaLimits``)."""
+
+    max_item_bytes: int = 10 << 20
+    """Largest image or audio clip, in bytes as sent (after base64 decoding; for a URL, as downloaded)."""
+    max_items: int = 16
+    """Most images and audio clips together in one request."""
+    max_image_pixels: int = 4096 * 4096
+    """Largest decoded image, width x height (checked before the pixels are decoded: a small file can declare a
+    huge image)."""
+    max_audio_seconds: float = 300.0
+    """Longest audio clip, in seconds of decoded audio."""
+    allowed_domains: tuple[str, ...] = ()
+    """Hosts whose ``http(s)`` image URLs the server fetches (exact names, e.g. ``images.example.com``). Empty (the
+    default): image URLs are refused and images must come inline (``data:`` URLs, files). The CLI's
+    ``--allowed-media-domains`` replaces this list. A redirect is followed only to the same host."""
+    fetch_timeout_s: float = 10.0
+    """Seconds one image URL may take to answer and download, redirects included."""
+
+    def __post_init__(self) -> None:
+        read_int(self.max_item_bytes, "max_item_bytes", minimum=1)
+        read_int(self.max_items, "max_items", minimum=1, maximum=1024)
+        read_int(self.max_image_pixels, "max_image_pixels", minimum=1)
+        object.__setattr__(self, "max_audio_seconds", read_positive_float(self.max_audio_seconds, "max_audio_seconds"))
+        object.__setattr__(self, "fetch_timeout_s", read_positive_float(self.fetch_timeout_s, "fetch_timeout_s"))
+        domains = self.allowed_domains
+        if isinstance(domains, str) or not isinstance(domains, (list, tuple)):
+            raise fail("allowed_domains", domains, f"must be a list of host names, got {type(domains).__name__}")
+        for i, host in enumerate(domains):
+            if not (isinstance(host, str) and MEDIA_DOMAIN.match(host)):
+                raise fail(join("allowed_domains", i), host, "must be a lower-case host name such as "
+                           "'images.example.com' (no scheme, port, path or wildcard)")
+        twice = sorted({host for host in domains if domains.count(host) > 1})
+        if twice:
+            raise fail("allowed_domains", list(domains), f"{twice[0]!r} is listed twice")
+        object.__setattr__(self, "allowed_domains", tuple(domains))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The YAML form (also how the front end hands it to its intake processes)."""
+        return {**dataclasses.asdict(self), "allowed_domains": list(self.allowed_domains)}
+
+
 @dataclass(frozen=True, kw_only=True)
 class DeploymentConfig:
-    """A whole deployment file, checked: model, weights, placement, cluster, engine, transport, limits, server."""
+    """A whole deployment file, checked: model, weights, placement, cluster, engine, transport, limits, server,
+    media."""
 
     model: str
     """Registry key of the model family in ``models/``."""
@@ -208,6 +262,8 @@ class DeploymentConfig:
     """Admission and per-request limits."""
     server: ServerConfig = field(default_factory=ServerConfig)
     """HTTP bind address of rank 0."""
+    media: MediaConfig = field(default_factory=MediaConfig)
+    """Limits on the images and audio clips requests carry, and the hosts image URLs may name."""
     source: str = field(default="<config>", compare=False)
     """Where the config came from (file path), named in error messages; not part of equality."""
 
@@ -232,6 +288,7 @@ class DeploymentConfig:
             ("cluster", self.cluster, ClusterSpec), ("engine", self.engine, EngineConfig),
             ("transport", self.transport, TransportConfig),
             ("limits", self.limits, Limits), ("server", self.server, ServerConfig),
+            ("media", self.media, MediaConfig),
         ):
             if not (isinstance(value, cls) or (key == "cluster" and value is None)):
                 raise fail(key, value, f"must be a {cls.__name__}, got {type(value).__name__}")
@@ -281,6 +338,7 @@ class DeploymentConfig:
         http_processes: int | None = None,
         intra_host: str | None = None,
         inter_host: str | None = None,
+        allowed_media_domains: list[str] | None = None,
     ) -> DeploymentConfig:
         """A copy with CLI flag values in place of the file's; None keeps the file's value."""
         server = {k: v for k, v in (("host", host), ("port", port), ("max_body_bytes", max_body_bytes),
@@ -303,7 +361,13 @@ class DeploymentConfig:
             new_transport = dataclasses.replace(self.transport, **transport)
         except ConfigError as e:
             raise e.under("transport", "command line") from None
-        return dataclasses.replace(self, server=new_server, limits=new_limits, transport=new_transport)
+        try:
+            new_media = (self.media if allowed_media_domains is None
+                         else dataclasses.replace(self.media, allowed_domains=tuple(allowed_media_domains)))
+        except ConfigError as e:
+            raise e.under("media", "command line (--allowed-media-domains)") from None
+        return dataclasses.replace(self, server=new_server, limits=new_limits, transport=new_transport,
+                                   media=new_media)
 
     def to_dict(self) -> dict[str, Any]:
         """The YAML form; ``parse_config(cfg.to_dict(), ...) == cfg``."""
@@ -319,11 +383,12 @@ class DeploymentConfig:
         out["transport"] = dataclasses.asdict(self.transport)
         out["limits"] = dataclasses.asdict(self.limits)
         out["server"] = dataclasses.asdict(self.server)
+        out["media"] = self.media.to_dict()
         return out
 
 
 _SECTIONS: dict[str, type] = {"engine": EngineConfig, "transport": TransportConfig, "limits": Limits,
-                              "server": ServerConfig}
+                              "server": ServerConfig, "media": MediaConfig}
 
 
 def parse_config(data: Any, source: str) -> DeploymentConfig:

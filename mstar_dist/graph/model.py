@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mstar_dist.config.engine import EngineConfig
+from mstar_dist.events import MediaItem, MediaLimits
 from mstar_dist.graph.nodes import Section
 from mstar_dist.graph.partitions import Partition, StreamingEdge
 
@@ -70,6 +71,15 @@ class RequestState:
     knobs: dict[str, Any] = field(default_factory=dict)
     """The request's model knobs (native ``model_kwargs`` beyond sampling, or a route's family fields such as
     ``voice``); ``preprocess`` validates them (``ValueError`` naming the knob and its allowed range: a 400)."""
+    media: list[MediaItem] = field(default_factory=list)
+    """The request's images and audio clips (``GenerationParams.media``: raw bytes, declared format, where each stood
+    in ``messages``), only for a family whose ``input_modalities`` take them. ``preprocess`` decodes them within
+    ``media_limits`` (a ``ValueError`` naming the item and the limit: a 400)."""
+    media_limits: MediaLimits | None = None
+    """The deployment's decoding limits (pixels, seconds, bytes); set whenever ``media`` is not empty."""
+    output_modalities: list[str] | None = None
+    """What the client asked to receive (``GenerationParams.output_modalities``); None: the family's default. A
+    family that speaks on request runs its speech partitions only when "audio" is in it (``start_done``)."""
     data: dict[str, Any] = field(default_factory=dict)
 
 
@@ -79,6 +89,12 @@ class CompositeModel(ABC):
     name: str = "model"
     output_modality: str = "text"
     """What ``postprocess`` produces for clients: "text", "audio" or "image" (routes check it)."""
+    output_modalities: frozenset[str] = frozenset()
+    """Every modality ``postprocess`` can produce when a request asks for it (``RequestState.output_modalities``),
+    e.g. {"text", "audio"} for a model that answers in text and speech; empty: ``output_modality`` alone."""
+    input_modalities: frozenset[str] = frozenset({"text"})
+    """What requests may carry: "text", plus "image" and / or "audio" for a family whose ``preprocess`` takes
+    ``RequestState.media``. The HTTP server refuses any other media with a 400 before the family sees it."""
     tp_nodes: frozenset[str] = frozenset()
     """Nodes this family can shard over a TP group (``build_component(..., tp=TPGroup)``); placing any other
     node with ``tp_size > 1`` is a startup error."""

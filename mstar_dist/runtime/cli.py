@@ -30,6 +30,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-body-bytes", type=int, default=None, help="overrides server.max_body_bytes (413 above)")
     p.add_argument("--http-processes", type=int, default=None,
                    help="overrides server.http_processes (processes parsing HTTP on the port; default 1)")
+    p.add_argument("--allowed-media-domains", type=_domains, action="extend", default=None, metavar="HOST[,HOST...]",
+                   help="hosts whose http(s) image URLs requests may name (exact names; repeat the flag or separate "
+                        "them with commas; overrides media.allowed_domains). Default: image URLs are refused")
     p.add_argument("--intra-host-tensor-protocol", choices=registry.names(), default=None,
                    help="transport for tensors whose consumer is on the same host (overrides transport.intra_host)")
     p.add_argument("--inter-host-tensor-protocol", choices=registry.names(), default=None,
@@ -48,6 +51,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "count, p50/p99 transfer time) every SECONDS (default 10)")
     p.add_argument("--dry-run", action="store_true", help="validate the config and print the placement, then exit")
     return p.parse_args(argv)
+
+
+def _domains(value: str) -> list[str]:
+    """``--allowed-media-domains a.example,b.example`` -> the host names (checked with the config's rules later)."""
+    return [host.strip().lower() for host in value.split(",") if host.strip()]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -92,6 +92,7 @@ def load_deployment(args: argparse.Namespace, world_size: int | None, local_ws: 
         request_timeout_s=args.request_timeout, max_body_bytes=args.max_body_bytes,
         http_processes=args.http_processes, intra_host=args.intra_host_tensor_protocol,
         inter_host=args.inter_host_tensor_protocol,
+        allowed_media_domains=args.allowed_media_domains,
     )
     if world_size is None:
         world_size = _world_from_config(config) if args.dry_run else 1
@@ -171,4 +172,6 @@ def served(dep: Deployment) -> dict[str, Any]:
     """What the HTTP app tells clients about the model and its limits (the backend's attributes)."""
     return {"model_name": dep.config.model, "max_context_tokens": dep.model.max_context_tokens,
             "max_tokens_limit": min(dep.config.limits.max_tokens, dep.model.max_context_tokens - 1),
-            "output_modality": dep.model.output_modality}
+            "output_modality": dep.model.output_modality,
+            "output_modalities": sorted(dep.model.output_modalities or {dep.model.output_modality}),
+            "input_modalities": sorted(dep.model.input_modalities)}

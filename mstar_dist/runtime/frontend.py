@@ -195,7 +195,7 @@ def start_http(dep: Deployment, conductor: Conductor, *, api_key: str | None, so
     """Bind HTTP only now that every rank serves (docs/architecture.md §2 step 6)."""
     cfg = dep.config
     backend = ConductorBackend(conductor, **served(dep))
-    http = HttpServer(build_app(backend, api_key=api_key, max_body_bytes=cfg.server.max_body_bytes))
+    http = HttpServer(build_app(backend, api_key=api_key, max_body_bytes=cfg.server.max_body_bytes, media=cfg.media))
     http.start(cfg.server.host, cfg.server.port, timeout_s=30, sock=sock)
     announce(f"mstar_dist: serving {cfg.model} on http://{cfg.server.host}:{cfg.server.port}")
     return http
@@ -209,7 +209,7 @@ def start_intakes(dep: Deployment, intakes: list[IntakeProcess], sock: socket.so
     port = sock.getsockname()[1]
     for intake in intakes:
         intake.write({"token": dep.token, "conductor": conductor_endpoint, "host": server.host, "port": port,
-                      "api_key": api_key, "max_body_bytes": server.max_body_bytes,
+                      "api_key": api_key, "max_body_bytes": server.max_body_bytes, "media": dep.config.media.to_dict(),
                       "prompt_encoder": dep.model.prompt_encoder(), **served(dep)})
     for intake in intakes:
         intake.read(INTAKE_WAIT_S, "that it listens on the port")

@@ -24,6 +24,7 @@ import socket
 import sys
 from typing import Any
 
+from mstar_dist.config.deployment import MediaConfig
 from mstar_dist.control.channel import ControlChannel
 from mstar_dist.control.envelope import CONDUCTOR
 from mstar_dist.runtime.children import (
@@ -110,7 +111,8 @@ class Intake:
         self.channel.connect(CONDUCTOR, handover["conductor"])
         stats = HttpStats()
         backend = self.link_up(handover, stats)
-        app = build_app(backend, api_key=handover["api_key"], max_body_bytes=handover["max_body_bytes"], stats=stats)
+        app = build_app(backend, api_key=handover["api_key"], max_body_bytes=handover["max_body_bytes"], stats=stats,
+                        media=MediaConfig(**handover["media"]))
         if backend.output_modality == "text":
             warm_up(app, backend, handover["api_key"])
             stats.reset()
@@ -134,6 +136,8 @@ class Intake:
                                 max_context_tokens=handover["max_context_tokens"],
                                 max_tokens_limit=handover["max_tokens_limit"],
                                 output_modality=handover["output_modality"],
+                                output_modalities=handover["output_modalities"],
+                                input_modalities=handover["input_modalities"],
                                 encoder=load_prompt_encoder(handover.get("prompt_encoder")))
         self.link.backend = backend
         self.link.thread.start()

@@ -29,18 +29,22 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from mstar_dist import trace
+from mstar_dist.config.deployment import MediaConfig
 from mstar_dist.server.backend import BackendError, Finished, GenerationBackend, GenerationParams, MediaDelta, TextDelta
 from mstar_dist.server.checks import (
-    REQUEST_ID_HEADER, ApiError, check_modality, check_model, error_body, header_request_id, max_tokens, parse_body,
+    REQUEST_ID_HEADER, ApiError, check_modality, check_model, check_outputs, error_body, header_request_id, max_tokens,
+    parse_body, parse_json, served_context,
 )
 from mstar_dist.server.direct import DirectRoutes
 from mstar_dist.server.guard import GuardMiddleware
-from mstar_dist.server.openapi import body_doc, install_openapi
+from mstar_dist.server.media_input import gather_media, media_limits, read_multipart
+from mstar_dist.server.openapi import body_doc, install_openapi, multipart_doc
 from mstar_dist.server.http_metrics import HttpStats, StatsMiddleware
 from mstar_dist.server.http_server import HttpServer
-from mstar_dist.server.media_routes import add_media_routes, join_audio
+from mstar_dist.server.media_routes import DEFAULT_SAMPLE_RATE, AudioFormat, add_media_routes, join_audio, wav_file
 from mstar_dist.server.protocol import (
     AssistantMessage,
+    ChatAudio,
     ChatChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -78,25 +82,29 @@ GENERATION_PATHS = ("/generate", "/v1/chat/completions", "/v1/audio/speech", "/v
 
 
 def build_app(backend: GenerationBackend, *, api_key: str | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, stats: HttpStats | None = None) -> FastAPI:
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, stats: HttpStats | None = None,
+              media: MediaConfig | None = None) -> FastAPI:
     """The FastAPI app serving ``backend``. Runs on the loop of the server that hosts it (``HttpServer``).
 
     ``api_key``: when set, every route but ``/health`` needs ``Authorization: Bearer <api_key>`` (401 without).
     ``max_body_bytes``: larger request bodies get a 413. ``stats``: where the app counts its HTTP requests (a new
-    ``HttpStats`` by default; an intake process shares its own with its backend, which reports them)."""
+    ``HttpStats`` by default; an intake process shares its own with its backend, which reports them). ``media``:
+    the deployment's ``media:`` section (limits on images and audio in requests, hosts of image URLs; its defaults
+    when None)."""
     app = FastAPI(title="mstar_dist", version="0.1.0")
     stats = stats if stats is not None else HttpStats()
+    media = media if media is not None else MediaConfig()
     # innermost first: the generation routes skip FastAPI's router and request layers (server/direct.py)
     app.add_middleware(DirectRoutes, fastapi_app=app, paths=GENERATION_PATHS)
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
     app.add_middleware(StatsMiddleware, stats=stats)  # added last: outermost, so it counts 401s and 413s too
     _add_error_handlers(app)
     _add_ops_routes(app, backend, stats)
-    _add_chat_route(app, backend, stats)
-    _add_generate_route(app, backend, stats)
+    _add_chat_route(app, backend, stats, media)
+    _add_generate_route(app, backend, stats, media, max_body_bytes)
     add_media_routes(app, backend, stats)
     install_openapi(app, backend, [GenerateRequest, ChatCompletionRequest, SpeechRequest, ImageGenerationRequest],
-                    api_key=bool(api_key))
+                    api_key=bool(api_key), media=media)
     return app
 
 
@@ -136,55 +144,82 @@ def _add_ops_routes(app: FastAPI, backend: GenerationBackend, stats: HttpStats) 
         return JSONResponse(ModelList(data=[card]).model_dump())
 
 
-def _add_chat_route(app: FastAPI, backend: GenerationBackend, stats: HttpStats) -> None:
-    """OpenAI's ``/v1/chat/completions``: one choice, streamed as server-sent events or whole."""
+def _add_chat_route(app: FastAPI, backend: GenerationBackend, stats: HttpStats, media: MediaConfig) -> None:
+    """OpenAI's ``/v1/chat/completions``: one choice, streamed as server-sent events or whole; spoken too when the
+    request asks for ``modalities: ["text", "audio"]``."""
 
     @app.post("/v1/chat/completions", openapi_extra=body_doc(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         arrived = time.monotonic() if trace.ON else 0.0
         check_modality(backend, "text")
-        req = await parse_body(request, ChatCompletionRequest)
+        req = await parse_body(request, ChatCompletionRequest, served_context(backend))
         check_model(req.model, backend)
         if req.n != 1:
             raise ApiError(400, f"n is {req.n}; only n=1 (one choice per request) is supported", "n")
-        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         request_id = header_request_id(request) or uuid.uuid4().hex
-        params = GenerationParams(
-            request_id=request_id,
-            prompt=None,
-            messages=normalize_messages(req.messages),
-            max_tokens=max_tokens(req.requested_max_tokens(), backend, param),
-            max_tokens_given=req.requested_max_tokens() is not None,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k_value(),
-            seed=req.seed,
-            stop=req.stop_list(),
-            stream=req.stream,
-        )
+        params = await _chat_params(req, request_id, backend, media)
         reply = _ChatReply(f"chatcmpl-{request_id}", int(time.time()), backend.model_name)
+        audio_id = f"audio-{request_id}" if req.wants_audio() else None
         headers = {REQUEST_ID_HEADER: request_id}
         if trace.ON:
             _trace_prepared(arrived, request_id, "/v1/chat/completions")
         if req.stream:
             stream, first = await start_stream(request, backend, params, stats)
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            body = reply.sse(stream, first, include_usage=include_usage)
+            body = reply.sse(stream, first, include_usage=include_usage, audio_id=audio_id)
             return ClosingStreamingResponse(body, stats=stats, media_type=SSE_MEDIA_TYPE, headers=headers)
         outcome = await until_disconnect(request, collect(events(backend, params)), stats)
-        return JSONResponse(reply.response(outcome).model_dump(), headers=headers)
+        audio = _chat_audio(audio_id, req.audio_format(), outcome, request_id) if audio_id else None
+        return JSONResponse(reply.body(outcome, audio), headers=headers)
 
 
-def _add_generate_route(app: FastAPI, backend: GenerationBackend, stats: HttpStats) -> None:
-    """The native ``/generate``: any modality, streamed as NDJSON lines or whole."""
+async def _chat_params(req: ChatCompletionRequest, request_id: str, backend: GenerationBackend,
+                       media: MediaConfig) -> GenerationParams:
+    """The chat request as the backend takes it: its media fetched and checked, the voice as the family's knob."""
+    if req.wants_audio():
+        check_outputs(backend, ["audio"], "modalities")
+    items = await gather_media(req.messages, backend, media)
+    voice = req.audio.voice if req.wants_audio() and req.audio is not None else None
+    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    return GenerationParams(
+        request_id=request_id,
+        prompt=None,
+        messages=normalize_messages(req.messages),
+        max_tokens=max_tokens(req.requested_max_tokens(), backend, param),
+        max_tokens_given=req.requested_max_tokens() is not None,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k_value(),
+        seed=req.seed,
+        stop=req.stop_list(),
+        stream=req.stream,
+        model_kwargs={"voice": voice} if voice is not None else {},
+        media=items,
+        media_limits=media_limits(media) if items else None,
+        output_modalities=req.output_modalities(),
+    )
 
-    @app.post("/generate", openapi_extra=body_doc(GenerateRequest))
+
+def _add_generate_route(app: FastAPI, backend: GenerationBackend, stats: HttpStats, media: MediaConfig,
+                        max_body_bytes: int) -> None:
+    """The native ``/generate``: any modality, streamed as NDJSON lines or whole; a JSON body, or for a model that
+    takes media a ``multipart/form-data`` body (the JSON in its ``request`` field, files in ``image`` / ``audio``
+    fields, added to the last user message in the order sent: ``media_input.read_multipart``)."""
+
+    @app.post("/generate", openapi_extra=body_doc(GenerateRequest, multipart_doc(backend)))
     async def generate(request: Request) -> Response:
         arrived = time.monotonic() if trace.ON else 0.0
-        req = await parse_body(request, GenerateRequest)
+        uploads = []
+        if request.headers.get("content-type", "").split(";")[0].strip().lower() == "multipart/form-data":
+            text, uploads = await read_multipart(request, media, max_body_bytes)
+            req = parse_json(text, GenerateRequest, "the 'request' field", context=served_context(backend))
+        else:
+            req = await parse_body(request, GenerateRequest, served_context(backend))
         check_model(req.model, backend)
+        check_outputs(backend, req.modalities, "modalities")
         kw = req.model_kwargs
         request_id = req.request_id or header_request_id(request) or uuid.uuid4().hex
+        items = await gather_media(req.messages, backend, media, uploads)
         params = GenerationParams(
             request_id=request_id,
             prompt=req.prompt,
@@ -198,6 +233,9 @@ def _add_generate_route(app: FastAPI, backend: GenerationBackend, stats: HttpSta
             stop=kw.stop_list(),
             stream=req.stream,
             model_kwargs=kw.family_knobs(),
+            media=items,
+            media_limits=media_limits(media) if items else None,
+            output_modalities=req.modalities,
         )
         headers = {REQUEST_ID_HEADER: request_id}
         if trace.ON:
@@ -227,13 +265,37 @@ class _ChatReply:
     created: int
     model: str
 
-    def response(self, outcome: Outcome) -> ChatCompletionResponse:
+    def body(self, outcome: Outcome, audio: ChatAudio | None = None) -> dict[str, Any]:
+        """The whole response; ``message.audio`` only when the request asked for audio."""
         f = outcome.finish
-        return ChatCompletionResponse(
+        message = AssistantMessage(content=outcome.text, audio=audio)
+        body = ChatCompletionResponse(
             id=self.id, created=self.created, model=self.model,
-            choices=[ChatChoice(message=AssistantMessage(content=outcome.text), finish_reason=f.finish_reason)],
+            choices=[ChatChoice(message=message, finish_reason=f.finish_reason)],
             usage=Usage.of(f.prompt_tokens, f.completion_tokens),
-        )
+        ).model_dump()
+        if audio is None:
+            del body["choices"][0]["message"]["audio"]
+        return body
+
+    def _event(self, delta: dict[str, Any], include_usage: bool) -> bytes:
+        """One event whose delta is ``delta`` as given (the audio shapes, which ``ChunkDelta`` does not model)."""
+        chunk = ChatCompletionChunk(id=self.id, created=self.created, model=self.model,
+                                    choices=[ChunkChoice(delta=ChunkDelta())], usage=None).model_dump(mode="json")
+        chunk["choices"][0]["delta"] = delta
+        if not include_usage:
+            del chunk["usage"]
+        return _sse(chunk)
+
+    def _spoken(self, event: TextDelta | MediaDelta, include_usage: bool, audio_id: str) -> bytes:
+        """The event of one delta of a spoken answer: text as ``content`` and as the audio's ``transcript``, audio as
+        ``audio.data`` (base64 PCM16, OpenAI's streamed audio); other media are left out."""
+        if isinstance(event, TextDelta):
+            return self._event({"content": event.text, "audio": {"id": audio_id, "transcript": event.text}},
+                               include_usage)
+        if event.modality == "audio":
+            return self._event({"audio": {"id": audio_id, "data": _b64(event.data)}}, include_usage)
+        return b""
 
     def _chunk(self, choices: list[ChunkChoice], usage: Usage | None, include_usage: bool) -> bytes:
         chunk = ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices,
@@ -254,9 +316,11 @@ class _ChatReply:
         return template.replace(_TEMPLATE_ID, _json(self.id), 1).replace(
             _TEMPLATE_CREATED, b'"created":%d' % self.created, 1)
 
-    async def sse(self, stream, first, *, include_usage: bool) -> AsyncIterator[bytes]:
+    async def sse(self, stream, first, *, include_usage: bool, audio_id: str | None = None) -> AsyncIterator[bytes]:
         """``data: {chunk}`` events: role, content deltas, finish_reason, [usage], then ``data: [DONE]``.
-        Media deltas (which a text model does not produce) are left out."""
+        Media deltas are left out, unless ``audio_id`` is set (the request asked for audio): then text deltas carry
+        ``audio.transcript`` too, audio deltas come as ``audio.data`` and one last ``audio.expires_at`` precedes the
+        finish."""
         # events that are ready together leave in one body chunk, one socket write (an intake takes a burst's
         # requests one after another, so each write it saves shortens the queue: docs/architecture.md §2): the role
         # with the first content delta, and the finish with the usage and [DONE]
@@ -265,12 +329,16 @@ class _ChatReply:
             head, tail = self._content_framing(include_usage)
             event = first
             while not isinstance(event, Finished):
-                if isinstance(event, TextDelta):
+                if audio_id is not None:
+                    out += self._spoken(event, include_usage, audio_id)
+                elif isinstance(event, TextDelta):
                     out += head + _json(event.text) + tail
                 if out:
                     yield out
                     out = b""
                 event = await stream.__anext__()
+            if audio_id is not None:
+                out += self._event({"audio": {"id": audio_id, "expires_at": int(time.time())}}, include_usage)
             out += self._fill(_chunk_template(self.model, include_usage, "finish", event.finish_reason))
             if include_usage:
                 out += self._chunk([], Usage.of(event.prompt_tokens, event.completion_tokens), True)
@@ -279,6 +347,14 @@ class _ChatReply:
         finally:
             await stream.aclose()
         yield out + b"data: [DONE]\n\n"
+
+
+def _chat_audio(audio_id: str, fmt: str, outcome: Outcome, request_id: str) -> ChatAudio:
+    """``message.audio``: all audio deltas as one WAV file or raw PCM16, the answer's text as its transcript."""
+    pcm, audio_format = join_audio(outcome.media, request_id)
+    audio_format = audio_format or AudioFormat(DEFAULT_SAMPLE_RATE, 1)
+    data = wav_file(pcm, audio_format, request_id) if fmt == "wav" else pcm
+    return ChatAudio(id=audio_id, data=_b64(data), transcript=outcome.text, expires_at=int(time.time()))
 
 
 async def _ndjson_body(stream, first, request_id: str) -> AsyncIterator[bytes]:

@@ -29,7 +29,11 @@ class GenerationBackend(Protocol):
     max_tokens_limit: int
     """Largest ``max_tokens`` a request may ask for; also the default when the request gives none."""
     output_modality: str
-    """What the model emits to clients: "text", "audio" or "image" (a route for another modality is a 400)."""
+    """What the model emits to clients: "text", "audio" or "image" (a route for another modality is a 400).
+
+    Two attributes are optional (``checks.outputs_of`` / ``inputs_of`` read them with their defaults):
+    ``output_modalities``, every modality the model produces when a request asks for it (default: this one), and
+    ``input_modalities``, what requests may carry besides text ("image", "audio"; default: text alone)."""
 
     def health(self) -> tuple[bool, str]:
         """(serving?, reason). Serving means every rank is READY and alive; the reason is shown on a 503."""

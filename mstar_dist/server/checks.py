@@ -44,21 +44,32 @@ def error_body(path: str, exc: ApiError) -> dict[str, Any]:
     return {"error": {"message": exc.message, "type": kind, "param": exc.param, "code": exc.status}}
 
 
-async def parse_body(request: Request, model: type[M]) -> M:
+async def parse_body(request: Request, model: type[M], context: dict[str, Any] | None = None) -> M:
     """Parses the JSON body into ``model``; any mistake in it is a 400 naming the field (every route family).
+    ``context``: pydantic's validation context (:func:`served_context`).
 
     Reads the whole body, so afterwards the next ASGI ``receive()`` only reports a disconnect."""
-    raw = await request.body()
+    return parse_json(await request.body(), model, context=context)
+
+
+def served_context(backend: GenerationBackend) -> dict[str, Any]:
+    """What a request's validation knows of the served model: its name and what it reads (``ChatMessage``)."""
+    return {"model": backend.model_name, "inputs": inputs_of(backend)}
+
+
+def parse_json(raw: bytes | str, model: type[M], what: str = "request body", *,
+               context: dict[str, Any] | None = None) -> M:
+    """``raw`` (JSON text) as ``model``; a mistake is a 400 naming ``what`` or the field."""
     if not raw.strip():
-        raise ApiError(400, "request body is empty: send a JSON object (Content-Type: application/json)")
+        raise ApiError(400, f"{what} is empty: send a JSON object (Content-Type: application/json)")
     try:
         obj = json.loads(raw)
     except (UnicodeDecodeError, ValueError) as exc:
-        raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+        raise ApiError(400, f"{what} is not valid JSON: {exc}") from None
     if not isinstance(obj, dict):
-        raise ApiError(400, f"request body must be a JSON object, got {_json_type(obj)}")
+        raise ApiError(400, f"{what} must be a JSON object, got {_json_type(obj)}")
     try:
-        return model.model_validate(obj)
+        return model.model_validate(obj, context=context)
     except ValidationError as exc:
         first = exc.errors(include_url=False)[0]
         raise ApiError(400, _describe(exc), _loc(first["loc"]) or None) from None
@@ -108,10 +119,29 @@ def check_model(model: str | None, backend: GenerationBackend) -> None:
         )
 
 
+def outputs_of(backend: GenerationBackend) -> tuple[str, ...]:
+    """Every modality the backend's model can produce (``output_modalities``; else its one ``output_modality``)."""
+    return tuple(getattr(backend, "output_modalities", None) or (backend.output_modality,))
+
+
+def inputs_of(backend: GenerationBackend) -> tuple[str, ...]:
+    """What requests to the backend's model may carry (``input_modalities``; else text alone)."""
+    return tuple(getattr(backend, "input_modalities", None) or ("text",))
+
+
+def check_outputs(backend: GenerationBackend, asked: list[str] | None, param: str) -> None:
+    """Every modality in ``asked`` is one the model produces; else a 400 saying it has no such output."""
+    have = outputs_of(backend)
+    for modality in asked or ():
+        if modality not in have:
+            raise ApiError(400, f"{backend.model_name!r} has no {modality} output (it produces "
+                                f"{' and '.join(have)}): leave {modality!r} out of {param}", param)
+
+
 def check_modality(backend: GenerationBackend, needed: str) -> None:
-    """The route serves ``needed`` output; a model of another modality is a 400 naming the route it serves."""
+    """The route serves ``needed`` output; a model that cannot produce it is a 400 naming the route it serves."""
     have = backend.output_modality
-    if have != needed:
+    if needed not in outputs_of(backend):
         served = MODALITY_ROUTES.get(have, "no OpenAI route")
         raise ApiError(400, f"{MODALITY_ROUTES[needed]} needs a model that produces {_OUTPUT[needed]}; "
                             f"{backend.model_name!r} produces {_OUTPUT.get(have, have)}: use {served} or "

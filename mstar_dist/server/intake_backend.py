@@ -185,15 +185,18 @@ class IntakeBackend:
     """``metrics_text()`` already holds the HTTP metrics of every intake (the app adds none of its own)."""
 
     def __init__(self, link: ConductorLink, stats, *, model_name: str, max_context_tokens: int,
-                 max_tokens_limit: int, output_modality: str, encoder: Any = None) -> None:
+                 max_tokens_limit: int, output_modality: str, encoder: Any = None,
+                 output_modalities: list[str] | None = None, input_modalities: list[str] | None = None) -> None:
         """``encoder``: the family's prompt encoder (``CompositeModel.prompt_encoder``), or None: the conductor
-        tokenizes."""
+        tokenizes. The rest: ``runtime.deployment.served``."""
         self.link, self.stats = link, stats
         self.encoder = encoder
         self.model_name = model_name
         self.max_context_tokens = max_context_tokens
         self.max_tokens_limit = max_tokens_limit
         self.output_modality = output_modality
+        self.output_modalities = tuple(output_modalities or (output_modality,))
+        self.input_modalities = tuple(input_modalities or ("text",))
         self.loop: asyncio.AbstractEventLoop | None = None
         """uvicorn's loop, where ``deliver`` hands items from another thread; taken by the first request that needs it
         (``generate``, ``metrics_text``), so nothing is delivered to a loop no request runs on."""
@@ -261,7 +264,7 @@ class IntakeBackend:
         self.loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         self._queues[params.request_id] = events
-        if self.encoder is not None:
+        if self.encoder is not None and not params.media:  # media placeholders are the family's preprocess's
             params = dataclasses.replace(params, prompt_ids=self._encode(params))
         if trace.ON:
             trace.event("http_submitted", params.request_id)

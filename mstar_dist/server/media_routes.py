@@ -1,9 +1,9 @@
 """The OpenAI media routes: ``POST /v1/audio/speech`` and ``POST /v1/images/generations``.
 
-Speech needs a backend whose ``output_modality`` is "audio": the response is a WAV file or raw PCM16, whole, or
-streamed as the audio deltas arrive (``"stream": true``). Images need "image": ``n`` backend requests run
-concurrently and come back as base64 PNG. Both keep OpenAI's error body; request checking and the relay
-guarantees (abort on disconnect, errors per request) are the app's (``checks``, ``relay``).
+Speech needs a backend whose model produces audio (``output_modalities``): the response is a WAV file or raw
+PCM16, whole, or streamed as the audio deltas arrive (``"stream": true``). Images need one that produces "image":
+``n`` backend requests run concurrently and come back as base64 PNG. Both keep OpenAI's error body; request
+checking and the relay guarantees (abort on disconnect, errors per request) are the app's (``checks``, ``relay``).
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def add_media_routes(app: FastAPI, backend: GenerationBackend, stats: HttpStats)
         outcome = await until_disconnect(request, collect(events(backend, params)), stats)
         pcm, fmt = join_audio(outcome.media, request_id)
         fmt = fmt or AudioFormat(DEFAULT_SAMPLE_RATE, 1)
-        content = _wav(pcm, fmt, request_id) if req.response_format == "wav" else pcm
+        content = wav_file(pcm, fmt, request_id) if req.response_format == "wav" else pcm
         return Response(content, media_type=media_type, headers=headers | fmt.headers())
 
     @app.post("/v1/images/generations", openapi_extra=body_doc(ImageGenerationRequest))
@@ -139,11 +139,12 @@ def _speech_params(req: SpeechRequest, request_id: str, backend: GenerationBacke
         request_id=request_id, prompt=req.input, messages=None,
         max_tokens=backend.max_tokens_limit, max_tokens_given=False,
         temperature=req.temperature, top_p=req.top_p, top_k=req.top_k_value(), seed=req.seed, stream=req.stream,
-        model_kwargs={"voice": req.voice} if req.voice is not None else {},
+        model_kwargs={"voice": req.voice} if req.voice is not None else {}, output_modalities=["audio"],
     )
 
 
-def _wav(pcm: bytes, fmt: AudioFormat, request_id: str) -> bytes:
+def wav_file(pcm: bytes, fmt: AudioFormat, request_id: str) -> bytes:
+    """``pcm`` as a WAV file; a format WAV cannot hold is the model's fault (500)."""
     try:
         return wav_bytes(pcm, fmt.sample_rate, fmt.num_channels)
     except ValueError as exc:
@@ -189,7 +190,7 @@ def _image_params(req: ImageGenerationRequest, request_id: str, i: int,
     return GenerationParams(
         request_id=f"{request_id}-{i}", prompt=req.prompt, messages=None,
         max_tokens=backend.max_tokens_limit, max_tokens_given=False,
-        seed=None if req.seed is None else req.seed + i, model_kwargs=req.family_knobs(),
+        seed=None if req.seed is None else req.seed + i, model_kwargs=req.family_knobs(), output_modalities=["image"],
     )
 
 

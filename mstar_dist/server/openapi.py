@@ -4,12 +4,14 @@ The routes parse their bodies themselves (``checks.parse_body``: our error forma
 knows nothing of them; each POST route declares its body here with ``openapi_extra=body_doc(Model)`` and
 :func:`install_openapi` adds the pydantic models' JSON schemas to ``components.schemas``. The document also says
 what this deployment accepts beyond the models' types: the served model's name, ``max_tokens`` up to the
-server's limit, ``n`` = 1, exactly one of ``prompt`` / ``messages``, non-empty stop strings; and, with an API
-key, the bearer scheme on every route but ``/health``.
+server's limit, ``n`` = 1, exactly one of ``prompt`` / ``messages``, non-empty stop strings, the content parts and
+output ``modalities`` the model takes, base64 media data and image URLs on the allowed hosts, the multipart body of
+``/generate`` for a model that takes media; and, with an API key, the bearer scheme on every route but ``/health``.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from fastapi import FastAPI
@@ -17,11 +19,15 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from mstar_dist.config.deployment import MediaConfig
+from mstar_dist.events import INPUT_MEDIA
 from mstar_dist.server.backend import GenerationBackend
-from mstar_dist.server.checks import REQUEST_ID_HEADER
+from mstar_dist.server.checks import REQUEST_ID_HEADER, inputs_of, outputs_of
 from mstar_dist.server.protocol import OPENAI_CHAT_IGNORED
 
 _REF = "#/components/schemas/{model}"
+_B64 = "(?:[A-Za-z0-9+/]{4})+"
+"""Base64 with no padding needed (a multiple of 3 bytes): enough for generated requests to be valid."""
 REQUEST_ID_PARAM = {
     "name": REQUEST_ID_HEADER, "in": "header", "required": False,
     "description": "Request id to use (and to pin sampling); a new one is made when absent.",
@@ -29,17 +35,37 @@ REQUEST_ID_PARAM = {
 }
 
 
-def body_doc(model: type[BaseModel]) -> dict[str, Any]:
-    """``openapi_extra`` for a POST route whose JSON body is ``model`` (and which takes ``X-Request-Id``)."""
+def body_doc(model: type[BaseModel], multipart: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``openapi_extra`` for a POST route whose JSON body is ``model`` (and which takes ``X-Request-Id``); with
+    ``multipart`` (:func:`multipart_doc`), the route also takes that ``multipart/form-data`` body."""
     schema = {"$ref": _REF.format(model=model.__name__)}
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
-            "parameters": [REQUEST_ID_PARAM]}
+    content: dict[str, Any] = {"application/json": {"schema": schema}}
+    if multipart:
+        content["multipart/form-data"] = multipart
+    return {"requestBody": {"required": True, "content": content}, "parameters": [REQUEST_ID_PARAM]}
+
+
+def multipart_doc(backend: GenerationBackend) -> dict[str, Any] | None:
+    """The ``multipart/form-data`` body of ``/generate`` for a model that takes images or audio (None for a model that
+    takes neither): the JSON body as the ``request`` field, files in ``image`` / ``audio`` fields (``media_input``)."""
+    taken = [kind for kind in INPUT_MEDIA if kind in inputs_of(backend)]
+    if not taken:
+        return None
+    props: dict[str, Any] = {"request": {"type": "string", "contentMediaType": "application/json",
+                                         "description": "the JSON body of POST /generate (GenerateRequest) as text; "
+                                                        "the files are added to its last user message"}}
+    types = {"image": "image/png, image/jpeg, image/webp", "audio": "audio/wav, audio/mpeg, audio/flac, audio/ogg"}
+    for kind in taken:
+        props[kind] = {"type": "array", "items": {"type": "string", "format": "binary"}}
+    return {"schema": {"type": "object", "required": ["request"], "properties": props},
+            "encoding": {kind: {"contentType": types[kind]} for kind in taken}}
 
 
 def install_openapi(app: FastAPI, backend: GenerationBackend, bodies: list[type[BaseModel]], *,
-                    api_key: bool) -> None:
-    """Make ``app.openapi()`` return the document with ``bodies``' schemas, this deployment's limits and, with
-    ``api_key``, the bearer security scheme. Built once, on the first request for it."""
+                    api_key: bool, media: MediaConfig | None = None) -> None:
+    """Make ``app.openapi()`` return the document with ``bodies``' schemas, this deployment's limits (``media``: its
+    media limits and image URL hosts) and, with ``api_key``, the bearer security scheme. Built once, on the first
+    request for it."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -49,6 +75,7 @@ def install_openapi(app: FastAPI, backend: GenerationBackend, bodies: list[type[
             schemas = doc.setdefault("components", {}).setdefault("schemas", {})
             schemas.update(defs.get("$defs", {}))
             _describe_deployment(schemas, backend)
+            _describe_media(schemas, backend, media or MediaConfig())
             if api_key:
                 _add_bearer(doc)
             app.openapi_schema = doc
@@ -82,6 +109,41 @@ def _describe_deployment(schemas: dict[str, Any], backend: GenerationBackend) ->
         generate["properties"]["messages"] = {"type": "array", "minItems": 1,
                                               "items": {"$ref": _REF.format(model="ChatMessage")}}
         generate["oneOf"] = [{"required": ["prompt"]}, {"required": ["messages"]}]
+
+
+def _describe_media(schemas: dict[str, Any], backend: GenerationBackend, media: MediaConfig) -> None:
+    """Content parts only of the kinds this model takes, their data as base64 within ``media.max_item_bytes``, image
+    URLs as ``data:`` URLs or on the allowed hosts; ``modalities`` only what this model produces."""
+    taken = inputs_of(backend)
+    parts = {"image_url": ("ImagePart", "image"), "input_audio": ("AudioPart", "audio")}
+    content = schemas.get("ChatMessage", {}).get("properties", {}).get("content", {})
+    for branch in content.get("anyOf", []):
+        items = branch.get("items", {})
+        for tag, (name, kind) in parts.items():
+            if kind not in taken and "oneOf" in items:
+                items["oneOf"] = [ref for ref in items["oneOf"] if ref.get("$ref") != _REF.format(model=name)]
+                items.get("discriminator", {}).get("mapping", {}).pop(tag, None)
+    b64_length = 4 * -(-media.max_item_bytes // 3)
+    if "InputAudio" in schemas:
+        schemas["InputAudio"]["properties"]["data"] = {"type": "string", "pattern": f"^{_B64}$", "minLength": 4,
+                                                       "maxLength": b64_length, "description": "base64 of the file"}
+    if "ImageURL" in schemas:
+        urls = [f"^data:image/(png|jpeg|webp);base64,{_B64}$"]
+        if media.allowed_domains:
+            hosts = "|".join(re.escape(host) for host in media.allowed_domains)
+            urls.append(f"^https?://({hosts})(:[0-9]{{1,5}})?/[^ ]*$")
+        schemas["ImageURL"]["properties"]["url"] = {"type": "string", "pattern": "|".join(f"({u})" for u in urls),
+                                                    "maxLength": b64_length + 40,
+                                                    "description": "a data: URL, or an http(s) URL on an allowed "
+                                                                   "host (media.allowed_domains)"}
+    outputs = outputs_of(backend)
+    if "ChatCompletionRequest" in schemas:
+        choices = [["text"], ["text", "audio"], ["audio", "text"]] if "audio" in outputs else [["text"]]
+        schemas["ChatCompletionRequest"]["properties"]["modalities"] = {"anyOf": [{"enum": choices}, {"type": "null"}]}
+    if "GenerateRequest" in schemas:
+        item = {"type": "string", "enum": list(outputs)}
+        schemas["GenerateRequest"]["properties"]["modalities"] = {
+            "anyOf": [{"type": "array", "items": item, "minItems": 1, "uniqueItems": True}, {"type": "null"}]}
 
 
 def _add_bearer(doc: dict[str, Any]) -> None:

@@ -8,6 +8,12 @@ unknown top-level fields; inside ``model_kwargs`` the sampling knobs are typed h
 model family's knob, passed through as JSON and validated by the family (an unknown or out-of-range knob is a 400
 naming it).
 
+Media in (a model whose backend lists "image" / "audio" in ``input_modalities``; any other answers a 400): chat
+content parts ``{"type": "image_url", "image_url": {"url", "detail"}}`` (``url`` a ``data:image/...;base64,``
+URL, or ``http(s)`` on a host of ``media.allowed_domains``) and ``{"type": "input_audio", "input_audio": {"data":
+<base64>, "format": "wav" | "mp3" | "flac" | "ogg"}}``, on the chat route and in native ``messages`` alike. Media
+out: chat ``modalities: ["text", "audio"]`` with ``audio: {voice, format}`` (:class:`ChatCompletionRequest`).
+
 Native streaming format (NDJSON, ``Content-Type: application/x-ndjson; charset=utf-8``), one JSON object a line,
 one line per delta as the model produces it:
     {"modality": "text", "data": <base64 of the UTF-8 text delta>, "metadata": {"request_id", "n_tokens"}}
@@ -25,9 +31,11 @@ from __future__ import annotations
 
 import difflib
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from mstar_dist.events import AUDIO_INPUT_FORMATS
 
 # ----------------------------------------------------------------------------------------------- shared
 
@@ -44,38 +52,107 @@ class _Lenient(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
+IMAGE_DETAILS = ("auto", "low", "high")
+"""``image_url.detail`` values (passed to the family, which may ignore them)."""
+PART_TYPES = ("text", "image_url", "input_audio")
+_PART_INPUT = {"text": "text", "image_url": "image", "input_audio": "audio"}
+"""Content part type -> the input modality it carries."""
+
+
 class TextPart(_Lenient):
     type: Literal["text"]
     text: str
 
 
+class ImageURL(_Lenient):
+    url: str = Field(min_length=1, description="a data: URL (data:image/png;base64,...), or an http(s) URL on a host "
+                                               "the server allows (media.allowed_domains)")
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(_Lenient):
+    """OpenAI's image content part: ``{"type": "image_url", "image_url": {"url": ..., "detail": ...}}``."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+class InputAudio(_Lenient):
+    data: str = Field(min_length=1, description="base64 of the audio file")
+    format: Literal["wav", "mp3", "flac", "ogg"]
+
+
+class AudioPart(_Lenient):
+    """OpenAI's audio content part: ``{"type": "input_audio", "input_audio": {"data": <base64>, "format": "wav"}}``."""
+
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
+ContentPart = Annotated[Union[TextPart, ImagePart, AudioPart], Field(discriminator="type")]
+
+
 class ChatMessage(_Lenient):
-    """One chat message; content is a string or a list of ``{"type": "text", "text": ...}`` parts."""
+    """One chat message; content is a string or a list of parts: text, ``image_url`` and ``input_audio`` (OpenAI's
+    shapes; images and audio only for a model that takes them)."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart]
+    content: str | list[ContentPart]
 
     @field_validator("content", mode="before")
     @classmethod
-    def _check_content(cls, value: Any) -> Any:
-        # Checked up front so a wrong part gets one clear message instead of one error per union branch.
+    def _check_content(cls, value: Any, info: ValidationInfo) -> Any:
+        # Checked up front so a wrong part gets one clear message instead of one error per union branch. A route
+        # validates with the context {"model": name, "inputs": what it reads} (``checks.served_context``), so a part
+        # the model does not read is named as such before its shape is looked at.
         if isinstance(value, str):
             return value
         if not isinstance(value, list):
-            raise ValueError(f"content must be a string or a list of text parts, got {type(value).__name__}")
+            raise ValueError("content must be a string or a list of text parts (or image_url / input_audio parts, for "
+                             f"a model that reads them), got {type(value).__name__}")
+        context = info.context or {}
         for i, part in enumerate(value):
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind != "text" or not isinstance(part.get("text"), str):
-                raise ValueError(
-                    f'content[{i}] must be {{"type": "text", "text": "..."}} (only text parts are supported), '
-                    f"got {part!r:.80}"
-                )
+            problem = _part_problem(part, context.get("model"), context.get("inputs"))
+            if problem:
+                raise ValueError(f"content[{i}]{problem}")
         return value
 
     def text(self) -> str:
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text for part in self.content if isinstance(part, TextPart))
+
+
+def _part_problem(part: Any, model: str | None = None, inputs: tuple[str, ...] | None = None) -> str | None:
+    """What is wrong with one content part (a message starting at the part's key path), or None. ``inputs``: what
+    the served model reads (None: any part type)."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    kind = kind if isinstance(kind, str) else None
+    if inputs is not None and kind in _PART_INPUT and _PART_INPUT[kind] not in inputs:
+        parts = " and ".join(tag for tag, kind_ in _PART_INPUT.items() if kind_ in inputs)
+        return (f" is an {kind} part, but {model!r} takes only {parts} parts (it reads no "
+                f"{'images' if kind == 'image_url' else 'audio'}); leave it out")
+    if kind not in PART_TYPES:
+        return (f' must be {{"type": "text", "text": "..."}}, {{"type": "image_url", "image_url": {{"url": "..."}}}} '
+                f'or {{"type": "input_audio", "input_audio": {{"data": "<base64>", "format": "wav"}}}}, '
+                f"got {part!r:.80}")
+    if kind == "text":
+        return None if isinstance(part.get("text"), str) else f".text must be a string, got {part.get('text')!r:.40}"
+    body = part.get(kind)
+    if not isinstance(body, dict):
+        return f".{kind} must be an object, got {body!r:.40}"
+    if kind == "image_url":
+        if not isinstance(body.get("url"), str) or not body["url"]:
+            return ".image_url.url must be a data: URL or an http(s) URL"
+        if body.get("detail") not in (None, *IMAGE_DETAILS):
+            return f".image_url.detail {body['detail']!r:.40} is not one of {', '.join(IMAGE_DETAILS)}"
+        return None
+    if not isinstance(body.get("data"), str) or not body["data"]:
+        return ".input_audio.data must be the audio file in base64"
+    if body.get("format") not in AUDIO_INPUT_FORMATS:
+        return (f".input_audio.format {body.get('format')!r:.40} is not supported; use one of "
+                f"{', '.join(AUDIO_INPUT_FORMATS)}")
+    return None
 
 
 def normalize_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
@@ -136,7 +213,7 @@ class StreamOptions(_Lenient):
 
 
 OPENAI_CHAT_IGNORED = frozenset({
-    "audio", "frequency_penalty", "function_call", "functions", "logit_bias", "logprobs", "metadata", "modalities",
+    "frequency_penalty", "function_call", "functions", "logit_bias", "logprobs", "metadata",
     "parallel_tool_calls", "prediction", "presence_penalty", "prompt_cache_key", "reasoning_effort",
     "response_format", "safety_identifier", "service_tier", "store", "tool_choice", "tools", "top_logprobs", "user",
     "verbosity", "web_search_options",
@@ -158,8 +235,24 @@ def reject_unknown(data: Any, known: frozenset[str] | set[str]) -> None:
         raise ValueError(f"unknown field{'s' if len(unknown) > 1 else ''} {', '.join(hints)}")
 
 
+CHAT_AUDIO_FORMATS = ("wav", "pcm16")
+"""``audio.format`` of a chat completion: a whole WAV file, or raw little-endian PCM16 (the only one streamed)."""
+
+
+class AudioOutput(_Lenient):
+    """Chat ``audio``: how to speak the answer when ``modalities`` holds "audio". ``voice`` is the family's (a 400
+    lists its voices; left out, its default voice); ``format`` defaults to "wav", or "pcm16" when streaming."""
+
+    voice: str | None = None
+    format: Literal["wav", "pcm16"] | None = None
+
+
 class ChatCompletionRequest(_Sampling, _Lenient):
-    """Unknown fields are rejected (a 400 naming them), except OpenAI's own in :data:`OPENAI_CHAT_IGNORED`."""
+    """Unknown fields are rejected (a 400 naming them), except OpenAI's own in :data:`OPENAI_CHAT_IGNORED`.
+
+    ``modalities``: ["text"] (the default) or ["text", "audio"]; with "audio" the answer is also spoken (``audio``
+    says how) and comes back as ``message.audio`` (``id``, base64 ``data``, ``transcript``, ``expires_at``) or,
+    streamed, as ``delta.audio`` chunks of base64 PCM16 beside the text deltas."""
 
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
@@ -168,12 +261,39 @@ class ChatCompletionRequest(_Sampling, _Lenient):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
+    modalities: list[Literal["text", "audio"]] | None = Field(None, min_length=1)
+    audio: AudioOutput | None = None
 
     @model_validator(mode="before")
     @classmethod
     def _known_fields(cls, data: Any) -> Any:
         reject_unknown(data, set(cls.model_fields) | OPENAI_CHAT_IGNORED)
         return data
+
+    @field_validator("modalities")
+    @classmethod
+    def _check_modalities(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and (len(set(value)) != len(value) or "text" not in value):
+            raise ValueError(f'{value!r} is not supported: use ["text"] or ["text", "audio"]')
+        return value
+
+    @model_validator(mode="after")
+    def _check_audio_stream(self) -> ChatCompletionRequest:
+        if self.stream and self.wants_audio() and self.audio is not None and self.audio.format == "wav":
+            raise ValueError('audio.format "wav" cannot be streamed: use "pcm16" with "stream": true')
+        return self
+
+    def wants_audio(self) -> bool:
+        return self.modalities is not None and "audio" in self.modalities
+
+    def output_modalities(self) -> list[str]:
+        return ["text", "audio"] if self.wants_audio() else ["text"]
+
+    def audio_format(self) -> str:
+        """The format spoken audio comes back in (see :class:`AudioOutput`)."""
+        if self.audio is not None and self.audio.format is not None:
+            return self.audio.format
+        return "pcm16" if self.stream else "wav"
 
     def requested_max_tokens(self) -> int | None:
         """``max_completion_tokens`` wins over the deprecated ``max_tokens`` (OpenAI's rule)."""
@@ -194,9 +314,23 @@ class Usage(BaseModel):
         )
 
 
+class ChatAudio(BaseModel):
+    """``message.audio`` of a chat completion asked for with ``modalities: ["text", "audio"]``."""
+
+    id: str
+    data: str
+    """base64 of a whole WAV file, or of raw little-endian PCM16 (``audio.format``)."""
+    transcript: str
+    """What the audio says: the answer's text."""
+    expires_at: int
+    """Unix time after which the server no longer holds this audio: now (it keeps none, so a later turn must send
+    the transcript as the assistant's content)."""
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
+    audio: ChatAudio | None = None
 
 
 class ChatChoice(BaseModel):
@@ -412,14 +546,25 @@ class ModelKwargs(_Sampling):
 
 
 class GenerateRequest(_Strict):
-    """``POST /generate``: exactly one of ``prompt`` / ``messages``."""
+    """``POST /generate``: exactly one of ``prompt`` / ``messages``. Images and audio go in ``messages`` as content
+    parts (OpenAI's shapes: ``image_url``, ``input_audio``), or as files in a ``multipart/form-data`` body (see
+    ``server/app.py``). ``modalities``: what to produce (the model's default when absent), e.g. ["text", "audio"]
+    for a model that can also speak; the voice is ``model_kwargs.voice``."""
 
     prompt: str | None = Field(None, min_length=1)
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     model: str | None = None
     stream: bool = False
+    modalities: list[Literal["text", "audio", "image"]] | None = Field(None, min_length=1)
     request_id: str | None = Field(None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:\-]+$")
     model_kwargs: ModelKwargs = Field(default_factory=ModelKwargs)
+
+    @field_validator("modalities")
+    @classmethod
+    def _check_modalities(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and len(set(value)) != len(value):
+            raise ValueError(f"{value!r} names a modality twice")
+        return value
 
     @model_validator(mode="after")
     def _one_input(self) -> GenerateRequest:

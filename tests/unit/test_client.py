@@ -11,22 +11,25 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import io
 import json
 import socket
 import threading
 import time
+import wave
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
 from openai import OpenAI
 
-from mstar_dist.client import MStarClient, MStarError
+from mstar_dist.client import MStarClient, MStarError, audio_part, image_part
 from mstar_dist.server.app import build_app
 from mstar_dist.server.http_server import HttpServer
-from mstar_dist.media.wav import wav_header
+from mstar_dist.media.wav import wav_bytes, wav_header
 from tests.fakes import (
-    AUDIO_DELTAS, AUDIO_PCM, SAMPLE_RATE, UNICODE_DELTAS, UNICODE_TEXT, FakeBackend, parse_wav, png_size,
+    AUDIO_DELTAS, AUDIO_PCM, SAMPLE_RATE, UNICODE_DELTAS, UNICODE_TEXT, FakeBackend, parse_wav, pcm_chunk, png_size,
+    speech_for, tiny_png,
 )
 
 
@@ -288,6 +291,85 @@ def test_openai_client_images(served, fake):
     assert [png_size(p) for p in pngs] == [(32, 32)] * 2 and pngs[0] != pngs[1]
     with pytest.raises(openai.BadRequestError, match="only 'b64_json'"):
         oai.images.generate(model="fake-model", prompt="a cat", response_format="url")
+
+
+# ------------------------------------------------------------------------------- images and audio, both ways
+
+OMNI = {"input_modalities": ("text", "image", "audio"), "output_modalities": ("text", "audio")}
+PNG = tiny_png(3, 2, seed=4)
+WAV_IN = wav_bytes(pcm_chunk(9, 80), 16000, 1)
+SPOKEN = b"".join(speech_for(i).data for i in range(len(UNICODE_DELTAS)))
+
+
+def test_sdk_sends_image_and_audio_parts_and_reads_spoken_answers(client, fake):
+    fake.__init__(**OMNI)
+    parts = [{"type": "text", "text": "what is this? "}, image_part(PNG), audio_part(WAV_IN, "wav")]
+    result = client.chat([{"role": "user", "content": parts}])
+    assert result.text == f"images=[{len(PNG)}] audio=[{len(WAV_IN)}] " + UNICODE_TEXT and result.audio is None
+    assert [(i.kind, i.data, i.format, i.offset) for i in fake.calls[0].media] == [
+        ("image", PNG, "image/png", 14), ("audio", WAV_IN, "wav", 14)]
+    spoken = client.chat("speak", modalities=["text", "audio"], voice="bob")
+    assert spoken.audio.transcript == spoken.text == UNICODE_TEXT and spoken.audio.id.startswith("audio-")
+    assert parse_wav(spoken.audio.data) == (SAMPLE_RATE, 1, SPOKEN)
+    assert fake.calls[1].model_kwargs == {"voice": "bob"}
+    assert client.chat("speak", modalities=["text", "audio"], audio_format="pcm16").audio.data == SPOKEN
+    deltas = list(client.chat_stream("speak", modalities=["text", "audio"]))
+    assert "".join(d.text for d in deltas) == UNICODE_TEXT and b"".join(d.audio for d in deltas) == SPOKEN
+    assert [d.finish_reason for d in deltas if d.finish_reason] == ["stop"]
+    with pytest.raises(MStarError) as err:
+        client.chat("speak", modalities=["text", "audio"], voice="zed")
+    assert err.value.status == 400 and "alice, bob" in err.value.message
+
+
+def test_sdk_uploads_files_to_generate_and_streams_audio(client, fake):
+    fake.__init__(**OMNI)
+    messages = [{"role": "user", "content": "describe"}]
+    result = client.generate(messages=messages, images=[PNG], audio=[(WAV_IN, "wav")], max_tokens=1)
+    assert result.text == f"images=[{len(PNG)}] audio=[{len(WAV_IN)}] "
+    assert [(i.kind, i.format, i.offset, i.source) for i in fake.calls[0].media] == [
+        ("image", "image/png", 8, "files[0] ('image0')"), ("audio", "wav", 8, "files[1] ('audio0.wav')")]
+    chunks = list(client.stream(messages=messages, modalities=["text", "audio"], images=[PNG]))
+    assert chunks[0].text == f"images=[{len(PNG)}] audio=[] "
+    assert b"".join(c.data for c in chunks if c.modality == "audio") == SPOKEN
+    with pytest.raises(MStarError) as err:
+        client.generate(prompt="describe", images=[PNG])
+    assert err.value.status == 400 and "send 'messages'" in err.value.message
+    fake.__init__()
+    with pytest.raises(MStarError) as err:
+        client.chat([{"role": "user", "content": [image_part(PNG)]}])
+    assert err.value.status == 400 and "takes only text parts" in err.value.message
+
+
+def test_openai_client_sends_image_and_audio_and_gets_speech(served, fake):
+    import openai
+
+    fake.__init__(**OMNI)
+    oai = OpenAI(base_url=f"{served[1].url}/v1", api_key="x", max_retries=0, timeout=10)
+    content = [{"type": "text", "text": "what do you see and hear?"},
+               {"type": "image_url", "image_url": {"url": image_part(PNG)["image_url"]["url"], "detail": "low"}},
+               {"type": "input_audio", "input_audio": {"data": base64.b64encode(WAV_IN).decode(), "format": "wav"}}]
+    resp = oai.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": content}])
+    assert resp.choices[0].message.content == f"images=[{len(PNG)}] audio=[{len(WAV_IN)}] " + UNICODE_TEXT
+
+    resp = oai.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "hi"}],
+                                       modalities=["text", "audio"], audio={"voice": "alice", "format": "wav"})
+    spoken = resp.choices[0].message.audio
+    with wave.open(io.BytesIO(base64.b64decode(spoken.data))) as w:  # the stdlib reads the WAV
+        assert (w.getframerate(), w.getnchannels(), w.readframes(1 << 20)) == (SAMPLE_RATE, 1, SPOKEN)
+    assert spoken.transcript == UNICODE_TEXT and spoken.id and spoken.expires_at > 0
+
+    stream = oai.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "hi"}],
+                                         modalities=["text", "audio"], audio={"voice": "alice", "format": "pcm16"},
+                                         stream=True)
+    chunks = [c for c in stream if c.choices]
+    audio = [c.choices[0].delta.audio for c in chunks if c.choices[0].delta.audio]  # ChoiceDeltaAudio
+    assert b"".join(base64.b64decode(a.data) for a in audio if a.data) == SPOKEN
+    assert "".join(a.transcript or "" for a in audio) == UNICODE_TEXT and audio[-1].expires_at > 0
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == UNICODE_TEXT
+    fake.__init__()
+    with pytest.raises(openai.BadRequestError, match="has no audio output"):
+        oai.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "hi"}],
+                                    modalities=["text", "audio"], audio={"voice": "alice", "format": "wav"})
 
 
 # ---------------------------------------------------------------- NDJSON decoding regression (no charset)

@@ -254,3 +254,54 @@ def test_cpu_threads_default_to_an_even_share_and_groups_can_ask_for_more():
     assert cpu_threads_for(asked, 2, ranks_on_host=5, cores=2) == 4
     assert cpu_threads_for(asked, 0, ranks_on_host=5, cores=10) == 2
     assert parse_config(asked.to_dict(), "deploy.yaml") == asked
+
+
+# ------------------------------------------------------------------------------------------------- media
+
+
+def test_media_limits_have_defaults_and_round_trip():
+    from mstar_dist.config.deployment import MediaConfig
+
+    cfg = parse_config(BASE, "deploy.yaml")
+    assert cfg.media == MediaConfig(max_item_bytes=10 << 20, max_items=16, max_image_pixels=4096 * 4096,
+                                    max_audio_seconds=300.0, allowed_domains=(), fetch_timeout_s=10.0)
+    data = with_("media", {"max_items": 3, "max_audio_seconds": 30, "allowed_domains": ["img.example.com", "cdn.x.io"],
+                           "fetch_timeout_s": 2.5})
+    cfg = parse_config(data, "deploy.yaml")
+    assert (cfg.media.max_items, cfg.media.max_audio_seconds, cfg.media.allowed_domains) == (
+        3, 30.0, ("img.example.com", "cdn.x.io"))
+    assert parse_config(cfg.to_dict(), "deploy.yaml") == cfg
+    assert yaml.safe_load(yaml.safe_dump(cfg.to_dict())) == cfg.to_dict()
+
+
+@pytest.mark.parametrize("key,value,expected", [
+    ("max_item_bytes", 0, "media.max_item_bytes = 0: must be >= 1"),
+    ("max_items", 5000, "media.max_items = 5000: must be <= 1024"),
+    ("max_items", "8", "media.max_items = '8': must be an integer"),
+    ("max_image_pixels", 1.5, "media.max_image_pixels = 1.5: must be an integer"),
+    ("max_audio_seconds", -1, "media.max_audio_seconds = -1: must be a finite number > 0"),
+    ("fetch_timeout_s", 0, "media.fetch_timeout_s = 0: must be a finite number > 0"),
+    ("allowed_domains", "img.example.com", "media.allowed_domains = 'img.example.com': must be a list of host names"),
+    ("allowed_domains", ["https://img.example.com"], "media.allowed_domains[0] = 'https://img.example.com': must be"),
+    ("allowed_domains", ["*.example.com"], "media.allowed_domains[0] = '*.example.com'"),
+    ("allowed_domains", ["Img.Example.com"], "lower-case host name"),
+    ("allowed_domains", ["a.io", "a.io"], "'a.io' is listed twice"),
+    ("max_pixels", 10, "media.max_pixels: unknown key 'max_pixels' (did you mean 'max_image_pixels'?"),
+])
+def test_media_mistakes_name_the_key_and_value(key, value, expected):
+    assert expected in error(with_(f"media.{key}", value))
+
+
+def test_the_allowed_media_domains_flag_overrides_the_config_and_is_checked():
+    from mstar_dist.runtime.cli import parse_args
+
+    args = parse_args(["x.yaml", "--allowed-media-domains", "A.example.com, b.example.com",
+                       "--allowed-media-domains", "c.example.org"])
+    assert args.allowed_media_domains == ["a.example.com", "b.example.com", "c.example.org"]
+    assert parse_args(["x.yaml"]).allowed_media_domains is None
+    cfg = parse_config(with_("media.allowed_domains", ["old.example.com"]), "deploy.yaml")
+    assert cfg.with_overrides().media.allowed_domains == ("old.example.com",)
+    assert cfg.with_overrides(allowed_media_domains=args.allowed_media_domains).media.allowed_domains == (
+        "a.example.com", "b.example.com", "c.example.org")
+    with pytest.raises(ValueError, match=r"command line \(--allowed-media-domains\).*media.allowed_domains\[0\]"):
+        cfg.with_overrides(allowed_media_domains=["http://x"])
