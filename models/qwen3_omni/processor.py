@@ -44,6 +44,7 @@ import numpy as np
 from PIL import Image
 
 from mstar_dist.media.errors import MediaError
+from models.qwen3_omni.token_counts import audio_token_count, image_token_count
 
 PUBLISHED_PREPROCESSOR_CONFIG: dict[str, Any] = {
     "chunk_length": 300, "dither": 0.0, "feature_extractor_type": "WhisperFeatureExtractor", "feature_size": 128,
@@ -406,36 +407,6 @@ def process_audio(clips: Sequence[np.ndarray], config: AudioFeatureConfig, *,
 
 
 # --- token counts and the prompt ----------------------------------------------------------------------------------
-# DEDUP (for the lead at merge): image_token_count and audio_token_count are the same functions, same names and
-# signatures, as models/qwen3_omni/token_counts.py on the encoders' branch; keep that module and import them from it.
-
-
-def image_token_count(grid_thw: Sequence[int], spatial_merge_size: int = 2) -> int:
-    """Thinker tokens of one image whose patch grid is ``(t, h, w)``: one per ``merge x merge`` block."""
-    t, h, w = (int(v) for v in grid_thw)
-    if min(t, h, w) <= 0 or h % spatial_merge_size or w % spatial_merge_size:
-        raise ValueError(f"image grid_thw {tuple(grid_thw)}: t, h, w must be positive and h, w multiples of "
-                         f"spatial_merge_size ({spatial_merge_size})")
-    return t * h * w // (spatial_merge_size * spatial_merge_size)
-
-
-def _halved(n_frames: int, times: int = 3) -> int:
-    """Frames left after ``times`` convolutions of stride 2 (kernel 3, padding 1): each halves, rounding up."""
-    for _ in range(times):
-        n_frames = (n_frames - 1) // 2 + 1 if n_frames > 0 else 0
-    return n_frames
-
-
-def audio_token_count(n_frames: int, n_window: int = 50) -> int:
-    """Thinker tokens of a clip of ``n_frames`` log-mel frames: the audio encoder downsamples each chunk of
-    ``2 * n_window`` frames (the last one shorter) on its own, so full chunks and the tail count apart. Equal to
-    transformers' ``_get_feat_extract_output_lengths`` for ``n_window`` 50 (13 tokens a full chunk)."""
-    if n_frames < 0 or n_window <= 0:
-        raise ValueError(f"audio_token_count: n_frames ({n_frames}) must be >= 0 and n_window ({n_window}) > 0")
-    full, tail = divmod(n_frames, 2 * n_window)
-    return full * _halved(2 * n_window) + _halved(tail)
-
-
 def expand_placeholders(ids: Sequence[int], *, image_token_id: int, audio_token_id: int,
                         image_token_counts: Sequence[int] = (), audio_token_counts: Sequence[int] = ()) -> list[int]:
     """The prompt's token ids with the k-th ``image_token_id`` repeated ``image_token_counts[k]`` times and the k-th

@@ -22,6 +22,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from models.qwen3_omni.token_counts import audio_token_count, image_token_count
+
 __all__ = ["RopeTokens", "audio_token_count", "image_token_count", "rope_index", "decode_position"]
 
 
@@ -61,27 +63,6 @@ class RopeTokens:
         return cls(**ids, spatial_merge_size=int(vision.get("spatial_merge_size", 2)),
                    position_id_per_seconds=int(thinker_config.get("position_id_per_seconds", 25)),
                    audio_n_window=int(audio.get("n_window", 50)))
-
-
-def audio_token_count(feature_length: int, n_window: int = 50) -> int:
-    """Placeholder tokens of an audio clip of ``feature_length`` log-mel frames: the audio encoder's output length
-    (chunks of 2 * n_window frames, each through three stride-2 convolutions; HF's
-    ``_get_feat_extract_output_lengths``)."""
-    if feature_length <= 0:
-        raise ValueError(f"audio: feature length must be positive, got {feature_length}")
-    chunk = 2 * n_window
-    rest = feature_length % chunk
-    tail = (((rest - 1) // 2 + 1 - 1) // 2 + 1 - 1) // 2 + 1  # three stride-2 convolutions of the last chunk
-    return tail + (feature_length // chunk) * 13  # 13: the convolutions' output for one full chunk of 100 frames
-
-
-def image_token_count(grid_thw: Sequence[int], merge: int = 2) -> int:
-    """Placeholder tokens of an image whose patch grid is (t, h, w): t * (h / merge) * (w / merge)."""
-    t, h, w = (int(x) for x in grid_thw)
-    if t <= 0 or h <= 0 or w <= 0 or h % merge or w % merge:
-        raise ValueError(f"image: grid (t, h, w) = {(t, h, w)} must be positive with h and w multiples of the "
-                         f"spatial merge size {merge}")
-    return t * (h // merge) * (w // merge)
 
 
 def _span(ids: Sequence[int], start: int, token: int, n: int, what: str) -> None:
@@ -130,7 +111,10 @@ def rope_index(input_ids: Sequence[int], tokens: RopeTokens, image_grids: Sequen
         elif tok == tokens.audio_start_token_id and i < len(ids) and ids[i] == tokens.audio_token_id:
             if not audios:
                 raise ValueError(f"audio: the prompt has more audio spans than the {len(audio_lengths)} clips given")
-            n = audio_token_count(audios.pop(0), tokens.audio_n_window)
+            frames = audios.pop(0)
+            if frames <= 0:
+                raise ValueError(f"audio: feature length must be positive, got {frames}")
+            n = audio_token_count(frames, tokens.audio_n_window)
             _span(ids, i, tokens.audio_token_id, n, f"audio {len(audio_lengths) - len(audios) - 1}")
             out[:, i:i + n] = np.arange(nxt, nxt + n)
             nxt, i = nxt + n, i + n

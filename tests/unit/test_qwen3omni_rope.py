@@ -68,7 +68,7 @@ def test_placeholders_that_do_not_match_the_media_are_value_errors() -> None:
         ([AS, *[AUD] * 3, 7], {"audio_lengths": [180]}, "audio 0: the prompt has 3"),
         ([1, IMG, 2], {}, "not inside an image or audio span"),
         ([VS, TOKENS["video_token_id"], 2], {}, "video"),
-        ([VS, *[IMG] * 2], {"image_grids": [(1, 3, 2)]}, "multiples of the spatial merge size 2"),
+        ([VS, *[IMG] * 2], {"image_grids": [(1, 3, 2)]}, "multiples of spatial_merge_size \\(2\\)"),
     ]
     for ids, media, message in cases:
         with pytest.raises(ValueError, match=message):
