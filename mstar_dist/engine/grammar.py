@@ -29,6 +29,10 @@ log = logging.getLogger(__name__)
 
 JSON_OBJECT = '{"type": "object"}'
 """The schema of ``json_object`` (OpenAI's JSON mode): any JSON object."""
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+"""How JSON is laid out: one space after separators, no other whitespace (``json.dumps``'s layout), so a model
+cannot fill its budget with whitespace between the values it must write; a schema's ``"x-guidance"`` key may say
+otherwise (llguidance's options: ``{"whitespace_flexible": true}``)."""
 
 
 @functools.lru_cache(maxsize=256)
@@ -44,9 +48,9 @@ def compile_guided(kind: str, spec: str) -> str:
             raise ValueError(f"guided json_schema is not valid JSON: {exc}") from None
         if not isinstance(schema, (dict, bool)):
             raise ValueError(f"guided json_schema must be a JSON object, got {type(schema).__name__}")
-        grammar = LLMatcher.grammar_from_json_schema(spec)
+        grammar = LLMatcher.grammar_from_json_schema(spec, defaults=JSON_LAYOUT)
     elif kind == "json_object":
-        grammar = LLMatcher.grammar_from_json_schema(JSON_OBJECT)
+        grammar = LLMatcher.grammar_from_json_schema(JSON_OBJECT, defaults=JSON_LAYOUT)
     elif kind == "regex":
         grammar = LLMatcher.grammar_from_regex(spec)
     elif kind == "choice":

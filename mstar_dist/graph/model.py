@@ -91,6 +91,20 @@ class RequestState:
     neutral value (e.g. a speech model's ``repetition_penalty``); names as ``GenerationParams``'."""
     data: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def penalized(self) -> bool:
+        """Some penalty is on for the request's walks (its own knobs, else the family's ``sampling_defaults``): a
+        decode rank that imports its KV needs the prompt's ids too (the KV engine's ``prompt_ids``)."""
+        for name, off in PENALTIES.items():
+            value = getattr(self.params, name, off)
+            if (value if value != off else self.sampling_defaults.get(name, off)) != off:
+                return True
+        return False
+
+
+PENALTIES = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+"""The penalty knobs and the value that turns each off."""
+
 
 class CompositeModel(ABC):
     """A model family. Instances are built on every rank from ``(weights_dir, model_kwargs)``."""
