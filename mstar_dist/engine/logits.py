@@ -232,5 +232,5 @@ class RowExtras:
 def prompt_table(logits: torch.Tensor, prompt: torch.Tensor, k: int) -> torch.Tensor:
     """A prompt's logprobs: ``logits`` (T, V) at every prompt position, ``prompt`` (T,) its ids -> (T - 1, 1 + k, 2):
     row i is prompt token i + 1 given those before it, and the k most likely there."""
-    return logprobs_of(logits[:-1], prompt[1:].to(logits.device), k)
+    return logprobs_of(logits[:-1], to_device(prompt[1:], logits.device), k)
 
