@@ -4,9 +4,10 @@ grammar, and the per-request matchers whose token masks the KV engine applies to
 `compile_guided` is what the conductor checks a request with before anything runs (a ValueError naming the
 unsupported feature, which the HTTP layer answers with a 400) and what a rank builds its matchers from (cached per
 spec). `GuidedRows` lives in a KV engine: one matcher per request that asked for a grammar, and each step's masks of
-those rows computed on the host together (llguidance's executor, without the GIL) into one (rows, vocab / 32) int32
-bitmask, which goes to the device with the step's other inputs (pinned memory) and is applied there with one
-masked_fill (engine/logits.py).
+those rows computed on the host together (llguidance's executor, without the GIL) into one bitmask, unpacked on the
+host (numpy's unpackbits: torch's bit arithmetic costs a CPU step more than the grammar does) into the (rows, vocab)
+bool mask of forbidden tokens, which goes to the device with the step's other inputs (pinned memory) and is applied
+there with one masked_fill (engine/logits.py).
 
 A matcher sees every token its request generated: a decode step consumes the token it starts from before the step's
 mask is computed, and a prefill's mask is the grammar's start. So a matcher made at a request's first decode step on
@@ -23,6 +24,7 @@ import json
 import logging
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
@@ -106,20 +108,21 @@ class GuidedRows:
             log.warning("%s: request %s: token %d leaves its grammar (%s); only EOS is allowed from here",
                         self._engine, request_id, token, matcher.get_error())
 
-    def masks(self, request_ids: list[str]) -> torch.Tensor:
-        """(len(request_ids), width) int32 bitmask on the host, row i for request i's next token: bit t of word w
-        allows token 32 w + t. A matcher in error allows only EOS, so its request ends."""
+    def forbidden(self, request_ids: list[str]) -> torch.Tensor:
+        """(len(request_ids), 32 x width) bool on the host, row i True at the tokens request i may not write next
+        (token t is bit t % 32 of word t // 32 of llguidance's mask). A matcher in error allows only EOS, so its
+        request ends."""
         from llguidance.torch import fill_next_token_bitmask_par
 
         matchers = [self._matchers[rid] for rid in request_ids]
         bitmask = torch.full((len(matchers), self.width), -1, dtype=torch.int32)
         fill_next_token_bitmask_par(self._executor, [(m, i) for i, m in enumerate(matchers)], bitmask)
+        allowed = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little").view(np.bool_)
         for i, m in enumerate(matchers):
             if m.is_error():
-                bitmask[i] = 0
-                for eos in self._tokenizer.eos_tokens:
-                    bitmask[i, eos // 32] |= 1 << (eos % 32)
-        return bitmask
+                allowed[i] = False
+                allowed[i, self._tokenizer.eos_tokens] = True
+        return torch.from_numpy(~allowed)
 
     def release(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
@@ -138,14 +141,12 @@ class GuidedRows:
         return matcher
 
 
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """logits (G, V) with every token its row's ``bitmask`` (G, W) int32 (on logits' device) forbids at -inf, in
-    place; tokens past 32 W are forbidden."""
-    bits = (bitmask[:, :, None] >> torch.arange(32, device=bitmask.device, dtype=torch.int32)) & 1  # (G, W, 32)
-    allowed = bits.reshape(bitmask.shape[0], -1).bool()
-    vocab = logits.shape[1]
-    if allowed.shape[1] >= vocab:
-        return logits.masked_fill_(~allowed[:, :vocab], float("-inf"))
-    logits[:, allowed.shape[1]:] = float("-inf")
-    logits[:, :allowed.shape[1]].masked_fill_(~allowed, float("-inf"))
+def apply_mask(logits: torch.Tensor, forbidden: torch.Tensor) -> torch.Tensor:
+    """logits (G, V) with the tokens ``forbidden`` (G, W) (on logits' device; `GuidedRows.forbidden`) marks at -inf,
+    in place; tokens past its width are forbidden."""
+    vocab, width = logits.shape[1], forbidden.shape[1]
+    if width >= vocab:
+        return logits.masked_fill_(forbidden[:, :vocab], float("-inf"))
+    logits[:, width:] = float("-inf")
+    logits[:, :width].masked_fill_(forbidden, float("-inf"))
     return logits

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import torch
 
-from mstar_dist.engine.grammar import GuidedRows, apply_bitmask
+from mstar_dist.engine.grammar import GuidedRows, apply_mask
 from mstar_dist.engine.sampling import logprobs_of, sample, to_device
 
 NEG_INF = float("-inf")
@@ -78,8 +78,8 @@ class Prepared:
     penalties: tuple[torch.Tensor, ...] = ()
     """For ``penalized``, on the device: slots, lengths read, prompt lengths (R,), repetition, presence and frequency
     penalties (R, 1); then on the host: whether any presence or frequency penalty is on, the longest length read."""
-    bitmask: torch.Tensor | None = None
-    """(len(guided), W) int32 on the device."""
+    forbidden: torch.Tensor | None = None
+    """(len(guided), W) bool on the device: the tokens each grammar row may not write (`GuidedRows.forbidden`)."""
 
     @property
     def adjusts(self) -> bool:
@@ -155,7 +155,7 @@ class RowExtras:
             for b in prep.guided:
                 token = None if given is None else int(given[b].reshape(-1)[0])
                 self.guided.advance(ctxs[b].request_id, ctxs[b].sampling.guided, token)
-            prep.bitmask = to_device(self.guided.masks([ctxs[b].request_id for b in prep.guided]), self.device)
+            prep.forbidden = to_device(self.guided.forbidden([ctxs[b].request_id for b in prep.guided]), self.device)
         return prep
 
     def _penalty_inputs(self, prep: Prepared, ctxs: list[Any], slots: list[int], positions: list[int],
@@ -178,19 +178,24 @@ class RowExtras:
                            max(positions[b] for b in rows) + 1)
 
     def adjust(self, logits: torch.Tensor, prep: Prepared) -> torch.Tensor:
-        """The logits (B, V) to draw from: ``logits`` itself when no row changes them, else a copy with the
-        penalties, ``min_tokens`` masks and grammar masks applied to their rows."""
+        """The logits (B, V) to draw from: ``logits`` itself when no row changes them, else with the penalties,
+        ``min_tokens`` masks and grammar masks applied to their rows (in place, unless a row's logprobs will be read
+        from ``logits``)."""
         if not prep.adjusts:
             return logits
-        x = logits.float().clone()
+        x = logits.float()
+        if x is logits and prep.logprobs:
+            x = x.clone()
         if prep.penalized:
             at = to_device(prep.penalized, self.device)
             x[at] = self._penalize(x[at], prep)
         if prep.masked is not None:
             x[prep.masked] = NEG_INF
-        if prep.guided:
+        if len(prep.guided) == len(x):  # every row: no gather and scatter of the rows
+            apply_mask(x, prep.forbidden)
+        elif prep.guided:
             at = to_device(prep.guided, self.device)
-            x[at] = apply_bitmask(x[at], prep.bitmask)
+            x[at] = apply_mask(x[at], prep.forbidden)
         return x
 
     def _penalize(self, x: torch.Tensor, prep: Prepared) -> torch.Tensor:
