@@ -61,7 +61,7 @@ class Fanout:
         if self._over:
             return
         if isinstance(event, (TextDelta, MediaDelta)):
-            self.sink(msgspec.structs.replace(event, index=index))
+            self.sink(msgspec.structs.replace(event, index=index) if index else event)
         elif isinstance(event, Finished):
             self._ends[index] = event
             if len(self._ends) == self.n:

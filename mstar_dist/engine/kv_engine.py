@@ -350,7 +350,7 @@ class KVCacheEngine(Component):
             self.rows.admit(group[i].request_id, ctxs[i].sampling, slots[i], prompts[i], prompts[i].numel())
         prep = self.rows.prepare(ctxs, slots, [p.numel() - 1 for p in prompts], [0] * len(ctxs)) if special else None
         prompt = prompt_table(self._biased(logits[0]), prompts[0], ctxs[0].sampling.prompt_logprobs) if every else None
-        return self.rows.draw(last, ctxs, _generators(ctxs), prep, prompt)
+        return self.rows.draw(last, [x.sampling for x in ctxs], _generators(ctxs), prep, prompt)
 
     def _finish_prefill(self, launched: Launched) -> list[NodeResult | Held]:
         """The results of a launched prefill once its tokens are on the host: each request keeps its slot (or exports
@@ -495,14 +495,14 @@ class KVCacheEngine(Component):
             ahead_ids = ahead.host.tolist()
             for i, row in claimed.items():
                 ids[i] = ahead_ids[row]
-                if ahead.logprobs is not None:
-                    extra[i] = ahead.logprobs.outputs(row)
+            if ahead.logprobs is not None:
+                extra.update({i: ahead.logprobs.outputs(row) for i, row in claimed.items()})
         if fresh:
             wait(fresh_ready)
-            for k, (i, value) in enumerate(zip(fresh, fresh_host.tolist())):
+            for i, value in zip(fresh, fresh_host.tolist()):
                 ids[i] = value
-                if fresh_lp is not None:
-                    extra[i] = fresh_lp.outputs(k)
+            if fresh_lp is not None:
+                extra.update({i: fresh_lp.outputs(k) for k, i in enumerate(fresh)})
         return self._step_results(ctxs, ids, run, join, extra)
 
     def _step_results(self, ctxs: list[WalkContext], ids: list[int], run: list[int], join: list[int],
@@ -549,7 +549,7 @@ class KVCacheEngine(Component):
         states = {row: (generators[row], generators[row].get_state())
                   for row, p in enumerate(params) if keep_states and not p.greedy}
         prep = None if done is None else self.rows.prepare(ctxs, slots, positions, done, inputs=tokens, given=given)
-        return *self.rows.draw(self._biased(logits[:, -1]), ctxs, generators, prep), states
+        return *self.rows.draw(self._biased(logits[:, -1]), params, generators, prep), states
 
     def _copy_out(self, tokens: torch.Tensor, logprobs: Logprobs | None
                   ) -> tuple[torch.Tensor, object, Logprobs | None]:

@@ -211,11 +211,11 @@ class RowExtras:
             x = x - frequency * out - presence * (out > 0).float()
         return x
 
-    def draw(self, logits: torch.Tensor, ctxs: list[Any], generators: list, prep: Prepared | None,
+    def draw(self, logits: torch.Tensor, params: list[Any], generators: list, prep: Prepared | None,
              prompt: torch.Tensor | None = None) -> tuple[torch.Tensor, Logprobs | None]:
-        """The rows' tokens drawn (``sampling.sample``) from their ``logits`` (B, V) as ``prep`` adjusts them, and the
-        forward's logprob tables (None when no row asked; ``prompt``: see `logprobs`)."""
-        params = [x.sampling for x in ctxs]
+        """The rows' tokens drawn (``sampling.sample``, with their ``SamplingParams`` and generators) from their
+        ``logits`` (B, V) as ``prep`` adjusts them, and the forward's logprob tables (None when no row asked;
+        ``prompt``: see `logprobs`)."""
         if prep is None and prompt is None:
             return sample(logits, params, generators), None
         tokens = sample(logits if prep is None else self.adjust(logits, prep), params, generators)
