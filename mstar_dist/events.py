@@ -66,6 +66,21 @@ class MediaLimits(msgspec.Struct, frozen=True):
     """``media.max_audio_seconds``: duration of a decoded clip."""
 
 
+GUIDED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+"""What a structured-output request constrains its text to (``GuidedSpec.kind``)."""
+
+
+class GuidedSpec(msgspec.Struct, frozen=True):
+    """A structured-output constraint, as the HTTP server parsed it from ``response_format`` or vLLM's ``guided_*``
+    fields; the engine compiles it into a per-row token mask (an unsupported feature is a 400 naming it)."""
+
+    kind: str
+    """One of ``GUIDED_KINDS``."""
+    spec: str
+    """By kind: "json_schema" the schema as JSON text; "json_object" "" (any JSON object); "regex" the pattern;
+    "choice" a JSON array of the allowed strings; "grammar" the grammar text (EBNF / GBNF)."""
+
+
 @dataclass(frozen=True)
 class GenerationParams:
     """One validated request, as the backend receives it (already checked against the backend's limits)."""
@@ -99,8 +114,11 @@ class GenerationParams:
     """Per-request knobs of the model family (``voice``, ``steps``, ``guidance_scale``, ``width``...), JSON
     values. The family validates them in ``preprocess``: an unknown or out-of-range knob is a 400 naming it."""
     prompt_ids: list[int] | None = None
-    """The prompt's token ids when an HTTP intake process already encoded it (``CompositeModel.prompt_encoder``);
-    None: the conductor's ``preprocess`` tokenizes. Never taken from the client."""
+    """The prompt's token ids, for a family with a prompt encoder (``CompositeModel.prompt_encoder``, whose
+    ``preprocess`` takes them instead of tokenizing): encoded by the HTTP side (an intake process, or the server for
+    a request that needs the count up front), or sent by the client as ids (``/v1/completions`` with a token-id
+    prompt, checked against the vocabulary; ``prompt`` then holds their text). None: the conductor's ``preprocess``
+    tokenizes."""
     media: list[MediaItem] = field(default_factory=list)
     """The images and audio clips of ``messages``, in the order the client gave them (checked for count, size,
     base64, declared format and URL policy; not decoded). Only for a family that takes them (the backend's
@@ -111,23 +129,86 @@ class GenerationParams:
     """What the client asked to receive, a subset of ``MODALITIES`` the backend produces (chat ``modalities``:
     ["text"] or ["text", "audio"]; ``/v1/audio/speech``: ["audio"]); None: whatever the family gives by default. A
     family that can speak starts its speech partitions only when "audio" is asked for."""
+    # Sampling and output knobs beyond temperature / top-p / top-k: OpenAI's and vLLM's extra parameters, with vLLM's
+    # meaning; the HTTP server validates them, the engine and the conductor apply them.
+    min_p: float = 0.0
+    """Drop tokens whose probability is below ``min_p`` times the most likely token's; 0 disables. In [0, 1]."""
+    repetition_penalty: float = 1.0
+    """vLLM's: the logit of a token already in the prompt or the output is divided by it when positive, multiplied
+    when negative; 1 disables. > 0."""
+    ignore_eos: bool = False
+    """Keep generating past end-of-sequence tokens (until ``max_tokens`` or a stop string)."""
+    min_tokens: int = 0
+    """End-of-sequence tokens and ``stop_token_ids`` cannot end the request before this many tokens."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Token ids that end the request like an end-of-sequence token (finish reason "stop")."""
+    include_stop_str_in_output: bool = False
+    """Keep the stop string that ended the request at the end of the text."""
+    skip_special_tokens: bool = True
+    """Leave special tokens out of the text."""
+    spaces_between_special_tokens: bool = True
+    """Put a space between special tokens in the text (when they are not skipped)."""
+    logprobs: int | None = None
+    """None: no log-probabilities; k >= 0: each generated token's log-probability and its k most likely
+    alternatives (``TextDelta.logprobs``)."""
+    prompt_logprobs: int | None = None
+    """None: none; k >= 0: each prompt token's log-probability and k alternatives (``TextDelta.prompt_logprobs``)."""
+    n: int = 1
+    """Independent samples of the one prompt (its KV shared); each delta says its choice (``TextDelta.index``)."""
+    guided: GuidedSpec | None = None
+    """Constrain the text to a JSON schema, a regular expression, a choice or a grammar; None: free text."""
 
 
-class TextDelta(msgspec.Struct, frozen=True, tag=True):
+class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
+    """One token's log-probability as the model computed it, and the most likely alternatives at its position."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = []
+    """(token id, log-probability) of the most likely tokens at this position, most likely first (as many as
+    asked for; the chosen token may be among them)."""
+
+
+class TextDelta(msgspec.Struct, frozen=True, tag=True, omit_defaults=True):
     """New text since the previous delta (whole characters: the backend holds back partial UTF-8 bytes)."""
 
     text: str
     n_tokens: int
     """Tokens this delta accounts for (may be > 0 with empty text while a multi-byte character is pending)."""
+    index: int = 0
+    """The choice this delta belongs to, 0 <= index < ``GenerationParams.n``."""
+    logprobs: list[TokenLogprob] | None = None
+    """With ``GenerationParams.logprobs``: one entry per token this delta accounts for, in order."""
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    """With ``GenerationParams.prompt_logprobs``, on a choice's first delta: one entry per prompt token (None for
+    the first, which has no log-probability), its ``token_id`` the prompt's id."""
+
+    def joins(self, after: TextDelta) -> bool:
+        """Whether ``after`` may be sent as one delta with this one (:meth:`join`): same choice, no log-probabilities
+        to keep apart."""
+        return after.index == self.index and self.prompt_logprobs is None and after.prompt_logprobs is None \
+            and (self.logprobs is None) == (after.logprobs is None)
+
+    def join(self, after: TextDelta) -> TextDelta:
+        """This delta followed by ``after`` (which :meth:`joins` it) as one."""
+        logprobs = None if self.logprobs is None else [*self.logprobs, *(after.logprobs or ())]
+        return TextDelta(self.text + after.text, self.n_tokens + after.n_tokens, self.index, logprobs)
 
 
-class Finished(msgspec.Struct, frozen=True, tag=True):
+class Finished(msgspec.Struct, frozen=True, tag=True, omit_defaults=True):
     """The last item of every complete generation."""
 
     finish_reason: str
     """One of ``FINISH_REASONS``: "stop" (EOS or stop string), "length" (max_tokens or context), "abort"."""
     prompt_tokens: int
     completion_tokens: int
+    """Generated tokens of every choice together."""
+    finish_reasons: list[str] = []
+    """With ``GenerationParams.n`` > 1, each choice's finish reason in index order (empty: ``[finish_reason]``)."""
+
+    def reasons(self, n: int) -> list[str]:
+        """The finish reason of each of ``n`` choices."""
+        return list(self.finish_reasons) if self.finish_reasons else [self.finish_reason] * n
 
 
 class MediaDelta(msgspec.Struct, frozen=True, tag=True):

@@ -8,7 +8,6 @@ checking and the relay guarantees (abort on disconnect, errors per request) are 
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import logging
 import time
@@ -16,7 +15,6 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -29,7 +27,7 @@ from mstar_dist.server.http_metrics import HttpStats
 from mstar_dist.server.openapi import body_doc
 from mstar_dist.server.protocol import ImageData, ImageGenerationRequest, ImagesResponse, SpeechRequest
 from mstar_dist.server.relay import (
-    ClosingStreamingResponse, StreamAborted, collect, events, start_stream, until_disconnect,
+    ClosingStreamingResponse, StreamAborted, collect, events, run_all, start_stream, until_disconnect,
 )
 
 logger = logging.getLogger(__name__)
@@ -122,7 +120,10 @@ def add_media_routes(app: FastAPI, backend: GenerationBackend, stats: HttpStats)
         check_model(req.model, backend)
         request_id = header_request_id(request) or uuid.uuid4().hex
         batch = [_image_params(req, request_id, i, backend) for i in range(req.n)]
-        pngs = await until_disconnect(request, _run_all(backend, batch), stats)
+        try:
+            pngs = await until_disconnect(request, run_all([_one_image(backend, params) for params in batch]), stats)
+        except ApiError as exc:
+            raise _image_error(exc, req) from None
         data = [ImageData(b64_json=base64.b64encode(png).decode("ascii")) for png in pngs]
         size = req.size if req.size not in (None, "auto") else None
         body = ImagesResponse(created=int(time.time()), data=data, size=size)
@@ -194,21 +195,17 @@ def _image_params(req: ImageGenerationRequest, request_id: str, i: int,
     )
 
 
-async def _run_all(backend: GenerationBackend, batch: list[GenerationParams]) -> list[bytes]:
-    """Runs the requests concurrently and returns their PNGs in order. The first failure cancels (aborts) the
-    others and is raised; cancelling this coroutine cancels them all and waits until they are closed."""
-    tasks = [asyncio.ensure_future(_one_image(backend, params)) for params in batch]
-    try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-    finally:
-        for task in tasks:
-            task.cancel()  # no-op for the finished ones
-        with anyio.CancelScope(shield=True):
-            await asyncio.wait(tasks)
-    errors = [task.exception() for task in tasks if not task.cancelled() and task.exception() is not None]
-    if errors:
-        raise errors[0]
-    return [task.result() for task in tasks]
+def _image_error(exc: ApiError, req: ImageGenerationRequest) -> ApiError:
+    """The family's complaint about a knob as the client wrote it: ``width`` / ``height`` came from ``size`` (a 400
+    naming ``size``), ``steps`` and ``guidance_scale`` are the request's own fields."""
+    if exc.status != 400 or exc.param is not None:
+        return exc
+    knob = exc.message.split(" ", 1)[0]
+    if knob in ("width", "height") and req.size not in (None, "auto"):
+        return ApiError(400, f"size {req.size!r} is not supported: {exc.message}", "size", exc.headers)
+    if knob in ("steps", "guidance_scale"):
+        return ApiError(400, exc.message, knob, exc.headers)
+    return exc
 
 
 async def _one_image(backend: GenerationBackend, params: GenerationParams) -> bytes:
