@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mstar_dist.conductor.stop_strings import StopTrimmer
-from mstar_dist.events import TokenLogprob
+from mstar_dist.events import ChoiceEnd, TokenLogprob
 from mstar_dist.server.backend import BackendError, Finished, GenerationParams, MediaDelta, TextDelta
 
 UNICODE_DELTAS = ["hé", "llo → ", "東", "京 ", "🚀"]
@@ -144,13 +144,19 @@ class FakeTokenizer:
         return "".join("<unk>" if i == 0 else chr(i) for i in ids)
 
 
-def fake_logprob(text: str, position: int, choice: int, k: int) -> TokenLogprob:
-    """The log-probability the fake gives the token of ``text`` (its first character's id) at ``position`` of choice
-    ``choice``, with ``k`` alternatives: the token itself first, then "a", "b", ... each 1 less likely."""
+def fake_token(text: str, logprob: float) -> TokenLogprob:
+    """The fake's token for ``text`` (its first character, as :class:`FakeTokenizer` has it), alternatives aside."""
     token = ord(text[0]) if text and ord(text[0]) < FakeTokenizer.vocab_size else 0
-    logprob = -0.125 * (position + 1) - choice
-    return TokenLogprob(token, logprob, [(token, logprob)] + [(ord("a") + r, logprob - r - 1) for r in range(k - 1)]
-                        if k else [])
+    piece = FakeTokenizer().decode([token])
+    return TokenLogprob(token, piece, piece.encode(), logprob)
+
+
+def fake_logprob(text: str, position: int, choice: int, k: int) -> TokenLogprob:
+    """The log-probability the fake gives the token of ``text`` (:func:`fake_token`) at ``position`` of choice
+    ``choice``, with ``k`` alternatives: the token itself first, then "a", "b", ... each 1 less likely."""
+    chosen = fake_token(text, -0.125 * (position + 1) - choice)
+    top = [chosen] + [fake_token(chr(ord("a") + r), chosen.logprob - r - 1) for r in range(k - 1)] if k else []
+    return TokenLogprob(chosen.token_id, chosen.token, chosen.token_bytes, chosen.logprob, top)
 
 
 def choice_text(item: str, choice: int) -> str:
@@ -318,7 +324,7 @@ class FakeBackend:
         if params.prompt_logprobs is not None and choice.tokens == 0:
             ids = params.prompt_ids if params.prompt_ids is not None else FakeTokenizer().encode_prompt(
                 params.prompt, params.messages)
-            prompt = [None] + [TokenLogprob(t, -0.5 * p) for p, t in enumerate(ids[1:], 1)]
+            prompt = [None] + [fake_token(FakeTokenizer().decode([t]), -0.5 * p) for p, t in enumerate(ids[1:], 1)]
         choice.tokens += 1
         choice.done = choice.stops.stopped
         return TextDelta(text=text, n_tokens=1, index=choice.index, logprobs=logprobs, prompt_logprobs=prompt)
@@ -327,7 +333,8 @@ class FakeBackend:
     def _finished(choices: list[FakeChoice], prompt_tokens: int, n: int, params: GenerationParams) -> Finished:
         reasons = ["stop" if c.stops.stopped or n < params.max_tokens else "length" for c in choices]
         tokens = n + sum(c.tokens for c in choices[1:])  # media items count once
-        return Finished(reasons[0], prompt_tokens, tokens, reasons if len(choices) > 1 else [])
+        ends = [ChoiceEnd(c.index, reason, c.tokens) for c, reason in zip(choices, reasons)] if len(choices) > 1 else []
+        return Finished(reasons[0], prompt_tokens, tokens, ends)
 
 
 class IdlePlane:

@@ -33,8 +33,10 @@ from mstar_dist.server.protocol import (
     AssistantMessage, ChatAudio, ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
     ChunkChoice, ChunkDelta, ErrorResponse, Usage, normalize_messages,
 )
-from mstar_dist.server.relay import ClosingStreamingResponse, Outcome, collect, events, start_stream, until_disconnect
-from mstar_dist.server.tokenizer import TokenStrings, encode, need_tokenizer, tokenizer_of
+from mstar_dist.server.relay import (
+    ClosingStreamingResponse, Outcome, collect, events, finish_reasons, start_stream, until_disconnect,
+)
+from mstar_dist.server.tokenizer import chat_logprobs, encode, tokenizer_of
 
 
 def add_chat_route(app: FastAPI, backend: GenerationBackend, stats: HttpStats, media: MediaConfig) -> None:
@@ -47,9 +49,8 @@ def add_chat_route(app: FastAPI, backend: GenerationBackend, stats: HttpStats, m
         req = await parse_body(request, ChatCompletionRequest, served_context(backend))
         check_model(req.model, backend)
         request_id = header_request_id(request) or uuid.uuid4().hex
-        strings = TokenStrings(need_tokenizer(backend, "logprobs", "logprobs")) if req.logprobs else None
         params = await chat_params(req, request_id, backend, media)
-        reply = ChatReply(f"chatcmpl-{request_id}", int(time.time()), backend.model_name, req.n, strings)
+        reply = ChatReply(f"chatcmpl-{request_id}", int(time.time()), backend.model_name, req.n, req.logprobs)
         audio_id = f"audio-{request_id}" if req.wants_audio() else None
         headers = {REQUEST_ID_HEADER: request_id}
         if trace.ON:
@@ -118,13 +119,13 @@ class ChatReply:
     created: int
     model: str
     n: int = 1
-    strings: TokenStrings | None = None
-    """Turns token ids into the strings of ``logprobs`` (None: the request asked for none)."""
+    logprobs: bool = False
+    """Whether the request asked for log-probabilities (``choices[].logprobs``)."""
 
     def body(self, outcome: Outcome, audio: ChatAudio | None = None) -> dict[str, Any]:
         """The whole response; ``message.audio`` only when the request asked for audio."""
         f = outcome.finish
-        reasons = f.reasons(self.n)
+        reasons = finish_reasons(f, self.n)
         choices = []
         for i in range(self.n):
             choice = outcome.choice(i)
@@ -135,12 +136,9 @@ class ChatReply:
         for i, choice in enumerate(body["choices"]):
             if choice["message"]["audio"] is None:
                 del choice["message"]["audio"]
-            if self.strings is not None:
-                choice["logprobs"] = self.logprobs(outcome.choice(i).logprobs)
+            if self.logprobs:
+                choice["logprobs"] = chat_logprobs(outcome.choice(i).logprobs)
         return body
-
-    def logprobs(self, entries) -> dict[str, Any]:
-        return {"content": [self.strings.chat_entry(lp) for lp in entries], "refusal": None}
 
     def chunk(self, choices: list[dict[str, Any]], usage: StreamUsage, completion_tokens: int | None = None,
               prompt_tokens: int | None = None) -> bytes:
@@ -155,7 +153,7 @@ class ChatReply:
 
     async def sse(self, stream, first, *, usage: StreamUsage, audio_id: str | None = None) -> AsyncIterator[bytes]:
         """``data: {chunk}`` events, then ``data: [DONE]`` (see :meth:`plain_sse` and :meth:`rich_sse`)."""
-        if self.n == 1 and self.strings is None and not usage.continuous:
+        if self.n == 1 and not self.logprobs and not usage.continuous:
             body = self.plain_sse(stream, first, include_usage=usage.include, audio_id=audio_id)
         else:
             body = self.rich_sse(stream, first, usage)
@@ -173,13 +171,13 @@ class ChatReply:
             while not isinstance(event, Finished):
                 if isinstance(event, TextDelta):
                     tokens += event.n_tokens
-                    logprobs = self.logprobs(event.logprobs or ()) if self.strings is not None else None
+                    logprobs = chat_logprobs(event.logprobs or []) if self.logprobs else None
                     out += self.chunk([_choice(event.index, {"content": event.text}, logprobs)], usage, tokens)
                     yield out
                     out = b""
                 event = await stream.__anext__()
             prompt = event.prompt_tokens
-            for i, reason in enumerate(event.reasons(self.n)):
+            for i, reason in enumerate(finish_reasons(event, self.n)):
                 out += self.chunk([_choice(i, {}, finish=reason)], usage, event.completion_tokens, prompt)
             if usage.include:
                 final = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,

@@ -24,10 +24,11 @@ from mstar_dist.server.http_metrics import HttpStats
 from mstar_dist.server.openapi import body_doc
 from mstar_dist.server.protocol import CompletionRequest, Usage
 from mstar_dist.server.relay import (
-    ClosingStreamingResponse, Outcome, collect, events, first_events, merged, run_all, until_disconnect,
+    ClosingStreamingResponse, Outcome, collect, events, finish_reasons, first_events, merged, run_all,
+    until_disconnect,
 )
 from mstar_dist.server.tokenizer import (
-    PromptTokenizer, TokenStrings, check_ids, completion_logprobs, encode, need_tokenizer, tokenizer_of,
+    PromptTokenizer, check_ids, completion_logprobs, encode, first_token_text, need_tokenizer, tokenizer_of,
 )
 
 
@@ -51,9 +52,8 @@ def add_completions_route(app: FastAPI, backend: GenerationBackend, stats: HttpS
         prompts = read_prompts(req, backend)
         batch = [completion_params(req, prompt, request_id if len(prompts) == 1 else f"{request_id}-{i}", backend)
                  for i, prompt in enumerate(prompts)]
-        strings = TokenStrings(need_tokenizer(backend, "logprobs", "logprobs")) if req.logprobs is not None else None
         reply = CompletionReply(f"cmpl-{request_id}", int(time.time()), backend.model_name, req.n, req.echo,
-                                strings, prompts)
+                                req.logprobs is not None, prompts, tokenizer_of(backend))
         headers = {REQUEST_ID_HEADER: request_id}
         if req.stream:
             streams = [events(backend, params) for params in batch]
@@ -124,16 +124,18 @@ class CompletionReply:
     model: str
     n: int
     echo: bool
-    strings: TokenStrings | None
-    """Turns token ids into ``logprobs`` strings (None: the request asked for none)."""
+    logprobs: bool
+    """Whether the request asked for log-probabilities (``choices[].logprobs``)."""
     prompts: list[Prompt]
+    tok: PromptTokenizer | None
+    """The model's tokenizer (the text of an echoed prompt's first token), if it has one."""
     states: dict[int, ChoiceState] = field(default_factory=dict)
 
     def body(self, outcomes: list[Outcome]) -> dict[str, Any]:
         """The whole response: ``n`` choices per prompt, in order, and the usage of them all."""
         choices = []
         for i, outcome in enumerate(outcomes):
-            for j, reason in enumerate(outcome.finish.reasons(self.n)):
+            for j, reason in enumerate(finish_reasons(outcome.finish, self.n)):
                 choice = outcome.choice(j)
                 text, logprobs = self.piece(i, j, choice.text, choice.logprobs, choice.prompt_logprobs)
                 choices.append({"index": i * self.n + j, "text": text, "logprobs": logprobs, "finish_reason": reason})
@@ -147,13 +149,16 @@ class CompletionReply:
         choice's first piece."""
         state = self.states.setdefault(i * self.n + j, ChoiceState())
         entries: list = list(logprobs or ())
+        prompt, first = self.prompts[i], ""
         if self.echo and not state.started:
-            text = self.prompts[i].text + text
+            text = prompt.text + text
             entries = [*(prompt_logprobs or ()), *entries]
+            if self.logprobs and prompt_logprobs and prompt_logprobs[0] is None:
+                first = first_token_text(prompt.text, prompt.ids, self.tok, prompt_logprobs)
         state.started = True
-        if self.strings is None:
+        if not self.logprobs:
             return text, None
-        out, state.offset = completion_logprobs(self.strings, entries, self.prompts[i].ids or [], state.offset)
+        out, state.offset = completion_logprobs(entries, first, state.offset)
         return text, out
 
     def chunk(self, choices: list[dict[str, Any]], usage: StreamUsage, running: Usage | None) -> bytes:
@@ -193,7 +198,7 @@ class CompletionReply:
     def finishes(self, i: int, event: Finished, usage: StreamUsage, running: Usage) -> bytes:
         """The last chunk of each choice of prompt ``i`` (with the echo of a choice that produced nothing)."""
         out = b""
-        for j, reason in enumerate(event.reasons(self.n)):
+        for j, reason in enumerate(finish_reasons(event, self.n)):
             started = self.states.get(i * self.n + j, ChoiceState()).started
             text, logprobs = self.piece(i, j, "", [], None) if self.echo and not started else ("", None)
             choice = {"index": i * self.n + j, "text": text, "logprobs": logprobs, "finish_reason": reason}

@@ -77,6 +77,12 @@ class Outcome:
         return self.choices.get(index) or Choice()
 
 
+def finish_reasons(finish: Finished, n: int) -> list[str]:
+    """How each of a request's ``n`` choices ended (``Finished.choices``; one choice: ``finish_reason``)."""
+    ends = {end.index: end.finish_reason for end in finish.choices}
+    return [ends.get(i, finish.finish_reason) for i in range(n)]
+
+
 async def events(backend: GenerationBackend, params: GenerationParams) -> AsyncIterator[GenerationEvent]:
     """The backend's events with failures turned into :class:`ApiError`.
 

@@ -1,6 +1,6 @@
-"""The served model's tokenizer as the HTTP side uses it: ``/tokenize`` and ``/detokenize``, token-id prompts checked
-against the vocabulary, prompts counted up front (``continuous_usage_stats``), and token ids turned into the strings
-of OpenAI's log-probability shapes.
+"""The served model's tokenizer as the HTTP side uses it (``/tokenize`` and ``/detokenize``, token-id prompts checked
+against the vocabulary, prompts counted up front for ``continuous_usage_stats``), and the engine's log-probabilities
+(:class:`mstar_dist.events.TokenLogprob`, text and bytes included) in OpenAI's chat and completion shapes.
 
 A backend offers its family's prompt encoder as ``tokenizer`` (optional, read with :func:`tokenizer_of`): an intake
 the one it encodes prompts with, the in-process backend the one the runtime builds from
@@ -15,10 +15,6 @@ from typing import Any, Protocol, runtime_checkable
 from mstar_dist.events import TokenLogprob
 from mstar_dist.server.backend import GenerationBackend
 from mstar_dist.server.checks import ApiError
-
-UNKNOWN_TOKEN_CACHE = 1 << 16
-"""Token strings remembered per tokenizer (a vocabulary's worth for the models served here)."""
-
 
 @runtime_checkable
 class PromptTokenizer(Protocol):
@@ -65,44 +61,25 @@ def encode(tok: PromptTokenizer, prompt: str | None, messages: list[dict[str, st
         raise ApiError(400, f"{param} cannot be encoded: {exc}", param) from None
 
 
-class TokenStrings:
-    """Token ids -> the strings and bytes of OpenAI's log-probability shapes (each token decoded alone, special tokens
-    kept, as vLLM does), remembered per id."""
-
-    def __init__(self, tok: PromptTokenizer) -> None:
-        self.tok = tok
-        self._text: dict[int, str] = {}
-
-    def text(self, token_id: int) -> str:
-        text = self._text.get(token_id)
-        if text is None:
-            text = self.tok.decode([token_id], skip_special_tokens=False)
-            if len(self._text) < UNKNOWN_TOKEN_CACHE:
-                self._text[token_id] = text
-        return text
-
-    def chat_entry(self, lp: TokenLogprob) -> dict[str, Any]:
-        """``choices[].logprobs.content[]`` of one generated token."""
-        text = self.text(lp.token_id)
-        return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode("utf-8", "replace")),
-                "top_logprobs": [self._top(token_id, logprob) for token_id, logprob in lp.top]}
-
-    def _top(self, token_id: int, logprob: float) -> dict[str, Any]:
-        text = self.text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", "replace"))}
+def chat_logprob(lp: TokenLogprob) -> dict[str, Any]:
+    """``choices[].logprobs.content[]`` of one generated token (its alternatives in ``top_logprobs``)."""
+    return {"token": lp.token, "logprob": lp.logprob, "bytes": list(lp.token_bytes),
+            "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": list(t.token_bytes)} for t in lp.top]}
 
 
-def completion_logprobs(strings: TokenStrings, entries: list[TokenLogprob | None], prompt_ids: list[int],
-                        offset: int) -> tuple[dict[str, Any], int]:
+def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
+    """``choices[].logprobs`` of a chat completion (or of one streamed chunk)."""
+    return {"content": [chat_logprob(lp) for lp in entries], "refusal": None}
+
+
+def completion_logprobs(entries: list[TokenLogprob | None], first_token: str, offset: int
+                        ) -> tuple[dict[str, Any], int]:
     """``choices[].logprobs`` of ``entries`` whose text starts at character ``offset`` of the choice's text, and the
-    offset after them. A None entry is a prompt's first token, which has no log-probability: its id is taken from
-    ``prompt_ids`` at the same place."""
+    offset after them. A None entry is a prompt's first token, which has no log-probability: its text is
+    ``first_token``."""
     out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for i, lp in enumerate(entries):
-        token_id = lp.token_id if lp is not None else (prompt_ids[i] if i < len(prompt_ids) else None)
-        if token_id is None:
-            continue
-        text = strings.text(token_id)
+    for lp in entries:
+        text = first_token if lp is None else lp.token
         out["tokens"].append(text)
         out["text_offset"].append(offset)
         offset += len(text)
@@ -111,7 +88,17 @@ def completion_logprobs(strings: TokenStrings, entries: list[TokenLogprob | None
             out["top_logprobs"].append(None)
             continue
         out["token_logprobs"].append(lp.logprob)
-        top = {strings.text(t): logprob for t, logprob in lp.top}
-        top.setdefault(text, lp.logprob)  # the chosen token is always there, as vLLM does
+        top = {t.token: t.logprob for t in lp.top}
+        top.setdefault(lp.token, lp.logprob)  # the chosen token is always there, as vLLM does
         out["top_logprobs"].append(top)
     return out, offset
+
+
+def first_token_text(prompt: str, prompt_ids: list[int] | None, tok: PromptTokenizer | None,
+                     entries: list[TokenLogprob | None]) -> str:
+    """The text of a prompt's first token, which its log-probability entry (None) does not carry: decoded when the
+    prompt's ids and the tokenizer are known, else what the other tokens' texts leave of the prompt's start."""
+    if tok is not None and prompt_ids:
+        return tok.decode(prompt_ids[:1], skip_special_tokens=False)
+    rest = sum(len(lp.token) for lp in entries if lp is not None)
+    return prompt[:max(len(prompt) - rest, 0)]

@@ -262,9 +262,9 @@ def test_openai_client_sees_bad_requests_as_400(served, fake):
     import openai
 
     oai = OpenAI(base_url=f"{served[1].url}/v1", api_key="x", max_retries=0, timeout=10)
-    with pytest.raises(openai.BadRequestError, match="presence_penalty is not supported"):
+    with pytest.raises(openai.BadRequestError, match="logit_bias is not supported"):
         oai.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "hi"}],
-                                    presence_penalty=0.5)
+                                    logit_bias={"5": 10})
     with pytest.raises(openai.NotFoundError, match="does not exist") as err:
         oai.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "hi"}])
     assert err.value.code == "model_not_found" and err.value.param == "model"

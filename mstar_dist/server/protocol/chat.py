@@ -14,7 +14,7 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 
 from mstar_dist.server.protocol.base import Body, Unsupported, Usage
 from mstar_dist.server.protocol.messages import ChatMessage
-from mstar_dist.server.protocol.sampling import LOGPROBS_MAX, N_MAX, PENALTIES, ExtraSampling
+from mstar_dist.server.protocol.sampling import LOGPROBS_MAX, N_MAX, SAMPLING_UNSUPPORTED, ExtraSampling
 
 OPENAI_CHAT_IGNORED = frozenset({
     "function_call", "functions", "metadata", "parallel_tool_calls", "prediction", "prompt_cache_key",
@@ -42,7 +42,7 @@ VLLM_UNSUPPORTED = {
 """vLLM's extra parameters this server does not implement (accepted only with their "off" value)."""
 
 CHAT_UNSUPPORTED = {
-    **PENALTIES, **VLLM_UNSUPPORTED,
+    **SAMPLING_UNSUPPORTED, **VLLM_UNSUPPORTED,
     "web_search_options": Unsupported("this server does not search the web"),
     "echo": Unsupported("chat answers never repeat the prompt; use POST /v1/completions", False),
     "add_generation_prompt": Unsupported("the chat template always ends with the assistant's turn", True),

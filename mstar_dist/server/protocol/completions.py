@@ -10,7 +10,9 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 
 from mstar_dist.server.protocol.base import Body, Unsupported, Usage
 from mstar_dist.server.protocol.chat import StreamOptions, VLLM_UNSUPPORTED
-from mstar_dist.server.protocol.sampling import LOGPROBS_MAX, N_MAX, PENALTIES, TOKEN_ID_MAX, ExtraSampling
+from mstar_dist.server.protocol.sampling import (
+    LOGPROBS_MAX, N_MAX, SAMPLING_UNSUPPORTED, TOKEN_ID_MAX, ExtraSampling,
+)
 
 PROMPTS_MAX = 64
 """Most prompts in one request."""
@@ -18,7 +20,7 @@ DEFAULT_MAX_TOKENS = 16
 """OpenAI's (and vLLM's) default ``max_tokens`` for completions."""
 
 COMPLETION_UNSUPPORTED = {
-    **PENALTIES,
+    **SAMPLING_UNSUPPORTED,
     **{k: v for k, v in VLLM_UNSUPPORTED.items() if k not in ("best_of", "prompt_logprobs")},
     "prompt_logprobs": Unsupported("use echo with logprobs for the prompt's"),
     "suffix": Unsupported("the model writes after the prompt only (no insertion)"),

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from mstar_dist.server.protocol.base import Body, Unsupported, Usage, key_error, reject_unknown
 from mstar_dist.server.protocol.messages import ChatMessage
-from mstar_dist.server.protocol.sampling import PENALTIES, ExtraSampling
+from mstar_dist.server.protocol.sampling import SAMPLING_UNSUPPORTED, ExtraSampling
 
 TEXT_ENCODING = "utf-8"
 MEDIA_ENCODING = "base64"
@@ -37,7 +37,7 @@ it when the family does not list its knobs (0.8 takes ``max_token`` for ``max_to
 ``stop``)."""
 
 NATIVE_UNSUPPORTED = {
-    **PENALTIES,
+    **SAMPLING_UNSUPPORTED,
     **{name: Unsupported("use POST /v1/completions or /v1/chat/completions for log-probabilities")
        for name in ("logprobs", "top_logprobs", "prompt_logprobs", "echo")},
     "n": Unsupported("one answer per request: send the request again, or use n on /v1/completions", 1),

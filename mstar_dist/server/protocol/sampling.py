@@ -1,5 +1,5 @@
-"""The sampling and output fields of the text routes: OpenAI's (temperature, top_p, seed, stop), vLLM's extra
-parameters with vLLM's meaning (top_k, min_p, repetition_penalty, ignore_eos, min_tokens, stop_token_ids,
+"""The sampling and output fields of the text routes: OpenAI's (temperature, top_p, seed, stop, presence_penalty,
+frequency_penalty), vLLM's extra parameters with vLLM's meaning (top_k, min_p, repetition_penalty, ignore_eos, min_tokens, stop_token_ids,
 include_stop_str_in_output, skip_special_tokens, spaces_between_special_tokens) and structured outputs
 (``response_format``, vLLM's ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` and
 ``structured_outputs``), turned into :class:`mstar_dist.events.GenerationParams` fields by
@@ -27,9 +27,7 @@ N_MAX = 16
 """Most choices (``n``) per prompt."""
 REPETITION_PENALTY_MAX = 100.0
 
-PENALTIES = {
-    "presence_penalty": Unsupported("use repetition_penalty (vLLM's) instead", 0, 0.0),
-    "frequency_penalty": Unsupported("use repetition_penalty (vLLM's) instead", 0, 0.0),
+SAMPLING_UNSUPPORTED = {
     "logit_bias": Unsupported("per-request logit biases are not implemented; leave it out", {}),
 }
 """OpenAI's sampling fields this server does not implement: only their "off" values are accepted."""
@@ -113,10 +111,12 @@ class ExtraSampling(Sampling):
     """The knobs, stop strings, vLLM's extra parameters and structured outputs (every field means what it means in
     vLLM; see :class:`mstar_dist.events.GenerationParams`)."""
 
-    UNSUPPORTED = PENALTIES
+    UNSUPPORTED = SAMPLING_UNSUPPORTED
 
     min_p: float = Field(0.0, ge=0.0, le=1.0, description="drop tokens below min_p x the top token's probability")
     repetition_penalty: float = Field(1.0, gt=0.0, le=REPETITION_PENALTY_MAX, description="vLLM's; 1 disables")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="OpenAI's; 0 disables")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="OpenAI's; 0 disables")
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0, description="no end of sequence before this many tokens")
     stop_token_ids: list[int] | None = Field(None, description="token ids that end the answer")
@@ -170,6 +170,7 @@ class ExtraSampling(Sampling):
         """These fields as :class:`GenerationParams` keywords (beyond max_tokens, which each route bounds)."""
         return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k_value(), "seed": self.seed,
                 "stop": self.stop_list(), "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
+                "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
                 "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens,
                 "stop_token_ids": list(self.stop_token_ids or ()),
                 "include_stop_str_in_output": self.include_stop_str_in_output,
