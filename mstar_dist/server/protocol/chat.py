@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from mstar_dist.server.protocol.base import Body, Unsupported, Usage
+from mstar_dist.server.protocol.base import Body, Unsupported, Usage, key_error
 from mstar_dist.server.protocol.messages import ChatMessage
 from mstar_dist.server.protocol.sampling import LOGPROBS_MAX, N_MAX, SAMPLING_UNSUPPORTED, ExtraSampling
 
@@ -107,11 +107,12 @@ class ChatCompletionRequest(ExtraSampling):
     @model_validator(mode="after")
     def _check_combinations(self) -> ChatCompletionRequest:
         if self.stream and self.wants_audio() and self.audio is not None and self.audio.format == "wav":
-            raise ValueError('audio.format "wav" cannot be streamed: use "pcm16" with "stream": true')
+            raise key_error("audio.format", 'audio.format "wav" cannot be streamed: use "pcm16" with "stream": true')
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError('top_logprobs needs "logprobs": true')
+            raise key_error("top_logprobs", 'top_logprobs needs "logprobs": true')
         if self.wants_audio() and (self.n > 1 or self.logprobs):
-            raise ValueError("a spoken answer comes as one choice without logprobs: leave n and logprobs out")
+            raise key_error("n" if self.n > 1 else "logprobs",
+                            "a spoken answer comes as one choice without logprobs: leave n and logprobs out")
         return self
 
     def wants_audio(self) -> bool:

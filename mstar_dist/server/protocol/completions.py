@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from mstar_dist.server.protocol.base import Body, Unsupported, Usage
+from mstar_dist.server.protocol.base import Unsupported, Usage, key_error
 from mstar_dist.server.protocol.chat import StreamOptions, VLLM_UNSUPPORTED
 from mstar_dist.server.protocol.sampling import (
     LOGPROBS_MAX, N_MAX, SAMPLING_UNSUPPORTED, TOKEN_ID_MAX, ExtraSampling,
@@ -82,8 +82,8 @@ class CompletionRequest(ExtraSampling):
     @model_validator(mode="after")
     def _check_best_of(self) -> CompletionRequest:
         if self.best_of is not None and self.best_of != self.n:
-            raise ValueError(f"best_of is {self.best_of} and n is {self.n}: best_of must equal n (choosing the best "
-                             "of more samples is not supported)")
+            raise key_error("best_of", f"best_of is {self.best_of} and n is {self.n}: best_of must equal n (choosing "
+                                       "the best of more samples is not supported)")
         return self
 
     def prompts(self) -> list[str | list[int]]:
