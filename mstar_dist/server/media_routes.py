@@ -139,7 +139,7 @@ def _speech_params(req: SpeechRequest, request_id: str, backend: GenerationBacke
     return GenerationParams(
         request_id=request_id, prompt=req.input, messages=None,
         max_tokens=backend.max_tokens_limit, max_tokens_given=False,
-        temperature=req.temperature, top_p=req.top_p, top_k=req.top_k_value(), seed=req.seed, stream=req.stream,
+        temperature=req.temperature_value(), top_p=req.top_p, top_k=req.top_k_value(), seed=req.seed, stream=req.stream,
         model_kwargs={"voice": req.voice} if req.voice is not None else {}, output_modalities=["audio"],
     )
 

@@ -1,6 +1,7 @@
 """The sampling and output fields of the text routes: OpenAI's (temperature, top_p, seed, stop, presence_penalty,
-frequency_penalty), vLLM's extra parameters with vLLM's meaning (top_k, min_p, repetition_penalty, ignore_eos, min_tokens, stop_token_ids,
-include_stop_str_in_output, skip_special_tokens, spaces_between_special_tokens) and structured outputs
+frequency_penalty), vLLM's extra parameters with vLLM's meaning (top_k, min_p, repetition_penalty, ignore_eos,
+min_tokens, stop_token_ids, include_stop_str_in_output, skip_special_tokens, spaces_between_special_tokens; a
+temperature below ``GREEDY_BELOW`` is greedy) and structured outputs
 (``response_format``, vLLM's ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` and
 ``structured_outputs``), turned into :class:`mstar_dist.events.GenerationParams` fields by
 :meth:`ExtraSampling.generation_fields`.
@@ -26,6 +27,8 @@ LOGPROBS_MAX = 20
 N_MAX = 16
 """Most choices (``n``) per prompt."""
 REPETITION_PENALTY_MAX = 100.0
+GREEDY_BELOW = 1e-5
+"""vLLM's rule: a temperature below this samples greedily (logits divided by a tinier one overflow to infinities)."""
 
 SAMPLING_UNSUPPORTED = {
     "logit_bias": Unsupported("per-request logit biases are not implemented; leave it out", {}),
@@ -42,6 +45,10 @@ class SamplingKnobs(Body):
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus mass in (0, 1]")
     top_k: int = Field(0, ge=-1, description="0 or -1 disables")
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX, description="fixes sampling (a 64-bit integer)")
+
+    def temperature_value(self) -> float:
+        """The temperature the engine samples with: 0 (greedy) below :data:`GREEDY_BELOW`, as vLLM does."""
+        return 0.0 if self.temperature < GREEDY_BELOW else self.temperature
 
     def top_k_value(self) -> int:
         """0 for disabled; a k beyond any vocabulary is clamped (it keeps every token either way, and must fit
@@ -168,8 +175,9 @@ class ExtraSampling(Sampling):
 
     def generation_fields(self) -> dict[str, Any]:
         """These fields as :class:`GenerationParams` keywords (beyond max_tokens, which each route bounds)."""
-        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k_value(), "seed": self.seed,
-                "stop": self.stop_list(), "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
+        return {"temperature": self.temperature_value(), "top_p": self.top_p, "top_k": self.top_k_value(),
+                "seed": self.seed, "stop": self.stop_list(), "min_p": self.min_p,
+                "repetition_penalty": self.repetition_penalty,
                 "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
                 "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens,
                 "stop_token_ids": list(self.stop_token_ids or ()),
