@@ -22,7 +22,7 @@ from mstar_dist.server.checks import (
 from mstar_dist.server.framing import SSE_DONE, SSE_MEDIA_TYPE, sse
 from mstar_dist.server.http_metrics import HttpStats
 from mstar_dist.server.openapi import body_doc
-from mstar_dist.server.protocol import CompletionRequest, Usage
+from mstar_dist.server.protocol import DEFAULT_MAX_TOKENS, CompletionRequest, Usage
 from mstar_dist.server.relay import (
     ClosingStreamingResponse, Outcome, collect, events, finish_reasons, first_events, merged, run_all,
     until_disconnect,
@@ -99,10 +99,13 @@ def _text(tok: PromptTokenizer, ids: list[int]) -> str:
 def completion_params(req: CompletionRequest, prompt: Prompt, request_id: str,
                       backend: GenerationBackend) -> GenerationParams:
     """One prompt's request: the prompt as written (ids when known), ``n`` choices, the prompt's log-probabilities
-    when ``echo`` asks for them with ``logprobs``."""
+    when ``echo`` asks for them with ``logprobs``; without ``max_tokens``, OpenAI's 16 (or the server's limit when
+    lower), which the family may lower to what the context leaves."""
+    budget = max_tokens(req.max_tokens, backend, "max_tokens") if req.max_tokens is not None else \
+        min(DEFAULT_MAX_TOKENS, backend.max_tokens_limit)
     return GenerationParams(
         request_id=request_id, prompt=prompt.text, messages=None, prompt_ids=prompt.ids,
-        max_tokens=max_tokens(req.max_tokens, backend, "max_tokens"), max_tokens_given=True, stream=req.stream,
+        max_tokens=budget, max_tokens_given=req.max_tokens is not None, stream=req.stream,
         logprobs=req.logprobs, prompt_logprobs=req.logprobs if req.echo else None, n=req.n,
         **req.generation_fields(),
     )

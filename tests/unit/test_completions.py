@@ -55,6 +55,12 @@ def test_a_string_prompt_runs_as_written_with_the_openai_defaults(oai, fake):
     assert out.usage.prompt_tokens == 5 and out.usage.completion_tokens == 5 and out.usage.total_tokens == 10
 
 
+def test_the_default_max_tokens_is_the_servers_limit_when_that_is_lower(client, fake):
+    fake.max_tokens_limit = 8
+    assert client.post(COMPLETIONS, json={"prompt": "x"}).status_code == 200
+    assert (fake.calls[0].max_tokens, fake.calls[0].max_tokens_given) == (8, False)
+
+
 def test_a_list_of_prompts_gives_n_choices_each_in_index_order(oai, fake):
     out = oai.completions.create(model="fake-model", prompt=["one", "two words", "three more words"], n=2,
                                  max_tokens=3, seed=7, extra_headers={"X-Request-Id": "batch"})

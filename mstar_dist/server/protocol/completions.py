@@ -31,7 +31,7 @@ COMPLETION_IGNORED = frozenset({"user", "metadata", "store", "service_tier", "gu
 
 
 class CompletionRequest(ExtraSampling):
-    """``prompt``; ``max_tokens`` (default 16); ``echo`` (the prompt before the answer, and with ``logprobs`` the
+    """``prompt``; ``max_tokens`` (default 16, or the server's limit when lower); ``echo`` (the prompt before the answer, and with ``logprobs`` the
     prompt's log-probabilities); ``logprobs`` k (0 to ``LOGPROBS_MAX``: each token's log-probability and its k most
     likely alternatives); ``n`` choices per prompt, ``best_of`` only equal to ``n``; ``suffix`` is refused."""
 
@@ -41,7 +41,8 @@ class CompletionRequest(ExtraSampling):
     model: str | None = None
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
         description="a string, a list of strings, a list of token ids, or a list of token-id lists")
-    max_tokens: int | None = Field(DEFAULT_MAX_TOKENS, gt=0)
+    max_tokens: int | None = Field(None, gt=0, description=f"default {DEFAULT_MAX_TOKENS} (OpenAI's), or the "
+                                                            "server's limit when that is lower")
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=LOGPROBS_MAX)
     n: int = Field(1, ge=1, le=N_MAX)
