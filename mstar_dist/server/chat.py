@@ -21,8 +21,8 @@ from mstar_dist import trace
 from mstar_dist.config.deployment import MediaConfig
 from mstar_dist.server.backend import Finished, GenerationBackend, GenerationParams, MediaDelta, TextDelta
 from mstar_dist.server.checks import (
-    REQUEST_ID_HEADER, ApiError, check_modality, check_model, check_outputs, error_body, header_request_id, max_tokens,
-    parse_body, served_context,
+    REQUEST_ID_HEADER, ApiError, check_modality, check_model, check_outputs, error_body, family_field,
+    header_request_id, max_tokens, parse_body, served_context,
 )
 from mstar_dist.server.framing import SSE_DONE, SSE_MEDIA_TYPE, b64, json_bytes, sse
 from mstar_dist.server.http_metrics import HttpStats
@@ -37,6 +37,10 @@ from mstar_dist.server.relay import (
     ClosingStreamingResponse, Outcome, collect, events, finish_reasons, start_stream, until_disconnect,
 )
 from mstar_dist.server.tokenizer import chat_logprobs, encode, tokenizer_of
+
+
+AUDIO_FIELDS = {"voice": "audio.voice"}
+"""The family's knobs -> the chat fields they come from (its 400 about a voice names ``audio.voice``)."""
 
 
 def add_chat_route(app: FastAPI, backend: GenerationBackend, stats: HttpStats, media: MediaConfig) -> None:
@@ -57,13 +61,19 @@ def add_chat_route(app: FastAPI, backend: GenerationBackend, stats: HttpStats, m
             trace.event_at(arrived, "http_arrived", request_id, route="/v1/chat/completions")
             trace.event("http_prepared", request_id)
         if req.stream:
-            stream, first = await start_stream(request, backend, params, stats)
+            try:
+                stream, first = await start_stream(request, backend, params, stats)
+            except ApiError as exc:
+                raise family_field(exc, AUDIO_FIELDS) from None
             options = req.stream_options
             usage = StreamUsage.of(options.include_usage if options else False,
                                    options.continuous_usage_stats if options else False, params)
             body = reply.sse(stream, first, usage=usage, audio_id=audio_id)
             return ClosingStreamingResponse(body, stats=stats, media_type=SSE_MEDIA_TYPE, headers=headers)
-        outcome = await until_disconnect(request, collect(events(backend, params)), stats)
+        try:
+            outcome = await until_disconnect(request, collect(events(backend, params)), stats)
+        except ApiError as exc:
+            raise family_field(exc, AUDIO_FIELDS) from None
         audio = chat_audio(audio_id, req.audio_format(), outcome, request_id) if audio_id else None
         return JSONResponse(reply.body(outcome, audio), headers=headers)
 

@@ -205,11 +205,23 @@ def max_tokens(requested: int | None, backend: GenerationBackend, param: str) ->
     return requested
 
 
+def family_field(exc: ApiError, fields: dict[str, str]) -> ApiError:
+    """``exc`` naming its field when it is the family's 400 about one of its knobs (the message starts with the
+    knob's name: "voice 'carol' is not one of ..."): ``fields`` maps the family's knob to the request field the
+    client wrote it in. Anything else is returned as it is."""
+    if exc.status != 400 or exc.param is not None:
+        return exc
+    knob = exc.message.split(" ", 1)[0].rstrip(":")
+    if knob not in fields:
+        return exc
+    return ApiError(400, exc.message, fields[knob], exc.headers, exc.code)
+
+
 def header_request_id(request: Request) -> str | None:
     """The client's ``X-Request-Id``, if it sent a valid one (1-128 characters of ``[A-Za-z0-9._:-]``)."""
     value = request.headers.get(REQUEST_ID_HEADER)
     if value is None:
         return None
     if not (0 < len(value) <= 128 and all(c.isascii() and (c.isalnum() or c in "._:-") for c in value)):
-        raise ApiError(400, f"{REQUEST_ID_HEADER} must be 1-128 characters of [A-Za-z0-9._:-]")
+        raise ApiError(400, f"{REQUEST_ID_HEADER} must be 1-128 characters of [A-Za-z0-9._:-]", REQUEST_ID_HEADER)
     return value

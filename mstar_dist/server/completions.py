@@ -79,9 +79,9 @@ def read_prompts(req: CompletionRequest, backend: GenerationBackend) -> list[Pro
     tok = tokenizer_of(backend)
     wants_ids = (req.echo and req.logprobs is not None) or bool(
         req.stream and req.stream_options and req.stream_options.continuous_usage_stats)
-    prompts = []
-    for i, prompt in enumerate(req.prompts()):
-        where = "prompt" if len(req.prompts()) == 1 else f"prompt[{i}]"
+    prompts, given = [], req.prompts()
+    for i, prompt in enumerate(given):
+        where = "prompt" if len(given) == 1 else f"prompt[{i}]"
         if isinstance(prompt, str):
             ids = encode(tok, prompt, None, where) if tok is not None and wants_ids else None
             prompts.append(Prompt(prompt, ids))

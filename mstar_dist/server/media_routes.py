@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from mstar_dist.media.wav import wav_bytes, wav_header
 from mstar_dist.server.backend import Finished, GenerationBackend, GenerationEvent, GenerationParams, MediaDelta
 from mstar_dist.server.checks import (
-    REQUEST_ID_HEADER, ApiError, check_modality, check_model, header_request_id, parse_body,
+    REQUEST_ID_HEADER, ApiError, check_modality, check_model, family_field, header_request_id, parse_body,
 )
 from mstar_dist.server.http_metrics import HttpStats
 from mstar_dist.server.openapi import body_doc
@@ -37,6 +37,9 @@ DEFAULT_SAMPLE_RATE = 24000
 """Sample rate written in the (empty) WAV header when a model yields no audio at all: there is no delta to take
 it from, and with no samples it changes nothing audible (24 kHz is OpenAI's PCM rate)."""
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+SPEECH_FIELDS = {"voice": "voice"}
+IMAGE_FIELDS = {"width": "size", "height": "size", "steps": "steps", "guidance_scale": "guidance_scale"}
+"""The family's knobs -> the request fields they come from (a family's 400 about a knob names the field)."""
 
 
 @dataclass(frozen=True)
@@ -99,7 +102,10 @@ def add_media_routes(app: FastAPI, backend: GenerationBackend, stats: HttpStats)
         headers = {REQUEST_ID_HEADER: request_id}
         media_type = SPEECH_MEDIA_TYPES[req.response_format]
         if req.stream:
-            stream, first = await start_stream(request, backend, params, stats, first=_is_audio)
+            try:
+                stream, first = await start_stream(request, backend, params, stats, first=_is_audio)
+            except ApiError as exc:
+                raise family_field(exc, SPEECH_FIELDS) from None
             try:
                 fmt = AudioFormat.of(first, request_id) if _is_audio(first) else AudioFormat(DEFAULT_SAMPLE_RATE, 1)
             except ApiError:
@@ -107,7 +113,10 @@ def add_media_routes(app: FastAPI, backend: GenerationBackend, stats: HttpStats)
                 raise
             body = _speech_body(stream, first, fmt, wav=req.response_format == "wav", request_id=request_id)
             return ClosingStreamingResponse(body, stats=stats, media_type=media_type, headers=headers | fmt.headers())
-        outcome = await until_disconnect(request, collect(events(backend, params)), stats)
+        try:
+            outcome = await until_disconnect(request, collect(events(backend, params)), stats)
+        except ApiError as exc:
+            raise family_field(exc, SPEECH_FIELDS) from None
         pcm, fmt = join_audio(outcome.media, request_id)
         fmt = fmt or AudioFormat(DEFAULT_SAMPLE_RATE, 1)
         content = wav_file(pcm, fmt, request_id) if req.response_format == "wav" else pcm
@@ -198,14 +207,12 @@ def _image_params(req: ImageGenerationRequest, request_id: str, i: int,
 def _image_error(exc: ApiError, req: ImageGenerationRequest) -> ApiError:
     """The family's complaint about a knob as the client wrote it: ``width`` / ``height`` came from ``size`` (a 400
     naming ``size``), ``steps`` and ``guidance_scale`` are the request's own fields."""
-    if exc.status != 400 or exc.param is not None:
-        return exc
-    knob = exc.message.split(" ", 1)[0]
-    if knob in ("width", "height") and req.size not in (None, "auto"):
-        return ApiError(400, f"size {req.size!r} is not supported: {exc.message}", "size", exc.headers)
-    if knob in ("steps", "guidance_scale"):
-        return ApiError(400, exc.message, knob, exc.headers)
-    return exc
+    named = family_field(exc, IMAGE_FIELDS)
+    if named.param != "size":
+        return named
+    if req.size in (None, "auto"):
+        return exc  # the family's own default size: not the client's doing
+    return ApiError(400, f"size {req.size!r} is not supported: {exc.message}", "size", exc.headers)
 
 
 async def _one_image(backend: GenerationBackend, params: GenerationParams) -> bytes:

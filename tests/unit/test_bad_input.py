@@ -83,6 +83,21 @@ def test_speech_fields_misspelled_are_a_400(path, body, needle, param):
         assert needle in message(resp)[0] and message(resp)[1] == param
 
 
+@pytest.mark.parametrize("path,body,kind,param", [
+    ("/v1/audio/speech", {"input": "hi", "voice": "carol"}, "audio", "voice"),
+    ("/v1/audio/speech", {"input": "hi", "voice": "carol", "stream": True}, "audio", "voice"),
+    ("/v1/chat/completions", {"messages": MSGS, "modalities": ["text", "audio"], "audio": {"voice": "carol"}},
+     "speaks", "audio.voice"),
+    ("/v1/images/generations", {"prompt": "p", "steps": 99}, "image", "steps"),
+    ("/v1/images/generations", {"prompt": "p", "size": "48x32"}, "image", "size"),
+])
+def test_a_knob_the_family_refuses_is_named_as_the_client_wrote_it(path, body, kind, param):
+    fake = FakeBackend(output_modalities=("text", "audio")) if kind == "speaks" else FakeBackend(output_modality=kind)
+    with app_client(fake) as client:
+        resp = client.post(path, json=body)
+        assert resp.status_code == 400 and message(resp)[1] == param, resp.text
+
+
 def test_image_url_part_keys_are_checked_too():
     fake = FakeBackend(input_modalities=("text", "image"))
     part = {"type": "image_url", "image_url": {"url": PNG_URL, "detial": "low"}}
