@@ -11,7 +11,7 @@ sockets: the server and its tests import this without a process group (docs/arch
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any, Callable, Union
 
 import msgspec
 
@@ -314,3 +314,12 @@ def joined(first: TextDelta, after: TextDelta) -> TextDelta | None:
         after.logprobs if first.logprobs is None else first.logprobs + after.logprobs
     return TextDelta(first.text + after.text, first.n_tokens + after.n_tokens, first.index, logprobs,
                      first.prompt_logprobs)
+
+
+def token_logprob(table: list[list[float]], piece: Callable[[int], tuple[str, bytes]]) -> TokenLogprob:
+    """One token's entry from its logprob table as the engine sends it (rows of (token id, logprob): the token, then
+    the most likely tokens at its place), each token's text and bytes from ``piece(token id)`` (the family's
+    tokenizer)."""
+    (chosen, logprob), *top = table
+    return TokenLogprob(int(chosen), *piece(int(chosen)), logprob,
+                        [TokenLogprob(int(t), *piece(int(t)), lp) for t, lp in top])
