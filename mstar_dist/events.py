@@ -117,8 +117,11 @@ class GenerationParams:
     """Per-request knobs of the model family (``voice``, ``steps``, ``guidance_scale``, ``width``...), JSON
     values. The family validates them in ``preprocess``: an unknown or out-of-range knob is a 400 naming it."""
     prompt_ids: list[int] | None = None
-    """The prompt's token ids when an HTTP intake process already encoded it (``CompositeModel.prompt_encoder``);
-    None: the conductor's ``preprocess`` tokenizes. Never taken from the client."""
+    """The prompt's token ids, for a family with a prompt encoder (``CompositeModel.prompt_encoder``, whose
+    ``preprocess`` takes them instead of tokenizing): encoded by the HTTP side (an intake process, or the server for
+    a request that needs the ids up front), or sent by the client as ids (``/v1/completions`` with a token-id prompt,
+    checked against the vocabulary; ``prompt`` then holds their text). None: the conductor's ``preprocess``
+    tokenizes."""
     media: list[MediaItem] = field(default_factory=list)
     """The images and audio clips of ``messages``, in the order the client gave them (checked for count, size,
     base64, declared format and URL policy; not decoded). Only for a family that takes them (the backend's

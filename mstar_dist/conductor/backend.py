@@ -29,8 +29,10 @@ if TYPE_CHECKING:
 class ConductorBackend:
     def __init__(self, conductor: Conductor, *, model_name: str, max_context_tokens: int, max_tokens_limit: int,
                  output_modality: str = "text", output_modalities: list[str] | None = None,
-                 input_modalities: list[str] | None = None):
+                 input_modalities: list[str] | None = None, tokenizer: object = None):
         self.conductor = conductor
+        self.tokenizer = tokenizer
+        """The family's prompt encoder for ``/tokenize`` and token-id prompts (``server/tokenizer.py``), or None."""
         self.output_modality = output_modality
         self.output_modalities = tuple(output_modalities or (output_modality,))
         """Every modality the model can produce when asked (``runtime.deployment.served``)."""
