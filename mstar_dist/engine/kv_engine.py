@@ -11,7 +11,8 @@ Inputs a call may carry:
   its decode steps rotate by cache position + offset (M-RoPE's ``rope_delta``); requests without one cost nothing.
 
 Outputs: ``token`` (1,) int64 always; ``kv`` after a prefill when the walk context exports it (the decode rank is
-another rank), in which case this rank's slot is freed at once. The stop check fires on the model's EOS ids.
+another rank), in which case this rank's slot is freed at once; after a prompt with model inputs, what else its
+forward returned (``prefill.prefill_eager``). The stop check fires on the model's EOS ids.
 
 The engine is the runner: each turn it sorts the calls, asks its scheduler (engine/scheduler.py) which prompts to
 prefill in which batches and whether the decode rows step, and executes that plan; a call the plan holds is answered
@@ -321,10 +322,10 @@ class KVCacheEngine(Component):
         extras = row_inputs(group[0], self.prefill_inputs, self.device) if len(group) == 1 else None
         bucket = None if self.prefill_graphs is None or extras else self.prefill_graphs.bucket_for(len(group), longest)
         if bucket is not None:  # host prompts go to the graph's inputs in one copy
-            logits = self.prefill_graphs.logits(prompts, slots, bucket)
+            logits, given = self.prefill_graphs.logits(prompts, slots, bucket), {}
         else:
             on_device = [to_device(p, self.device) for p in prompts]  # no stream sync
-            logits = prefill_eager(self.model, self.cache, on_device, slots, lengths, extras)
+            logits, given = prefill_eager(self.model, self.cache, on_device, slots, lengths, extras)
         if trace.ON:
             trace.event("eng_prefill_replayed", rows=len(group), engine=self.name)
         ctxs: list[WalkContext] = [c.ctx for c in group]
@@ -334,7 +335,7 @@ class KVCacheEngine(Component):
             trace.event("eng_prefill_launched", rows=len(group), engine=self.name)
         self.prefill_batches_replayed += bucket is not None
         self.prefill_batches_beside += side is not None
-        return Launched(group, ctxs, slots, lengths, host, ready, side, bucket is not None, ids)
+        return Launched(group, ctxs, slots, lengths, host, ready, side, bucket is not None, ids, given)
 
     def _finish_prefill(self, launched: Launched) -> list[NodeResult | Held]:
         """The results of a launched prefill once its tokens are on the host: each request keeps its slot (or exports
@@ -356,7 +357,7 @@ class KVCacheEngine(Component):
             self._seqs[call.request_id] = Seq(slot=slot, length=n)
             if offset := self._offset_of(call):  # its decode steps rotate by cache position + offset
                 self._offsets[slot] = offset
-            outputs = {"token": torch.tensor([token])}
+            outputs = {"token": torch.tensor([token]), **launched.outputs}  # the model's own: a batch of one
             if "kv" in ctx.export:  # on the current stream, where a p2p send of it is ordered (its KV writes are done)
                 outputs["kv"] = self.cache.export(slot, n)
                 self.release(call.request_id)

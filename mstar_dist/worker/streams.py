@@ -52,8 +52,9 @@ class Streams:
         self._chunks: dict[tuple[str, str], collections.deque] = collections.defaultdict(collections.deque)
         self._received: dict[tuple[str, str], collections.deque] = collections.defaultdict(collections.deque)
         """(request, signal) -> received stream items (tensors or transfers in flight) and ends (None), in order."""
-        self._until_end = frozenset(e.signal for e in edges if any(
-            e.signal in n.until_end for section in graphs.values() for n in iter_nodes(section) if n.name == e.dst_node))
+        read_until_end = {(n.name, signal) for section in graphs.values() for n in iter_nodes(section)
+                          for signal in n.until_end}
+        self._until_end = frozenset(e.signal for e in edges if (e.dst_node, e.signal) in read_until_end)
         """Streamed signals whose consumer reads them until their stream ends."""
         self._ending: set[tuple[str, str]] = set()
         """(request, signal) of such streams that have ended: their consumer is told once its chunks are in."""
