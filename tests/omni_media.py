@@ -25,13 +25,14 @@ def png(width: int = 64, height: int = 48, seed: int = 0, noise: bool = True) ->
     return out.getvalue()
 
 
-def wav(seconds: float = 1.3, rate: int = 16000, freq: float = 500.0) -> bytes:
+def wav(seconds: float = 1.3, rate: int = 16000, freq: float = 500.0, subtype: str = "PCM_16") -> bytes:
+    """A sine tone as a WAV file (``subtype`` "PCM_U8" makes a long clip small)."""
     import soundfile
 
     t = np.arange(int(seconds * rate)) / rate
     out = io.BytesIO()
     soundfile.write(out, (0.3 * np.sin(2 * np.pi * freq * t)).astype(np.float32), rate, format="WAV",
-                    subtype="PCM_16")
+                    subtype=subtype)
     return out.getvalue()
 
 

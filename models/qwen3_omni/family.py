@@ -4,9 +4,11 @@ Nodes: ``ENCODE`` (vision + audio encoders, nodes.py), ``THINKER`` (the KV engin
 thinker_engine.py), ``TALKER`` (talker + code predictor, talker_engine.py), ``CODE2WAV`` (codec frames -> PCM16,
 nodes.py). Three partitions of one request:
 
-- ``thinker``: ``prefill`` (THINKER on the prompt's ids) or, with media, ``prefill_mm`` (ENCODE -> THINKER: the
-  encoders' rows placed at the placeholders, deepstack, M-RoPE positions; a walk across ranks when ENCODE sits
-  elsewhere), then the ``decode`` loop (the decode offset travels with the KV when decode runs on another rank).
+- ``thinker``: ``prefill`` (ENCODE -> THINKER: the encoders' rows placed at the prompt's placeholders, deepstack,
+  M-RoPE positions; a walk across ranks when ENCODE sits elsewhere; for a prompt without media ENCODE answers at
+  once with nothing), then the ``decode`` loop (the decode offset travels with the KV when decode runs on another
+  rank). One prefill walk for every prompt: a streamed signal has one producing walk (its items' order on the
+  consumer is that walk's).
 - ``talk``: one loop of TALKER. Its first iteration is the talker's prefill from ``talker_in``, the rows the
   thinker's prefill streams (its prompt's user turns and assistant header); each later one takes the previous frame
   (fed back as ``talker_in``) and one entry of ``text``, the decode steps' token embeddings, streamed rank to rank:
@@ -21,7 +23,8 @@ streams nothing. Conductor-side work (knobs, media, prompt, positions) is fronte
 
 ``model_kwargs``: ``dtype`` (float32 | bfloat16 | float16; default float32 on CPU, bfloat16 on CUDA), ``router`` (the
 router of every MoE block of the thinker and the talker: models/moe/routers.py), ``chunk`` and ``left_context`` (the
-code2wav chunk policy). Request knobs: frontend.read_knobs. The default weights (no ``weights:``) are the tiny
+code2wav chunk policy), ``talker_max_new_tokens`` (the frame budget of a request that sets none; default the
+checkpoint's generation_config.json). Request knobs: frontend.read_knobs. The default weights (no ``weights:``) are the tiny
 random checkpoint of the published layout, written on first start (checkpoint.py).
 """
 
@@ -48,7 +51,7 @@ if TYPE_CHECKING:
 ENCODE, THINKER, TALKER, CODE2WAV = "ENCODE", "THINKER", "TALKER", "CODE2WAV"
 DECODE_LOOP, TALK_LOOP, CODE2WAV_LOOP = "decode", "talk", "code2wav"
 MAX_ITERS = 1 << 20
-MODEL_KWARGS = ("dtype", "router", "chunk", "left_context")
+MODEL_KWARGS = ("dtype", "router", "chunk", "left_context", "talker_max_new_tokens")
 SAMPLE_RATE = 24000
 """The codec's output rate (code2wav.SAMPLE_RATE)."""
 MEDIA_INPUTS = ("mm_order", "pixel_values", "image_grid", "audio_features", "audio_lengths")
@@ -75,6 +78,9 @@ class Qwen3Omni(CompositeModel):
         self.router = model_kwargs.get("router")
         if self.router is not None:
             resolve_router(parse_router_spec(self.router)[0])  # a bad spec is a config error now
+        frames = model_kwargs.get("talker_max_new_tokens", 1)
+        if isinstance(frames, bool) or not isinstance(frames, int) or frames < 1:
+            raise ValueError(f"model_kwargs.talker_max_new_tokens must be an int >= 1, got {frames!r}")
         try:
             self.policy = LeftContext(chunk=model_kwargs.get("chunk", 25),
                                       left_context=model_kwargs.get("left_context", 25))
@@ -84,14 +90,13 @@ class Qwen3Omni(CompositeModel):
 
     # ---- the graph ----
     def graphs(self) -> dict[str, Section]:
-        thinker_out = (Edge("token", EMIT_TO_CLIENT), Edge("token"), Edge("kv", persist=True),
-                       Edge("talker_in", TALKER, stream=True))
-        prefill_in = ("position_ids", "position_offset", "talker_rows")
-        prefill = GraphNode(THINKER, inputs=("input_ids",), optional_inputs=prefill_in, outputs=thinker_out)
         encode = GraphNode(ENCODE, inputs=("mm_order",), optional_inputs=MEDIA_INPUTS[1:],
                            outputs=(Edge("mm_embeds", THINKER), Edge("deepstack", THINKER)))
-        prefill_mm = Sequential(encode, GraphNode(THINKER, inputs=("input_ids", "mm_embeds"),
-                                                  optional_inputs=(*prefill_in, "deepstack"), outputs=thinker_out))
+        prefill = Sequential(encode, GraphNode(
+            THINKER, inputs=("input_ids",),
+            optional_inputs=("position_ids", "position_offset", "talker_rows", "mm_embeds", "deepstack"),
+            outputs=(Edge("token", EMIT_TO_CLIENT), Edge("token"), Edge("kv", persist=True),
+                     Edge("talker_in", TALKER, stream=True))))
         decode = Loop(GraphNode(THINKER, inputs=("token",), optional_inputs=("kv", "position_offset", "speak"),
                                 outputs=(Edge("token", THINKER), Edge("token", EMIT_TO_CLIENT),
                                          Edge("text", TALKER, stream=True))),
@@ -101,10 +106,10 @@ class Qwen3Omni(CompositeModel):
                     max_iters=MAX_ITERS, name=TALK_LOOP)
         code2wav = Loop(GraphNode(CODE2WAV, inputs=("codes",), optional_inputs=("codes_final", "codes_context"),
                                   outputs=(Edge("audio", EMIT_TO_CLIENT),)), max_iters=MAX_ITERS, name=CODE2WAV_LOOP)
-        return {"prefill": prefill, "prefill_mm": prefill_mm, "decode": decode, "talk": talk, "code2wav": code2wav}
+        return {"prefill": prefill, "decode": decode, "talk": talk, "code2wav": code2wav}
 
     def partitions(self) -> list[Partition]:
-        return [Partition("thinker", ("prefill", "prefill_mm", "decode")), Partition("talk", ("talk",)),
+        return [Partition("thinker", ("prefill", "decode")), Partition("talk", ("talk",)),
                 Partition("code2wav", ("code2wav",))]
 
     def streaming_edges(self) -> list[StreamingEdge]:
@@ -152,6 +157,8 @@ class Qwen3Omni(CompositeModel):
 
         config = read_config(self.weights_dir)
         self.frontend = Frontend(self.weights_dir, config)
+        if "talker_max_new_tokens" in self.model_kwargs:  # the deployment's default budget
+            self.frontend.talker_defaults["talker_max_new_tokens"] = self.model_kwargs["talker_max_new_tokens"]
         positions = int(config.thinker_text.get("max_position_embeddings", 1 << 30))
         self._context = min(self.engine.max_seq_len, positions)
 
@@ -188,7 +195,7 @@ class Qwen3Omni(CompositeModel):
         return steps
 
     def after_walk(self, state: RequestState, walk: str, outputs: dict[str, Any]) -> WalkStep | None:
-        if walk not in ("prefill", "prefill_mm"):
+        if walk != "prefill":
             return None
         token = outputs["token"]
         if int(token.reshape(-1)[0]) in self.frontend.tokenizer.eos_token_ids:

@@ -22,8 +22,8 @@ class EncodeNode(Component):
     order); images as ``pixel_values`` (patches of every image, the image processor's) and ``image_grid`` (n_img, 3);
     clips as ``audio_features`` (mels, sum of frames) and ``audio_lengths`` (n_aud,). Outputs ``mm_embeds`` (N, Dt),
     every item's rows in prompt order (what the thinker places at its placeholders), and, with images,
-    ``deepstack`` (k, Nv, Dt): the image rows' deepstack features. Every image of a turn goes through one vision
-    forward, every clip through one audio forward."""
+    ``deepstack`` (k, Nv, Dt): the image rows' deepstack features; a prompt without items outputs nothing. Every
+    image of a turn goes through one vision forward, every clip through one audio forward."""
 
     name = "ENCODE"
 
@@ -33,6 +33,8 @@ class EncodeNode(Component):
 
     @torch.inference_mode()
     def run_batch(self, calls: list[NodeCall]) -> list:
+        if all(call.inputs["mm_order"].numel() == 0 for call in calls):
+            return [NodeResult({}) for _ in calls]  # prompts without media: nothing to encode
         try:
             images, clips = self._items(calls)
             seen = self.vision.encode([item for per_call in images for item in per_call])
@@ -46,7 +48,7 @@ class EncodeNode(Component):
             rows, imgs, auds = [], iter(mine), iter(sounds)
             for kind in call.inputs["mm_order"].reshape(-1).tolist():
                 rows.append(next(imgs)[0] if kind == IMAGE else next(auds))
-            outputs = {"mm_embeds": torch.cat(rows)}
+            outputs = {"mm_embeds": torch.cat(rows)} if rows else {}
             if mine:
                 outputs["deepstack"] = torch.stack([torch.cat(layer) for layer in zip(*(d for _, d in mine))])
             out.append(NodeResult(outputs))

@@ -1,9 +1,9 @@
 """One Qwen3-Omni request planned on the conductor (``Qwen3Omni.preprocess``): its knobs checked, its prompt built
 (frontend.py), and the inputs of each walk it will run kept in ``state.data``:
 
-- ``first``: (walk, inputs) of the thinker's first walk: ``prefill`` (token ids) or, with media, ``prefill_mm``
-  (token ids, M-RoPE ``position_ids`` and ``position_offset``, ENCODE's patches / log-mel features in prompt order);
-  with ``talker_rows`` when the answer is spoken;
+- ``first``: (walk, inputs) of the thinker's first walk, ``prefill``: token ids, and with media M-RoPE
+  ``position_ids`` and ``position_offset`` and ENCODE's patches / log-mel features in prompt order; with
+  ``talker_rows`` when the answer is spoken;
 - ``decode_inputs``: what the ``decode`` walk adds to its first token: the decode offset (it travels with the KV to a
   decode rank elsewhere) and ``speak`` (its steps then stream their token embeddings to the talker);
 - ``talk``: (the ``talk`` walk's inputs, its frame budget), or None for a text-only answer;
@@ -54,7 +54,7 @@ def plan_request(fe: Frontend, state: RequestState, prompt: str | None, messages
             raise ValueError(f"the talker's prompt of {fe.talker_prompt_length(p)} positions leaves no room for "
                              f"audio in engine.max_seq_len = {talker_positions}; shorten the prompt")
         talk = (talk_inputs, min(knobs.max_frames, room))
-    state.data.update(first=("prefill_mm" if p.order else "prefill", inputs), decode_inputs=decode_inputs,
+    state.data.update(first=("prefill", inputs), decode_inputs=decode_inputs,
                       talk=talk, decoder=fe.tokenizer.incremental_decoder())
 
 
@@ -67,8 +67,7 @@ def thinker_inputs(p: OmniPrompt) -> tuple[dict[str, Any], dict[str, Any]]:
         inputs["position_ids"] = torch.from_numpy(p.positions)
     if p.delta:
         inputs["position_offset"] = decode_inputs["position_offset"] = torch.tensor([p.delta])
-    if p.order:
-        inputs["mm_order"] = torch.tensor(p.order, dtype=torch.long)
+    inputs["mm_order"] = torch.tensor(p.order, dtype=torch.long)  # empty without media: ENCODE answers at once
     if p.images is not None:
         inputs["pixel_values"] = torch.from_numpy(p.images.pixel_values)
         inputs["image_grid"] = torch.from_numpy(p.images.grid_thw)

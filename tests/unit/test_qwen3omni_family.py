@@ -23,7 +23,7 @@ from tests.omni_media import CHUNK, LEFT_CONTEXT, check_chunks, png, wav
 
 pytestmark = pytest.mark.usefixtures("one_intraop_thread")
 
-WALKS = {"ENCODE": ["prefill_mm"], "THINKER": ["prefill", "prefill_mm", "decode"], "TALKER": ["talk"],
+WALKS = {"ENCODE": ["prefill"], "THINKER": ["prefill", "decode"], "TALKER": ["talk"],
          "CODE2WAV": ["code2wav"]}
 PLACEMENTS = {
     "colocated": ({"ENCODE": 0, "THINKER": 0, "TALKER": 0, "CODE2WAV": 0}, 1),
@@ -38,7 +38,7 @@ IM_END = 1026
 def config_of(where: dict[str, int], decode_rank: int | None = None) -> dict:
     groups = []
     for node, rank in where.items():
-        walks = WALKS[node] if not (node == "THINKER" and decode_rank is not None) else ["prefill", "prefill_mm"]
+        walks = WALKS[node] if not (node == "THINKER" and decode_rank is not None) else ["prefill"]
         groups.append({"node_names": [node], "ranks": [rank], "graph_walks": walks})
     if decode_rank is not None:
         groups.append({"node_names": ["THINKER"], "ranks": [decode_rank], "graph_walks": ["decode"]})
