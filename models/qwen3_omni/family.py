@@ -24,8 +24,8 @@ streams nothing. Conductor-side work (knobs, media, prompt, positions) is fronte
 ``model_kwargs``: ``dtype`` (float32 | bfloat16 | float16; default float32 on CPU, bfloat16 on CUDA), ``router`` (the
 router of every MoE block of the thinker and the talker: models/moe/routers.py), ``chunk`` and ``left_context`` (the
 code2wav chunk policy), ``talker_max_new_tokens`` (the frame budget of a request that sets none; default the
-checkpoint's generation_config.json). Request knobs: frontend.read_knobs. The default weights (no ``weights:``) are the tiny
-random checkpoint of the published layout, written on first start (checkpoint.py).
+checkpoint's generation_config.json). Request knobs: frontend.read_knobs. The default weights (no ``weights:``) are
+the tiny random checkpoint of the published layout, written on first start (checkpoint.py).
 """
 
 from __future__ import annotations

@@ -155,6 +155,16 @@ def test_the_openai_client_sends_an_image_and_a_clip_and_hears_the_answer(coloca
     check_chunks([len(a) for a in audio])
 
 
+def test_speech_route_speaks_the_answer_to_its_input(colocated):
+    """``/v1/audio/speech``: the input is the user's message; the answer comes back as a WAV."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{colocated.base_url}/v1", api_key="x", max_retries=0, timeout=120)
+    spoken = client.audio.speech.create(model="qwen3_omni", voice="chelsie", input="Hello there",
+                                        response_format="wav")
+    with wave.open(io.BytesIO(spoken.content)) as w:
+        assert (w.getframerate(), w.getnchannels()) == (24000, 1) and w.getnframes() > 0
+
+
 def test_an_unknown_voice_is_a_400_listing_the_checkpoints_voices(colocated):
     r = httpx.post(f"{colocated.base_url}/v1/chat/completions", timeout=60, json={
         "messages": [{"role": "user", "content": "hi"}], "modalities": ["text", "audio"],

@@ -304,7 +304,8 @@ def refusal(dep: InProcDeployment, p: GenerationParams) -> str:
 BAD_MEDIA = {
     "not an image": ([image_item(b"hello, not an image at all")], "messages[0].content[0]", "not PNG, JPEG or WebP"),
     "truncated png": ([image_item(png()[:200])], "messages[0].content[0]", "truncated"),
-    "too many pixels": ([image_item(png(2048, 1024, noise=False))], "messages[0].content[0]", "media.max_image_pixels = 1048576"),
+    "too many pixels": ([image_item(png(2048, 1024, noise=False))], "messages[0].content[0]",
+                        "media.max_image_pixels = 1048576"),
     "too long": ([audio_item(wav(40.0))], "messages[0].content[1]", "media.max_audio_seconds = 30"),
     "wrong audio format": ([audio_item(fmt="mp3")], "messages[0].content[1]", "format"),
     "wrong image type": ([image_item(fmt="image/jpeg")], "messages[0].content[0]", "image/jpeg"),
