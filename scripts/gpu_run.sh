@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU runs on the device machine (torch + NCCL preinstalled, no network). Usage, from the repo root there:
 #   bash scripts/gpu_run.sh STEP...   STEP: tests | gpu | engine | tpstop | serving | pd | split | edges | kernels |
-#                                           trace | composite | speech | image | tp | soak | ab SETTING
+#                                           trace | composite | speech | speech1 | image | tp |
+#                                           moe30b | soak | ab SETTING
 # Needs, carried from the dev machine (bash scripts/gpu_prepare.sh makes both): .whl/ (wheels the GPU image lacks:
 # fastapi, starlette, pydantic(-core), annotated-types, typing-inspection, opentelemetry-api, uvicorn, httptools,
 # pyzmq, msgspec, python-multipart, llguidance, soundfile, soxr) and .ckpt/smol-shape (config + tokenizer of SmolLM2-135M; a random same-shaped checkpoint is
@@ -134,6 +135,14 @@ while [ $# -gt 0 ]; do
     speech)  # two GPUs: time to first audio and real-time factor, codec beside the LLM or on the other GPU
              python3 scripts/bench_composite.py speech --make 3b --weights /tmp/orpheus-3b --streams 1 8 32 \
                --max-tokens 560 --out "$out/speech_h200x2.json" 2>&1 | tail -30 ;;
+    speech1) # one GPU, the codec beside the LLM (Orpheus-3B shape): TTFA p50/p99, RTF p50/p99 and the real-time
+             # streams at ${STREAMS:-1 8 32 64 128 256} concurrent streams, one wave each, 560 codes a stream (280 at
+             # 128 and 256: the JSON's tokens_at); waves that would start after 200 s are skipped (the JSON's
+             # skipped), and the JSON is rewritten after each wave
+             timeout 290 python3 scripts/bench_composite.py speech --make 3b --weights /tmp/orpheus-3b \
+               --placement colocated --streams ${STREAMS:-1 8 32 64 128 256} --max-tokens 560 \
+               --tokens-at 128:280 256:280 --intakes "${INTAKES:-4}" --budget-s 200 \
+               --out "$out/speech_h200_colocated${NAME:+_$NAME}.json" 2>&1 | grep -v "^W1\|^  warnings" | tail -30 ;;
     image)   # two GPUs: time per denoising step, sequential CFG on one GPU against CFG-parallel on two
              python3 scripts/bench_composite.py image --make 1b --weights /tmp/bagel-1b --size 1024 --steps 8 24 \
                --out "$out/image_h200x2.json" 2>&1 | tail -30 ;;
