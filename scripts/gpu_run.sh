@@ -9,7 +9,8 @@
 # generated there). Everything a step writes goes to $OUT (or bench/raw, git-ignored); the headline JSONs are copied
 # from there into bench/results by hand (bench/results/README.md names the step behind each).
 # Knobs of the steps (environment): ROUNDS, INTAKES (HTTP intake processes of the single rank, default 4), STREAMS,
-# PAIRS, REQUESTS_PER_STREAM, NAME (a suffix for the output names), DECODE / PREFILL / POSITION (kernels).
+# PAIRS, REQUESTS_PER_STREAM, NAME (a suffix for the output names), DECODE / PREFILL / POSITION (kernels), TOKENS
+# (moe30b's timed decode steps).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 mkdir -p "${OUT:-bench/raw}"
@@ -149,6 +150,11 @@ while [ $# -gt 0 ]; do
     tp)      # two GPUs: TP2 against TP1 of a Qwen3-MoE-shaped checkpoint (NCCL check, then serving at 1 and 32 streams)
              timeout 540 python3 scripts/bench_tp.py --make medium --weights /tmp/moe-medium --streams 1 32 \
                --max-tokens 128 --out "$out/tp_h200x2.json" 2>&1 | tail -30 ;;
+    moe30b)  # one GPU: Qwen3-MoE at the 30B-A3B shape, TP1, random bf16 weights made on the GPU (~61 GB, no
+             # checkpoint): the engine's decode steps (in process) against the CUDA-graph bare loop and the eager
+             # loop at ${STREAMS:-1 32 64} streams, and one MoE block's gathered vs per-expert expert compute
+             timeout 290 python3 scripts/bench_moe30b.py --streams ${STREAMS:-1 32 64} --tokens "${TOKENS:-64}" \
+               --out "$out/moe30b_h200${NAME:+_$NAME}.json" 2>&1 | grep -v "^W1\|^  warnings" | tail -40 ;;
     soak)    # two GPUs, detached: starts a ${SOAK_SECONDS:-600} s soak unless one is in /tmp/soak, waits up to
              # SOAK_WAIT s; collect the rest at once in the next command: bash scripts/gpu_soak.sh collect 540
              bash scripts/gpu_soak.sh auto "${SOAK_SECONDS:-600}" "${SOAK_WAIT:-480}" 2>&1 | tail -60 ;;
