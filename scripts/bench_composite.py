@@ -28,7 +28,9 @@ import base64
 import concurrent.futures as cf
 import hashlib
 import json
+import os
 import platform
+import signal
 import statistics
 import sys
 import time
@@ -58,6 +60,17 @@ REALTIME_TTFA_P99_S = 0.3
 PLACEMENTS = {"colocated": ("codec_colocated", "launch/configs/speech_single.yaml", 1),
               "split": ("codec_other_gpu", "launch/configs/speech_split.yaml", 2)}
 """--placement value -> (name in the JSON, deployment, ranks)."""
+
+
+LIVE: list[Server] = []
+"""Deployments running now: stopped by SIGTERM's handler (a time limit's ``timeout``) before the process exits, so
+no rank outlives the benchmark and holds the device for the next step."""
+
+
+def stop_live_and_exit(signum, frame) -> None:
+    for server in list(LIVE):
+        server.stop(timeout=10)
+    os._exit(128 + signum)
 
 
 def speech_request(base_url: str, i: int, max_tokens: int) -> dict:
@@ -129,7 +142,9 @@ def serve_speech(args, name: str, config: str, nproc: int, out: dict, save) -> d
                             "request_timeout_s": 600, "max_tokens": max(700, args.max_tokens)}}
     flags = ("--http-processes", str(args.intakes)) if args.intakes > 1 else ()
     server = Server(REPO / config, nproc=nproc, overrides=overrides, args=flags, startup_timeout=600)
+    LIVE.append(server)
     rows = out["placements"][name] = {"cold_start_s": server.ready_seconds, "intakes": args.intakes}
+    save()
     try:
         speech_request(server.base_url, 0, 28)  # warm the route
         for n in args.streams:
@@ -145,6 +160,7 @@ def serve_speech(args, name: str, config: str, nproc: int, out: dict, save) -> d
         raise
     finally:
         server.stop()
+        LIVE.remove(server)
     real = [n for n in args.streams if rows.get(f"streams_{n}", {}).get("real_time")]
     rows["real_time_streams"] = max(real, default=0)
     return rows
@@ -246,6 +262,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    signal.signal(signal.SIGTERM, stop_live_and_exit)
     args.started = t0 = time.perf_counter()
     if args.make and not Path(args.weights, "config.json").exists():
         if args.what == "speech":

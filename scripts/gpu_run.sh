@@ -138,11 +138,11 @@ while [ $# -gt 0 ]; do
                --max-tokens 560 --out "$out/speech_h200x2.json" 2>&1 | tail -30 ;;
     speech1) # one GPU, the codec beside the LLM (Orpheus-3B shape): TTFA p50/p99, RTF p50/p99 and the real-time
              # streams at ${STREAMS:-1 8 32 64 128 256} concurrent streams, one wave each, 560 codes a stream (280 at
-             # 128 and 256: the JSON's tokens_at); waves that would start after 200 s are skipped (the JSON's
-             # skipped), and the JSON is rewritten after each wave
-             timeout 290 python3 scripts/bench_composite.py speech --make 3b --weights /tmp/orpheus-3b \
+             # 128 and 256: the JSON's tokens_at); waves that would start after 220 s are skipped (the JSON's
+             # skipped), and the JSON is rewritten after each wave (a run stopped by the time limit keeps them)
+             timeout -k 15 280 python3 scripts/bench_composite.py speech --make 3b --weights /tmp/orpheus-3b \
                --placement colocated --streams ${STREAMS:-1 8 32 64 128 256} --max-tokens 560 \
-               --tokens-at 128:280 256:280 --intakes "${INTAKES:-4}" --budget-s 200 \
+               --tokens-at 128:280 256:280 --intakes "${INTAKES:-4}" --budget-s 220 \
                --out "$out/speech_h200_colocated${NAME:+_$NAME}.json" 2>&1 | grep -v "^W1\|^  warnings" | tail -30 ;;
     image)   # two GPUs: time per denoising step, sequential CFG on one GPU against CFG-parallel on two
              python3 scripts/bench_composite.py image --make 1b --weights /tmp/bagel-1b --size 1024 --steps 8 24 \
@@ -153,7 +153,7 @@ while [ $# -gt 0 ]; do
     moe30b)  # one GPU: Qwen3-MoE at the 30B-A3B shape, TP1, random bf16 weights made on the GPU (~61 GB, no
              # checkpoint): the engine's decode steps (in process) against the CUDA-graph bare loop and the eager
              # loop at ${STREAMS:-1 32 64} streams, and one MoE block's gathered vs per-expert expert compute
-             timeout 290 python3 scripts/bench_moe30b.py --streams ${STREAMS:-1 32 64} --tokens "${TOKENS:-64}" \
+             timeout -k 15 280 python3 scripts/bench_moe30b.py --streams ${STREAMS:-1 32 64} --tokens "${TOKENS:-64}" \
                --out "$out/moe30b_h200${NAME:+_$NAME}.json" 2>&1 | grep -v "^W1\|^  warnings" | tail -40 ;;
     soak)    # two GPUs, detached: starts a ${SOAK_SECONDS:-600} s soak unless one is in /tmp/soak, waits up to
              # SOAK_WAIT s; collect the rest at once in the next command: bash scripts/gpu_soak.sh collect 540
