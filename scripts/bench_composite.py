@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import base64
 import concurrent.futures as cf
+import contextlib
 import hashlib
 import json
 import os
@@ -227,6 +228,52 @@ def bench_image(args) -> dict:
     return out
 
 
+def write_random_on_device(path: Path, shapes: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype, seed: int,
+                           device: str = "cuda") -> None:
+    """``models.speech.checkpoint.write_random_safetensors``'s file (same header and layout, same distribution: 1-D
+    tensors ones, the rest N(0, 0.02)) with the values drawn on ``device``, one tensor at a time: drawing the 3B
+    shape's 3.3 billion values on one CPU core takes minutes of a time-limited device run. Other values than the
+    CPU writer's for the same seed."""
+    import math
+    import struct
+
+    st_dtype, itemsize = {torch.float32: ("F32", 4), torch.bfloat16: ("BF16", 2)}[dtype]
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape in shapes:
+        nbytes = math.prod(shape) * itemsize
+        header[name] = {"dtype": st_dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for _, shape in shapes:
+            t = torch.ones(shape, dtype=dtype) if len(shape) == 1 else \
+                torch.randn(shape, generator=gen, device=device).mul_(0.02).to(dtype).cpu()
+            f.write((t.view(torch.int16) if dtype == torch.bfloat16 else t).numpy().tobytes())
+
+
+def make_checkpoint(args, device: str | None = None) -> None:
+    """``--make``: a random checkpoint of the family's layout in ``--weights``; a speech LLM's values drawn on
+    ``device`` (default: the GPU where there is one, else the CPU writer of models/speech/checkpoint.py)."""
+    import functools
+    from unittest import mock
+
+    if args.what == "image":
+        from models.image.checkpoint import write_image_family
+        return write_image_family(Path(args.weights), args.make)
+    import models.speech.checkpoint as speech
+
+    device = device or ("cuda" if torch.cuda.is_available() else None)
+    writer = mock.patch.object(speech, "write_random_safetensors",
+                               functools.partial(write_random_on_device, device=device)) \
+        if device else contextlib.nullcontext()
+    with writer:
+        speech.write_speech_family(Path(args.weights), args.make, 0)
+
+
 def stream_tokens(text: str) -> tuple[int, int]:
     """``N:T`` of ``--tokens-at``."""
     n, _, t = text.partition(":")
@@ -265,12 +312,7 @@ def main() -> None:
     signal.signal(signal.SIGTERM, stop_live_and_exit)
     args.started = t0 = time.perf_counter()
     if args.make and not Path(args.weights, "config.json").exists():
-        if args.what == "speech":
-            from models.speech.checkpoint import write_speech_family
-            write_speech_family(Path(args.weights), args.make, 0)
-        else:
-            from models.image.checkpoint import write_image_family
-            write_image_family(Path(args.weights), args.make)
+        make_checkpoint(args)
         print(f"random {args.make} checkpoint written in {time.perf_counter() - t0:.0f} s", flush=True)
     meta = dict(command=" ".join(sys.argv), device=torch.cuda.get_device_name(0) if torch.cuda.is_available()
                 else platform.processor() or "cpu", gpus=torch.cuda.device_count(), torch=torch.__version__)

@@ -59,3 +59,37 @@ def test_engine_and_bare_loop_drivers_run_the_tiny_shape():
     assert eng.cache.num_free == eng.cache.max_slots  # every request released
     cache = make_cache(config, 3, 64, torch.float32, "cpu", decode_kernel=False)
     assert bare_decode(model, cache, None, prompts, 4)["tok_s"] > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_device_writer_writes_what_the_cpu_writer_does_but_the_values(tmp_path, dtype):
+    from safetensors import safe_open
+
+    from models.speech.checkpoint import write_random_safetensors
+    from scripts.bench_composite import write_random_on_device
+
+    shapes = [("a.weight", (300, 64)), ("norm.weight", (64,)), ("b.weight", (7, 5))]
+    write_random_safetensors(tmp_path / "cpu.safetensors", shapes, dtype, 0)
+    write_random_on_device(tmp_path / "dev.safetensors", shapes, dtype, 0, device="cpu")
+    assert (tmp_path / "cpu.safetensors").stat().st_size == (tmp_path / "dev.safetensors").stat().st_size
+    with safe_open(str(tmp_path / "cpu.safetensors"), "pt") as cpu, safe_open(str(tmp_path / "dev.safetensors"),
+                                                                              "pt") as dev:
+        assert list(cpu.keys()) == list(dev.keys())
+        for name, shape in shapes:
+            a, b = cpu.get_tensor(name), dev.get_tensor(name)
+            assert a.shape == b.shape == shape and a.dtype == b.dtype == dtype
+        assert torch.equal(dev.get_tensor("norm.weight"), torch.ones(64, dtype=dtype))
+        assert 0.018 < dev.get_tensor("a.weight").float().std().item() < 0.022
+
+
+def test_make_writes_a_speech_family_through_the_device_writer(tmp_path):
+    from safetensors import safe_open
+
+    from scripts.bench_composite import make_checkpoint
+
+    args = parse_args(["speech", "--weights", str(tmp_path / "orpheus"), "--out", "o", "--make", "tiny"])
+    make_checkpoint(args, device="cpu")
+    with safe_open(str(tmp_path / "orpheus" / "model.safetensors"), "pt") as f:
+        assert "model.embed_tokens.weight" in f.keys()
+        assert 0.015 < f.get_tensor("model.layers.0.mlp.up_proj.weight").std().item() < 0.025
+    assert (tmp_path / "orpheus" / "snac").is_dir() and (tmp_path / "orpheus" / "speech.json").is_file()
