@@ -34,6 +34,9 @@ def main() -> None:
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "config.json"):
         if (src / name).exists():
             shutil.copy(src / name, out / name)
+    from mstar_dist.random_weights import write_marker
+
+    write_marker(out, args.seed, "scripts/make_random_checkpoint.py")
     print(f"random {config.num_hidden_layers}-layer checkpoint written to {out}")
 
 

@@ -32,6 +32,9 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 
 from models.llama.config import Llama3RopeScaling, LlamaConfig
 from models.llama.speech_tokens import AUDIO_TOKEN_BASE, CODES_PER_FRAME, SpeechTokens, custom_token
+from mstar_dist.random_weights import write_marker
+
+MADE_BY = "scripts/make_speech_checkpoint.py"
 
 CORPUS = """\
 The lighthouse keeper climbed the spiral stairs every evening at dusk. He wound the clockwork, trimmed the
@@ -190,6 +193,7 @@ def make_speech_checkpoint(out: Path, size: str, seed: int, codebook_size: int |
                                                  "eos_token_id": tokens.end_of_speech})
     _write_json(out / "speech.json", tokens.ids())
     write_random_safetensors(out / "model.safetensors", hf_tensor_shapes(config), layout["dtype"], seed)
+    write_marker(out, seed, MADE_BY)
     return tokens
 
 
@@ -202,6 +206,7 @@ def write_speech_family(out: Path, size: str = "tiny", seed: int = 0) -> Path:
     make_speech_checkpoint(Path(out), size, seed, snac_config.codebook_size)
     torch.manual_seed(seed)
     save_snac(SnacDecoder(snac_config), Path(out) / "snac")
+    write_marker(Path(out) / "snac", seed, MADE_BY)
     return Path(out)
 
 

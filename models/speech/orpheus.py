@@ -39,6 +39,7 @@ from mstar_dist.graph.nodes import EMIT_TO_CLIENT, Edge, GraphNode, Loop, Sectio
 from mstar_dist.graph.partitions import Partition, StreamingEdge
 from mstar_dist.graph.streaming import SlidingWindow
 from mstar_dist.graph.walk import NodeCall, NodeResult
+from mstar_dist.random_weights import mark_prepared
 from models.llama.chat import DECODE_LOOP, LLM, MAX_DECODE_ITERS, LlamaChat
 
 CODEC = "CODEC"
@@ -173,8 +174,14 @@ class OrpheusSpeech(LlamaChat):
     def streaming_edges(self) -> list[StreamingEdge]:
         return [StreamingEdge("token", "speech", "audio", CODEC, SlidingWindow(WINDOW, STRIDE))]
 
+    def weights_dirs(self) -> list[str]:
+        return [self.weights_dir, self.codec_dir]
+
     def prepare_weights(self) -> None:
         if Path(self.weights_dir).is_dir():
+            if Path(self.weights_dir) == Path(DEFAULT_SPEECH_DIR).expanduser():
+                for directory in (self.weights_dir, self.codec_dir):
+                    mark_prepared(directory, 0, "scripts/make_speech_checkpoint.py")
             return
         if Path(self.weights_dir) != Path(DEFAULT_SPEECH_DIR).expanduser():
             raise FileNotFoundError(f"weights: {self.weights_dir} does not exist (only the default "

@@ -166,6 +166,12 @@ class CompositeModel(ABC):
     def prepare_weights(self) -> None:
         """Make ``weights_dir`` exist (called once per host before loading). Default: nothing to do."""
 
+    def weights_dirs(self) -> list[str]:
+        """Every directory this family reads weights from: the server says the model's weights are random (and its
+        output noise) when any of them carries the random-weights marker (``mstar_dist.random_weights``). Default:
+        ``weights_dir``."""
+        return [self.weights_dir] if self.weights_dir else []
+
     @abstractmethod
     def build_component(self, node: str, *, device: str, walks: set[str], engine: EngineConfig | None = None) -> Any:
         """Build and load the component ``node`` for this rank (an :class:`mstar_dist.engine.component.Component`).

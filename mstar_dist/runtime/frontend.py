@@ -37,6 +37,7 @@ from mstar_dist.control import messages as m
 from mstar_dist.control.channel import ControlChannel
 from mstar_dist.control.envelope import CONDUCTOR, rank_name
 from mstar_dist.logs import announce
+from mstar_dist.random_weights import announcement
 from mstar_dist.runtime.children import (
     HTTP_FD_ENV, ParentPipe, quick_hand_offs, start_watching_parent, stop_all, where_from_env,
 )
@@ -179,6 +180,8 @@ def start_conductor(dep: Deployment, channel: ControlChannel, timeout_s: float, 
     (docs/architecture.md §2 step 6)."""
     cfg = dep.config
     dep.model.load_frontend()
+    if line := announcement(cfg.model, dep.model.weights_dirs()):
+        log.warning(line)
     conductor = Conductor(
         model=dep.model, placement=dep.placement, channel=channel, token=dep.token,
         world_size=dep.cluster.world_size, max_concurrent=cfg.limits.max_concurrent_requests,
