@@ -180,8 +180,6 @@ def start_conductor(dep: Deployment, channel: ControlChannel, timeout_s: float, 
     (docs/architecture.md §2 step 6)."""
     cfg = dep.config
     dep.model.load_frontend()
-    if line := announcement(cfg.model, dep.model.weights_dirs()):
-        log.warning(line)
     conductor = Conductor(
         model=dep.model, placement=dep.placement, channel=channel, token=dep.token,
         world_size=dep.cluster.world_size, max_concurrent=cfg.limits.max_concurrent_requests,
@@ -191,6 +189,8 @@ def start_conductor(dep: Deployment, channel: ControlChannel, timeout_s: float, 
     )
     conductor.wait_ready(timeout_s)
     announce(dep.describe())
+    if line := announcement(cfg.model, dep.model.weights_dirs()):  # every rank has prepared its weights by now
+        log.warning(line)
     conductor.start()
     return conductor
 

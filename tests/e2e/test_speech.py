@@ -76,9 +76,19 @@ def test_split_codec_gives_the_same_audio_as_one_rank(split):
                     overrides={**WEIGHTS, "server": {"http_processes": 2}})
     try:
         on_single = [speak(single.base_url, t, s).content for t, s in texts]
+        # the intakes were told too
+        assert httpx.get(f"{single.base_url}/v1/models", timeout=10).json()["data"][0]["weights"] == "random-test"
     finally:
         assert single.stop_clean(1), single.log()
     assert on_split == on_single and all(len(a) > 44 for a in on_split)
+
+
+def test_random_weights_are_announced(split):
+    """The default checkpoint is random (scripts/make_speech_checkpoint.py marks it): /v1/models says so and the log
+    says once, at start, that the audio is noise by design."""
+    (card,) = httpx.get(f"{split.base_url}/v1/models", timeout=10).json()["data"]
+    assert card["weights"] == "random-test"
+    assert split.log().count("noise by design") == 1
 
 
 @pytest.mark.parametrize("body, words", [
