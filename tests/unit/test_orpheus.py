@@ -35,6 +35,13 @@ def small(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_speech_family(tmp_path_factory.mktemp("orpheus") / "small", "small", 0)
 
 
+@pytest.fixture(scope="module")
+def frontend(small: Path) -> OrpheusSpeech:
+    model = OrpheusSpeech(str(small))
+    model.load_frontend()
+    return model
+
+
 def test_small_checkpoint_has_the_published_config_and_ids(small: Path) -> None:
     config = json.loads((small / "config.json").read_text())
     assert config["vocab_size"] == 156940 and config["tie_word_embeddings"] is True
@@ -67,7 +74,7 @@ def test_transformers_loads_it_with_no_missing_key_and_the_same_logits(small: Pa
                                atol=1e-4, rtol=1e-4)
 
 
-def test_the_prompt_is_orpheus_tts_s(small: Path) -> None:
+def test_the_prompt_is_orpheus_tts_s(small: Path, frontend: OrpheusSpeech) -> None:
     """engine_class.py: [128259] + tokenizer("{voice}: {text}") (which starts with <|begin_of_text|>) +
     [128009, 128260, 128261, 128257]."""
     from tokenizers import Tokenizer
@@ -78,8 +85,7 @@ def test_the_prompt_is_orpheus_tts_s(small: Path) -> None:
     text = "tara: Hi, how are you? <laugh>"
     theirs = [START_OF_HUMAN, *hf_tok.encode(text).ids, EOT, END_OF_HUMAN, START_OF_AI, START_OF_SPEECH]
     assert theirs[1] == BOS
-    model = OrpheusSpeech(str(small))
-    model.load_frontend()
+    model = frontend
     state = request_state(model, GenerationParams(request_id="r", prompt="Hi, how are you? <laugh>", messages=None,
                                                   max_tokens=50, model_kwargs={"voice": "tara"}))
     assert state.data["input_ids"].tolist() == theirs
@@ -93,10 +99,9 @@ def request_state(model: OrpheusSpeech, params: GenerationParams) -> RequestStat
     return state
 
 
-def test_the_model_card_s_sampling_fills_the_knobs_a_request_leaves_out(small: Path) -> None:
+def test_the_model_card_s_sampling_fills_the_knobs_a_request_leaves_out(frontend: OrpheusSpeech) -> None:
     assert SAMPLING_DEFAULTS == {"temperature": 0.6, "top_p": 0.95, "repetition_penalty": 1.1} and MAX_TOKENS == 1200
-    model = OrpheusSpeech(str(small))
-    model.load_frontend()
+    model = frontend
 
     def walk_knobs(**fields) -> tuple[SamplingParams, RequestState]:
         params = GenerationParams(request_id="r", prompt="Hello.", messages=None, max_tokens=4000,
