@@ -91,6 +91,23 @@ def test_random_weights_are_announced(split):
     assert split.log().count("noise by design") == 1
 
 
+def test_openai_client_sends_the_penalties_and_min_p_as_extra_body(split):
+    """The sampling knobs beyond OpenAI's speech fields travel as top-level keys (the openai client's
+    ``extra_body``) and change the codes the model writes; the same knobs give the same audio."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{split.base_url}/v1", api_key="unused", timeout=120)
+    knobs = {"seed": 6, "repetition_penalty": 1.8, "presence_penalty": 1.0, "frequency_penalty": 0.5, "min_p": 0.02}
+
+    def say(extra: dict) -> bytes:
+        return client.audio.speech.create(model="orpheus", input="Penalties change the codes.", voice="tara",
+                                          extra_body=extra).content
+
+    penalized = say(knobs)
+    assert penalized == say(knobs) and penalized != say({"seed": 6})
+    assert penalized[:4] == b"RIFF"
+
+
 @pytest.mark.parametrize("body, words", [
     ({"voice": "nobody"}, "tara"), ({"speed": 2.0}, "speed"), ({"response_format": "mp3"}, "wav"),
     ({"input": ""}, "input"),
