@@ -69,6 +69,27 @@ def test_every_checkpoint_maker_writes_the_marker(tmp_path: Path) -> None:
     assert read_marker(tmp_path / "speech" / "snac")["made_by"] == "scripts/make_speech_checkpoint.py"
 
 
+def test_the_standalone_scripts_write_the_marker(tmp_path: Path) -> None:
+    """scripts/make_snac_checkpoint.py and scripts/make_random_checkpoint.py (random weights shaped like a given
+    checkpoint) are scripts of their own, run as a user runs them."""
+    import subprocess
+    import sys
+
+    from models.speech.checkpoint import make_speech_checkpoint
+
+    repo = Path(__file__).parents[2]
+    make_speech_checkpoint(tmp_path / "like", "tiny", seed=0, codebook_size=None)
+    runs = {"make_snac_checkpoint.py": ["--out", str(tmp_path / "snac"), "--seed", "4"],
+            "make_random_checkpoint.py": ["--like", str(tmp_path / "like"), "--out", str(tmp_path / "random"),
+                                          "--seed", "4"]}
+    for script, args in runs.items():
+        done = subprocess.run([sys.executable, str(repo / "scripts" / script), *args], capture_output=True,
+                              text=True, timeout=300, cwd=repo)
+        assert done.returncode == 0, done.stderr
+    for out, script in (("snac", "make_snac_checkpoint.py"), ("random", "make_random_checkpoint.py")):
+        assert read_marker(tmp_path / out) == {"weights": RANDOM, "seed": 4, "made_by": f"scripts/{script}"}
+
+
 def test_the_orpheus_family_looks_at_its_codec_too(tmp_path: Path) -> None:
     from models.speech.checkpoint import write_speech_family
     from models.speech.orpheus import OrpheusSpeech
