@@ -26,6 +26,7 @@ from torch import nn
 
 from models.image.denoiser import Denoiser, preset
 from models.image.vae import MidBlock, ResnetBlock, VaeConfig, VaeDecoder
+from mstar_dist.random_weights import write_marker
 
 # The VAE of each size. Downsampling factor 2 ** (len(block_out_channels) - 1): tiny 2 (64x64 image =
 # 32x32x4 latents = 256 tokens at patch 2), 1b 8 with SD3's shape (1024x1024 = 128x128x16 = 4096 tokens).
@@ -120,6 +121,7 @@ def write_image_checkpoint(out: str | Path, size: str = "tiny", seed: int = 0, t
     index = {"_class_name": "MstarImagePipeline", "transformer": ["models.image", "Denoiser"],
              "vae": ["diffusers", "AutoencoderKL"], "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"]}
     (out / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
+    write_marker(out, seed, "scripts/make_image_checkpoint.py")
     return out
 
 

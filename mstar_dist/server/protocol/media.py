@@ -24,7 +24,9 @@ def _one_of(value: Any, allowed: tuple[str, ...]) -> Any:
 
 
 class SpeechRequest(SamplingKnobs):
-    """``POST /v1/audio/speech``: OpenAI's fields, plus ``stream``, ``seed`` and the sampling knobs.
+    """``POST /v1/audio/speech``: OpenAI's fields, plus ``stream``, ``seed`` and the sampling knobs (temperature,
+    top_p, top_k, min_p, repetition_penalty, presence_penalty, frequency_penalty: top-level keys, as OpenAI-compatible
+    speech servers take extra parameters; a knob left out takes the model family's default).
 
     ``voice`` goes to the model family (``model_kwargs["voice"]``), which rejects an unknown voice with a 400
     listing its voices; left out, the family's default voice speaks. ``instructions`` is rejected when non-empty
