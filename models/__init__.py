@@ -21,12 +21,12 @@ def get_model_class(name: str):
             return load_object(name)
         except (ImportError, AttributeError) as exc:
             raise ValueError(f"model: cannot load {name!r} ({type(exc).__name__}: {exc})") from None
-    from models.image.family import BagelImage
     from models.llama.chat import LlamaChat, SmolLM2Chat
     from models.moe.chat import MoEChat
+    from models.qwen_image.family import QwenImage
     from models.speech.orpheus import OrpheusSpeech
 
-    registry = {"llama": LlamaChat, "smollm2": SmolLM2Chat, "orpheus": OrpheusSpeech, "bagel": BagelImage,
+    registry = {"llama": LlamaChat, "smollm2": SmolLM2Chat, "orpheus": OrpheusSpeech, "qwen-image": QwenImage,
                 "qwen3_moe": MoEChat}
     try:
         return registry[name]

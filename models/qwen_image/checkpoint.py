@@ -10,8 +10,8 @@ published FlowMatchEulerDiscreteScheduler settings: dynamic exponential shifting
 the published template's prefix is DROP_IDX = 34 tokens in it, as in Qwen's vocabulary). diffusers'
 ``QwenImagePipeline.from_pretrained`` and transformers load it with no missing keys (a test checks it).
 
-Values come from a generator seeded by (seed, tensor name): matrices N(0, 0.02), convolution kernels
-N(0, (CONV_GAIN / sqrt(fan_in))^2), biases 0, norm scales 1. The directory also holds ``RANDOM_MARKER``
+Values come from a generator seeded by (seed, tensor name): matrices and convolution kernels N(0, 1 / fan_in)
+(variance-preserving, so the prompt visibly steers even this tiny model's noise), biases 0, norm scales 1. The directory also holds ``RANDOM_MARKER``
 (``{"weights": "random-test", "seed": ..., "made_by": ...}``): its images are noise by design, and the server
 says so. Nothing here imports diffusers or transformers: serving writes the default checkpoint on first start.
 """
@@ -37,7 +37,6 @@ DEFAULT_QWEN_IMAGE_DIR = "~/.cache/mstar_dist/qwen-image-tiny"
 RANDOM_MARKER = "mstar_random_weights.json"
 """The file that marks a checkpoint made by scripts/ (random weights)."""
 MADE_BY = "scripts/make_qwen_image_checkpoint.py"
-CONV_GAIN = 1.0
 
 CORPUS = ("Describe the image by detailing the color, shape, size, texture, quantity, text, spatial relationships "
           "of the objects and background:\n") * 8 + """\
@@ -218,7 +217,7 @@ def init_tensor(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
         return (torch.zeros if name.endswith(".bias") else torch.ones)(shape)
     key = int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "little") >> 1
     gen = torch.Generator().manual_seed(key)
-    std = 0.02 if len(shape) == 2 else CONV_GAIN / math.sqrt(math.prod(shape[1:]))
+    std = 1.0 / math.sqrt(math.prod(shape[1:]))
     return torch.randn(shape, generator=gen).mul_(std)
 
 
