@@ -42,6 +42,7 @@ from mstar_dist.events import MediaDelta
 from mstar_dist.graph.model import CompositeModel, Layout, RequestState, WalkStep
 from mstar_dist.graph.nodes import EMIT_TO_CLIENT, Edge, GraphNode, Loop, Parallel, Section, Sequential
 from mstar_dist.graph.walk import NodeCall, NodeResult
+from models.qwen_image.checkpoint import DEFAULT_QWEN_IMAGE_DIR
 
 TEXT, DENOISER, COND, UNCOND, GUIDE, VAE = "TEXT", "DENOISER", "DENOISE_COND", "DENOISE_UNCOND", "GUIDE", "VAE"
 DENOISE_LOOP = "denoise"
@@ -184,10 +185,9 @@ class QwenImage(CompositeModel):
 
     name = "qwen-image"
     output_modality = "image"
+    default_weights_dir = DEFAULT_QWEN_IMAGE_DIR
 
     def __init__(self, weights_dir: str | None, **model_kwargs: Any):
-        from models.qwen_image.checkpoint import DEFAULT_QWEN_IMAGE_DIR
-
         unknown = set(model_kwargs) - set(MODEL_KWARGS)
         if unknown:
             raise ValueError(f"model_kwargs: unknown keys {sorted(unknown)} (allowed: {sorted(MODEL_KWARGS)})")
@@ -224,7 +224,7 @@ class QwenImage(CompositeModel):
         return {"encode": encode, "generate": generate}
 
     def prepare_weights(self) -> None:
-        from models.qwen_image.checkpoint import DEFAULT_QWEN_IMAGE_DIR, write_default_checkpoint
+        from models.qwen_image.checkpoint import write_default_checkpoint
         from models.qwen_image.weights import check_layout
 
         root = Path(self.weights_dir)
