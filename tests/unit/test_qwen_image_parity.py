@@ -105,7 +105,7 @@ def test_scheduler_timesteps_and_sigmas_equal_diffusers(tmp_path, config):
 
 
 def _reference_pipeline(root):
-    pipe = diffusers.QwenImagePipeline.from_pretrained(root, torch_dtype=torch.float32)
+    pipe = diffusers.QwenImagePipeline.from_pretrained(root)  # float32, as saved
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
