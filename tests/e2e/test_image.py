@@ -1,7 +1,8 @@
 """Qwen-Image (tiny random weights in the published layout, prepared on first start) through the real launcher on
 every image config: image_cfg_parallel.yaml (main loop on rank 0, the guidance branches on ranks 1 and 2),
-image_single.yaml, image_split.yaml (the text encoder on its own rank) and image_cfg_parallel_2host.yaml (two
-torchrun invocations, the negative-prompt branch on the second host). One server per config, tiny pictures,
+image_single.yaml, image_split.yaml (the text encoder on its own rank), image_cfg_parallel_2gpu.yaml (the negative
+branch alone on rank 1) and image_cfg_parallel_2host.yaml (two torchrun invocations, the negative-prompt branch on
+the second host). One server per config, tiny pictures,
 few steps.
 
 A failure here means the images route, the openai SDK or the PNGs break, a placement changes the picture (CFG
@@ -69,6 +70,7 @@ def test_n_pngs_of_the_asked_size_and_the_openai_client(parallel, on_parallel):
 
 
 @pytest.mark.parametrize("config, nodes", [("image_single.yaml", [1]), ("image_split.yaml", [2]),
+                                           ("image_cfg_parallel_2gpu.yaml", [2]),
                                            ("image_cfg_parallel_2host.yaml", [1, 1])])
 def test_every_config_draws_the_cfg_parallel_pictures_byte_for_byte(on_parallel, config, nodes):
     server = Server(REPO / "launch/configs" / config, nproc=0 if len(nodes) > 1 else nodes[0], overrides=WEIGHTS,

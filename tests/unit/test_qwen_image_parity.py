@@ -115,12 +115,29 @@ def _ours(root):
                     load_vae_decoder(root / "vae"), FlowMatchSchedule.from_config(root / "scheduler"))
 
 
-@pytest.mark.parametrize("steps, scale, size", [(2, 4.0, (32, 48)), (3, 2.5, (40, 24)), (2, 1.0, (32, 32))])
-def test_denoising_and_the_picture_match_the_diffusers_pipeline(tiny, steps, scale, size):
-    """Two and three full steps (one step is undefined under the published shift_terminal): the template, the dropped prefix, both prompts, true CFG with the norm rescale,
-    the shifted schedule, the Euler step, the VAE and the PNG's pixels."""
-    pipe, nets = _reference_pipeline(tiny), _ours(tiny)
-    tok = load_tokenizer(tiny / "tokenizer")
+@pytest.fixture(scope="module")
+def one_step(tiny, tmp_path_factory):
+    """The tiny checkpoint without shift_terminal, where a single step is defined (it divides by zero there)."""
+    import json
+    import shutil
+
+    root = tmp_path_factory.mktemp("one-step") / "ckpt"
+    shutil.copytree(tiny, root)
+    config = json.loads((root / "scheduler" / "scheduler_config.json").read_text())
+    (root / "scheduler" / "scheduler_config.json").write_text(json.dumps({**config, "shift_terminal": None}))
+    return root
+
+
+@pytest.mark.parametrize("steps, scale, size, root", [
+    (1, 4.0, (32, 48), "one_step"), (2, 4.0, (32, 48), "tiny"), (3, 2.5, (40, 24), "tiny"),
+    (2, 1.0, (32, 32), "tiny")])
+def test_denoising_and_the_picture_match_the_diffusers_pipeline(request, steps, scale, size, root):
+    """One full denoising step, and two and three (one step is undefined under the published shift_terminal): the
+    template, the dropped prefix, both prompts, true CFG with the norm rescale, the shifted schedule, the Euler
+    step, the VAE and the PNG's pixels."""
+    root = request.getfixturevalue(root)
+    pipe, nets = _reference_pipeline(root), _ours(root)
+    tok = load_tokenizer(root / "tokenizer")
     width, height = size
     h, w = height // 4, width // 4  # the tiny VAE's scale factor
     noise = initial_noise(torch.Generator().manual_seed(5), 16, h, w)
