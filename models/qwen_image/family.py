@@ -269,6 +269,10 @@ class QwenImage(CompositeModel):
         self.latent_factor = 2 ** len(vae.get("temperal_downsample", [False, True, True]))
         self.size_step = 2 * self.latent_factor  # the latents are packed in 2x2 patches
         self.min_steps = FlowMatchSchedule.from_config(root / "scheduler").min_steps
+        try:  # the defaults a request without size or steps gets must be valid for this checkpoint
+            self._knobs({})
+        except ValueError as exc:
+            raise ValueError(f"model_kwargs (default_size, default_steps, max_size): {exc}") from None
 
     def preprocess(self, state: RequestState, prompt: str | None, messages: list[dict] | None) -> None:
         from models.qwen_image.pipeline import prompt_ids

@@ -12,6 +12,8 @@ reference the parity tests compare against).
 RoPE: frame/height/width axes of widths ``axes_dims_rope``; image positions are centred (height and width run
 from -h/2 to h/2 - 1, diffusers' ``scale_rope=True``), text positions continue after the largest image index.
 Parameter names equal the published checkpoint's, so ``diffusion_pytorch_model*.safetensors`` load unchanged.
+No text padding mask: the rows of a batch share one prompt length (the serving nodes run batch 1, where the
+pipeline passes no mask either).
 Shape legend: B batch, N image tokens (h/2 * w/2 of the latent), T text tokens, d = heads x head_dim.
 """
 

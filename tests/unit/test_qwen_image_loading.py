@@ -70,7 +70,9 @@ def test_configs_asking_for_what_is_not_implemented_are_refused(tmp_path):
         FlowMatchSchedule.from_config(tmp_path)
 
 
-def test_model_kwargs_are_checked():
+def test_model_kwargs_are_checked(tiny):
+    with pytest.raises(ValueError, match=r"model_kwargs \(default_size.*width must be a multiple of 8"):
+        QwenImage(str(tiny), default_size="36x32").load_frontend()
     with pytest.raises(ValueError, match=r"unknown keys \['sizes'\]"):
         QwenImage(None, sizes=[1])
     with pytest.raises(ValueError, match="default_size must be WIDTHxHEIGHT"):
