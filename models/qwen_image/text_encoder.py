@@ -50,8 +50,11 @@ class TextConfig:
     def from_hf(cls, config: dict) -> "TextConfig":
         """From a Qwen2.5-VL config.json (``text_config``, or the older flat layout)."""
         text = config.get("text_config") or config
+        if text.get("use_sliding_window"):
+            raise ValueError("text_encoder/config.json: use_sliding_window=true is not supported (Qwen2.5-VL as "
+                             "Qwen-Image publishes it attends to the whole prompt)")
         rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
-        theta = rope.get("rope_theta", text.get("rope_theta", 1000000.0))
+        theta = rope.get("rope_theta", text.get("rope_theta", config.get("rope_theta", 1000000.0)))
         return cls(vocab_size=text["vocab_size"], hidden_size=text["hidden_size"],
                    intermediate_size=text["intermediate_size"], num_hidden_layers=text["num_hidden_layers"],
                    num_attention_heads=text["num_attention_heads"], num_key_value_heads=text["num_key_value_heads"],

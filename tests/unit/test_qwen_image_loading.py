@@ -70,6 +70,18 @@ def test_configs_asking_for_what_is_not_implemented_are_refused(tmp_path):
         FlowMatchSchedule.from_config(tmp_path)
 
 
+def test_the_text_encoder_config_reads_both_layouts():
+    from models.qwen_image.text_encoder import TextConfig
+
+    flat = {"vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+            "num_attention_heads": 28, "num_key_value_heads": 4, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+            "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}}  # as transformers 4.5x wrote it
+    nested = {"text_config": {**flat, "rope_theta": None, "rope_parameters": {"rope_theta": 1000000.0}}}
+    assert TextConfig.from_hf(flat) == TextConfig.from_hf(nested) and TextConfig.from_hf(flat).head_dim == 128
+    with pytest.raises(ValueError, match="use_sliding_window"):
+        TextConfig.from_hf({**flat, "use_sliding_window": True})
+
+
 def test_model_kwargs_are_checked(tiny):
     with pytest.raises(ValueError, match=r"model_kwargs \(default_size.*width must be a multiple of 8"):
         QwenImage(str(tiny), default_size="36x32").load_frontend()
