@@ -165,3 +165,22 @@ def test_image_knobs_are_checked(weights, knobs, words):
     dep = deployment(QwenImage, weights["image"], IMAGE["single"], **IMAGE_KWARGS)
     (events,) = dep.run([image("x", **knobs)])
     assert isinstance(events[-1], BackendError) and events[-1].status == 400 and words in events[-1].message
+
+
+def test_the_served_png_is_the_diffusers_pipelines_picture(weights):
+    """The family's nodes (template, both prompts, packing, norm-rescaled CFG, the schedule for the image's token
+    count, Euler, VAE, PNG) against diffusers' QwenImagePipeline on the same checkpoint and the same initial noise."""
+    diffusers = pytest.importorskip("diffusers")
+    from models.qwen_image.pipeline import pack
+    from models.qwen_image.png import encode_png
+
+    dep = deployment(QwenImage, weights["image"], IMAGE["split"], **IMAGE_KWARGS)
+    (events,) = dep.run([image("d", width=40, height=24, steps=3, guidance_scale=3.0, negative_prompt="blur")])
+    served = next(e for e in events if isinstance(e, MediaDelta)).data
+    pipe = diffusers.QwenImagePipeline.from_pretrained(weights["image"])
+    pipe.set_progress_bar_config(disable=True)
+    noise = torch.randn((1, 1, 16, 6, 10), generator=torch.Generator().manual_seed(5))[:, 0]  # the request's seed
+    with torch.no_grad():
+        rgb = pipe(prompt="a red fox in the snow", negative_prompt="blur", true_cfg_scale=3.0, height=24, width=40,
+                   num_inference_steps=3, latents=pack(noise), output_type="pt").images[0]
+    assert served == encode_png((rgb * 255).round().to(torch.uint8).permute(1, 2, 0).contiguous())
