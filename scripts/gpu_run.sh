@@ -145,7 +145,7 @@ while [ $# -gt 0 ]; do
                --tokens-at 128:280 256:280 --intakes "${INTAKES:-4}" --budget-s 220 \
                --out "$out/speech_h200_colocated${NAME:+_$NAME}.json" 2>&1 | grep -v "^W1\|^  warnings" | tail -30 ;;
     image)   # two GPUs: time per denoising step, sequential CFG on one GPU against CFG-parallel on two
-             python3 scripts/bench_composite.py image --make 1b --weights /tmp/bagel-1b --size 1024 --steps 8 24 \
+             python3 scripts/bench_composite.py image --make tiny --weights /tmp/qwen-image-tiny --size 1024 --steps 8 24 \
                --out "$out/image_h200x2.json" 2>&1 | tail -30 ;;
     tp)      # two GPUs: TP2 against TP1 of a Qwen3-MoE-shaped checkpoint (NCCL check, then serving at 1 and 32 streams)
              timeout 540 python3 scripts/bench_tp.py --make medium --weights /tmp/moe-medium --streams 1 32 \

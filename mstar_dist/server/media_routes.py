@@ -38,7 +38,8 @@ DEFAULT_SAMPLE_RATE = 24000
 it from, and with no samples it changes nothing audible (24 kHz is OpenAI's PCM rate)."""
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 SPEECH_FIELDS = {"voice": "voice"}
-IMAGE_FIELDS = {"width": "size", "height": "size", "steps": "steps", "guidance_scale": "guidance_scale"}
+IMAGE_FIELDS = {"width": "size", "height": "size", "steps": "steps", "guidance_scale": "guidance_scale",
+                "negative_prompt": "negative_prompt"}
 """The family's knobs -> the request fields they come from (a family's 400 about a knob names the field)."""
 
 

@@ -279,6 +279,13 @@ def test_images_n2_gives_two_pngs_with_their_own_seeds(client, fake):
     assert all(p.prompt == "a red square" for p in fake.calls)
 
 
+def test_images_negative_prompt_reaches_the_family_as_a_knob(client, fake):
+    fake.__init__(output_modality="image")
+    resp = client.post(IMAGES, json={**DRAW, "negative_prompt": "blurry"})
+    assert resp.status_code == 200, resp.text
+    assert [p.model_kwargs for p in fake.calls] == [{"negative_prompt": "blurry"}]
+
+
 def test_images_without_seed_or_size_leave_them_to_the_family(client, fake):
     fake.__init__(output_modality="image")
     data = client.post(IMAGES, json={"prompt": "x", "n": 3, "size": "auto"}).json()

@@ -50,9 +50,9 @@ def test_mark_prepared_marks_an_unmarked_default_and_keeps_a_marker(tmp_path: Pa
 
 
 def test_every_checkpoint_maker_writes_the_marker(tmp_path: Path) -> None:
-    from models.image.checkpoint import write_image_checkpoint
     from models.moe.checkpoint import make_moe_checkpoint
     from models.qwen3_omni.checkpoint import make_qwen3omni_checkpoint
+    from models.qwen_image.checkpoint import make_qwen_image_checkpoint
     from models.speech.checkpoint import write_speech_family
 
     made = {
@@ -61,7 +61,7 @@ def test_every_checkpoint_maker_writes_the_marker(tmp_path: Path) -> None:
                                            tmp_path / "moe")[1],
         "scripts/make_qwen3omni_checkpoint.py": (make_qwen3omni_checkpoint(tmp_path / "omni", seed=3),
                                                  tmp_path / "omni")[1],
-        "scripts/make_image_checkpoint.py": write_image_checkpoint(tmp_path / "image", seed=3),
+        "scripts/make_qwen_image_checkpoint.py": make_qwen_image_checkpoint(tmp_path / "image", seed=3),
     }
     for script, directory in made.items():
         assert read_marker(directory) == {"weights": RANDOM, "seed": 3, "made_by": script}, script

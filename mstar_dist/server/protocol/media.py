@@ -75,7 +75,8 @@ class SpeechRequest(SamplingKnobs):
 
 
 class ImageGenerationRequest(Body):
-    """``POST /v1/images/generations``: OpenAI's fields plus ``seed``, ``steps`` and ``guidance_scale``.
+    """``POST /v1/images/generations``: OpenAI's fields plus ``negative_prompt``, ``seed``, ``steps`` and
+    ``guidance_scale``.
 
     ``size`` "WIDTHxHEIGHT" becomes the family's ``width`` / ``height`` knobs ("auto" or left out: the family's
     default); the family checks which sizes, step counts and guidance scales it supports (a 400 naming the field).
@@ -95,6 +96,8 @@ class ImageGenerationRequest(Body):
 
     model: str | None = None
     prompt: str = Field(min_length=1)
+    negative_prompt: str | None = Field(None, description="what the picture should not show (classifier-free "
+                                                          "guidance's unconditional branch)")
     n: int = Field(1, ge=1, le=4, description="images to generate, 1 to 4")
     size: str | None = None
     response_format: str = "b64_json"
@@ -132,7 +135,8 @@ class ImageGenerationRequest(Body):
         return value
 
     def family_knobs(self) -> dict[str, Any]:
-        """``width``, ``height``, ``steps``, ``guidance_scale`` as far as the request gives them."""
+        """``width``, ``height``, ``steps``, ``guidance_scale``, ``negative_prompt`` as far as the request gives
+        them."""
         knobs: dict[str, Any] = {}
         match = SIZE_PATTERN.match(self.size or "")
         if match:
@@ -141,6 +145,8 @@ class ImageGenerationRequest(Body):
             knobs["steps"] = self.steps
         if self.guidance_scale is not None:
             knobs["guidance_scale"] = self.guidance_scale
+        if self.negative_prompt is not None:
+            knobs["negative_prompt"] = self.negative_prompt
         return knobs
 
 
