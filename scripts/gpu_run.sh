@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU runs on the device machine (torch + NCCL preinstalled, no network). Usage, from the repo root there:
-#   bash scripts/gpu_run.sh STEP...   STEP: tests | gpu | engine | tpstop | serving | pd | split | edges | kernels |
-#                                           trace | composite | speech | speech1 | image | tp |
+#   bash scripts/gpu_run.sh STEP...   STEP: tests | gpu | engine | tpstop | serving | chat | pd | split | edges |
+#                                           kernels | trace | composite | speech | speech1 | image | tp |
 #                                           moe30b | soak | ab SETTING
 # Needs, carried from the dev machine (bash scripts/gpu_prepare.sh makes both): .whl/ (wheels the GPU image lacks:
 # fastapi, starlette, pydantic(-core), annotated-types, typing-inspection, opentelemetry-api, uvicorn, httptools,
@@ -105,6 +105,15 @@ while [ $# -gt 0 ]; do
              timeout 500 python3 scripts/bench_serving.py --device cuda --model llama --rounds "${ROUNDS:-3}" --max-tokens 256 \
                --no-eager-bare $hf --streams 1 8 32 64 --config /tmp/smollm2_single_intakes.yaml:1 \
                --out "$out/serving_h200_single.json" 2>&1 | grep -A20 '"median_tok_s"' | head -60 ;;
+    chat)    # both streaming routes on the single rank with ${INTAKES:-4} intakes, side by side at 1, 8, 32 and 64
+             # streams: /generate and /v1/chat/completions (ignore_eos: 256 tokens each), 256 tokens, ${ROUNDS:-3}
+             # rounds, ${REQUESTS_PER_STREAM:-8} requests per stream, against the CUDA-graph bare loop's decode steps
+             intakes_config "${INTAKES:-4}"
+             timeout 540 python3 scripts/bench_serving.py --device cuda --model llama --rounds "${ROUNDS:-3}" \
+               --max-tokens 256 --no-hf --no-eager-bare --route generate chat --streams 1 8 32 64 \
+               --requests-per-stream "$(( ${REQUESTS_PER_STREAM:-8} < 8 ? 8 : ${REQUESTS_PER_STREAM:-8} ))" \
+               --config /tmp/smollm2_single_intakes.yaml:1 --out "$out/serving_h200_routes${NAME:+_$NAME}.json" 2>&1 \
+               | grep -A30 '"median_tok_s"' | head -80 ;;
     pd)      # two GPUs: the single rank and P/D (prefill on GPU 0, decode on GPU 1) side by side, 1 to 64 streams
              timeout 300 python3 scripts/bench_serving.py --device cuda --model llama --rounds "${ROUNDS:-1}" \
                --max-tokens 256 --no-hf --no-eager-bare --streams 1 8 32 64 --config launch/configs/smollm2_single.yaml:1 \
