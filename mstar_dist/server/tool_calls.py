@@ -266,6 +266,8 @@ class ToolCallParser:
     """Characters of the current call's arguments handed on."""
     _scanner_call: bool = False
     """Whether the object being scanned has begun a call (its name is known)."""
+    _lead: str = ""
+    """The whitespace between the current call's tag and its object (content again if it is no call)."""
 
     def feed(self, text: str) -> list[Piece]:
         self._buf += text
@@ -281,7 +283,7 @@ class ToolCallParser:
         content."""
         out: list[Piece] = []
         if self._state == "call" and self._scanner is not None and self._current() is None:
-            out.append(self._call_text(self._scanner.raw))
+            out.append(self._call_text(self._scanner.raw + self._buf))
         elif self._state in ("content", "after_content", "plain", "start") and self._buf:
             out.append(self._buf)
         self._buf = ""
@@ -292,7 +294,7 @@ class ToolCallParser:
         return self.calls[-1] if self._scanner is not None and self._scanner_call else None
 
     def _call_text(self, raw: str) -> str:
-        return ("<tool_call>" if self.parser == "hermes" else "") + raw
+        return ("<tool_call>" if self.parser == "hermes" else "") + self._lead + raw
 
     def _advance(self, out: list[Piece]) -> bool:
         """One move of the state machine over ``_buf``; False when it must wait for more text."""
@@ -338,25 +340,26 @@ class ToolCallParser:
         if not stripped:
             return False
         if stripped[0] == "{":
-            self._buf = stripped
+            self._lead, self._buf = self._buf[:len(self._buf) - len(stripped)], stripped
             self._begin_call()
         else:
             self._state = "plain"
         return True
 
     def _begin_call(self) -> None:
-        self._state, self._scanner, self._sent, self._scanner_call = "call", CallScanner(), 0, False
+        self._state, self._scanner, self._sent, self._scanner_call, self._lead = "call", CallScanner(), 0, False, ""
 
     def _in_call(self, out: list[Piece]) -> bool:
         scanner = self._scanner
         if not scanner.raw:
-            self._buf = self._buf.lstrip()
-            if not self._buf:
+            stripped = self._buf.lstrip()
+            if not stripped:
                 return False
-            if self._buf[0] != "{":  # not a call after all: its text is content
+            if stripped[0] != "{":  # not a call after all: its text is content
                 self._state = "plain" if self.parser == "llama3_json" else "content"
                 out.append(self._call_text(""))
                 return True
+            self._lead, self._buf = self._buf[:len(self._buf) - len(stripped)], stripped
         taken = scanner.feed(self._buf)
         self._buf = self._buf[taken:]
         if scanner.name is not None and not self._scanner_call:

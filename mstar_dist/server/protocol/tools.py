@@ -108,6 +108,14 @@ class ToolFields(Body):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
 
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _check_choice(cls, value: Any) -> Any:
+        if isinstance(value, str) and value not in TOOL_CHOICES:
+            raise ValueError(f"{value!r:.40} is not a tool_choice: use none, auto, required or "
+                             '{"type": "function", "function": {"name": ...}}')
+        return value
+
     @model_validator(mode="after")
     def _check_tool_choice(self) -> ToolFields:
         names = [tool.function.name for tool in self.tools or ()]
