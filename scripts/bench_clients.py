@@ -4,7 +4,8 @@ fixed output length, each request checked: how many failed, and whether every an
 (both clients hold the length with vLLM's ``ignore_eos``; guidellm reads it from the running usage, aiperf from the
 final usage with ``--use-server-token-count``).
 
-    python scripts/bench_clients.py [--config launch/configs/smollm2_pd.yaml:2] [--aiperf PATH] [--out FILE]
+    python scripts/bench_clients.py [--config launch/configs/smollm2_pd.yaml:2] [--aiperf PATH] [--clients LIST]
+        [--out FILE]
 
 aiperf pins its own transformers, so it lives in a venv of its own (``--aiperf``: its executable; "" skips it);
 guidellm is the test extra's. Prints one JSON object: per run the command, requests served / failed / incomplete,
@@ -69,7 +70,8 @@ def aiperf(exe: str, base_url: str, route: str, concurrency: int, requests: int,
            "--output-tokens-mean", str(output_tokens), "--output-tokens-stddev", "0",
            "--extra-inputs", "ignore_eos:true", "--use-server-token-count", "--ui-type", "none",
            "--output-artifact-dir", str(art)]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=work, env={**os.environ, **OFFLINE})
+    # not OFFLINE: aiperf's offline mode looks a tokenizer up in the hub's cache only, never at a local path
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=work)
     records = [json.loads(line) for path in art.rglob("*.jsonl") if "export" in path.name
                for line in path.read_text().splitlines() if line.strip()]
     lengths, errors = [], 0
@@ -88,7 +90,7 @@ def aiperf(exe: str, base_url: str, route: str, concurrency: int, requests: int,
         "output_tokens": sorted({x for x in lengths if x is not None}),
         "exact_lengths": bool(lengths) and all(x == output_tokens for x in lengths),
         "output_tok_s": round(tok_s.get("avg", 0.0), 2) if isinstance(tok_s, dict) else tok_s,
-        **({"stderr": run.stderr[-2000:]} if run.returncode != 0 else {}),
+        **({"output": (run.stdout + run.stderr)[-2000:]} if run.returncode != 0 else {}),
     }
 
 
@@ -99,6 +101,7 @@ def main() -> None:
     p.add_argument("--aiperf", default="/work/venvs/aiperf/bin/aiperf", help='aiperf\'s executable ("": skip it)')
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--output-tokens", type=int, default=32)
+    p.add_argument("--clients", default="guidellm,aiperf", help="which clients to run (comma-separated)")
     p.add_argument("--out", default=None, help="also write the JSON here")
     args = p.parse_args()
     path, nproc = args.config.rsplit(":", 1)
@@ -110,12 +113,13 @@ def main() -> None:
     try:
         with tempfile.TemporaryDirectory() as tmp:
             work = Path(tmp)
+            clients = args.clients.split(",")
             for route in ROUTES:
-                for streams, requests in ((1, 4), (8, 16)):
+                for streams, requests in ((1, 4), (8, 16)) if "guidellm" in clients else ():
                     result["guidellm"][f"{route}@{streams}"] = guidellm(
                         server.base_url, route, streams, requests, args.prompt_tokens, args.output_tokens, work)
                     print(route, streams, json.dumps(result["guidellm"][f"{route}@{streams}"]), flush=True)
-                if args.aiperf:
+                if args.aiperf and "aiperf" in clients:
                     result["aiperf"][f"{route}@4"] = aiperf(args.aiperf, server.base_url, route, 4, 16,
                                                             args.prompt_tokens, args.output_tokens, work)
                     print(route, "aiperf", json.dumps(result["aiperf"][f"{route}@4"]), flush=True)
