@@ -92,9 +92,10 @@ class GenerationParams:
     """Pinned by the client (native ``request_id``, ``X-Request-Id``) or generated; unique per request."""
     prompt: str | None
     """Raw prompt text; exactly one of ``prompt`` / ``messages`` is set."""
-    messages: list[dict[str, str]] | None
-    """Chat messages normalised to ``{"role": str, "content": str}`` (text parts joined); the backend applies
-    the model's chat template."""
+    messages: list[dict[str, Any]] | None
+    """Chat messages normalised to ``{"role": str, "content": str}`` (text parts joined), with an assistant turn's
+    ``tool_calls`` (arguments as objects) and a tool message's ``tool_call_id``; the backend applies the model's chat
+    template."""
     max_tokens: int
     """Upper bound on generated tokens, 1 <= max_tokens <= backend.max_tokens_limit."""
     temperature: float = 1.0
@@ -169,6 +170,9 @@ class GenerationParams:
     """The sampling knobs the client wrote, whatever their values (names as above): a knob it left out takes the
     model family's default where the family has one (``RequestState.sampling_defaults``, e.g. a speech model's
     temperature). None (a caller that does not say): a knob at its neutral value takes the family's default."""
+    tools: list[dict[str, Any]] | None = None
+    """The functions the model may call (OpenAI's ``tools`` entries, JSON values), given to its chat template as
+    ``tools``; the HTTP server parses the calls out of the text."""
 
 
 class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):

@@ -6,7 +6,9 @@ JSON-schema grammar against every row unconstrained, rounds alternated (medians 
 Both modes draw (temperature 1, one seed a row) from the same prompts on the same engine (SmolLM2 by default, CPU);
 the guided rows' grammar is a JSON object whose one string field is long enough that no row ends during a round, so
 every step computes every row's mask (engine/grammar.py) and applies it on the device. Prints one JSON object:
-per-step milliseconds of each mode (median over rounds of each round's median step) and their ratio.
+per-step milliseconds of each mode (median over rounds of each round's median step) and their ratio, in wall time
+and in this process's CPU time (all its threads, llguidance's included): on a shared machine whose other load
+swings, the CPU time is the figure that compares.
 """
 
 from __future__ import annotations
@@ -47,8 +49,9 @@ def _call(rid: str, inputs: dict, params: SamplingParams, iteration: int, state:
     return NodeCall(run=_Run(rid, ctx), node="LLM", inputs=inputs, iteration=iteration)
 
 
-def round_ms(engine, tokenizer, batch: int, steps: int, guided: bool, tag: str) -> float:
-    """One round: prefill ``batch`` prompts, then ``steps`` decode steps of all rows; the median step in ms."""
+def round_ms(engine, tokenizer, batch: int, steps: int, guided: bool, tag: str) -> tuple[float, float]:
+    """One round: prefill ``batch`` prompts, then ``steps`` decode steps of all rows; the median step in ms, wall and
+    CPU."""
     spec = GuidedSpec("json_schema", json.dumps(SCHEMA)) if guided else None
     params = [SamplingParams(temperature=1.0, seed=i, guided=spec) for i in range(batch)]
     ids = [f"{tag}{i}" for i in range(batch)]
@@ -56,17 +59,18 @@ def round_ms(engine, tokenizer, batch: int, steps: int, guided: bool, tag: str) 
     states = [{} for _ in range(batch)]
     results = engine.run_batch([_call(r, {"input_ids": p}, q, 0, s)
                                 for r, p, q, s in zip(ids, prompts, params, states)])
-    times = []
+    times, cpu = [], []
     for step in range(steps):
         calls = [_call(r, {"token": res.outputs["token"]}, q, step, s)
                  for r, res, q, s in zip(ids, results, params, states)]
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         results = engine.run_batch(calls)
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
         assert all(hasattr(res, "outputs") for res in results), results
     for rid in ids:
         engine.release(rid)
-    return statistics.median(times) * 1000
+    return statistics.median(times) * 1000, statistics.median(cpu) * 1000
 
 
 def main() -> None:
@@ -88,14 +92,19 @@ def main() -> None:
     with torch.inference_mode():
         round_ms(engine, family.tokenizer, args.batch, 4, True, "warm")  # the grammar tokenizer is built here
         ms: dict[str, list[float]] = {"unconstrained": [], "guided": []}
+        cpu: dict[str, list[float]] = {"unconstrained": [], "guided": []}
         for r in range(args.rounds):
             for mode in ("unconstrained", "guided") if r % 2 == 0 else ("guided", "unconstrained"):
-                ms[mode].append(round_ms(engine, family.tokenizer, args.batch, args.steps, mode == "guided",
-                                         f"{mode}{r}-"))
+                wall, used = round_ms(engine, family.tokenizer, args.batch, args.steps, mode == "guided",
+                                      f"{mode}{r}-")
+                ms[mode].append(wall)
+                cpu[mode].append(used)
     out = {"batch": args.batch, "steps": args.steps, "rounds": args.rounds, "threads": args.threads,
            **{f"{mode}_step_ms": statistics.median(v) for mode, v in ms.items()},
-           "rounds_ms": ms}
+           **{f"{mode}_step_cpu_ms": statistics.median(v) for mode, v in cpu.items()},
+           "rounds_ms": ms, "rounds_cpu_ms": cpu}
     out["guided_over_unconstrained"] = out["guided_step_ms"] / out["unconstrained_step_ms"]
+    out["guided_over_unconstrained_cpu"] = out["guided_step_cpu_ms"] / out["unconstrained_step_cpu_ms"]
     text = json.dumps(out, indent=2)
     print(text)
     if args.out:

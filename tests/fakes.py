@@ -136,7 +136,8 @@ class FakeTokenizer:
 
     vocab_size = 0xD800
 
-    def encode_prompt(self, prompt: str | None, messages: list[dict[str, str]] | None) -> list[int]:
+    def encode_prompt(self, prompt: str | None, messages: list[dict[str, str]] | None,
+                      tools: list[dict] | None = None) -> list[int]:
         text = prompt if messages is None else "".join(f"{m['role']}: {m['content']}\n" for m in messages) + \
             "assistant: "
         return [ord(c) if ord(c) < self.vocab_size else 0 for c in text]

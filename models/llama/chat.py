@@ -152,7 +152,7 @@ class LlamaChat(CompositeModel):
     def preprocess(self, state: RequestState, prompt: str | None, messages: list[dict] | None) -> None:
         ids = state.data.pop("prompt_ids", None)  # encoded by an HTTP intake (prompt_encoder)
         if ids is None:
-            ids = self.tokenizer.encode_prompt(prompt, messages)
+            ids = self.tokenizer.encode_prompt(prompt, messages, tools=state.params.tools if state.params else None)
         if not ids:
             raise ValueError("the prompt is empty after tokenization: send some text")
         if len(ids) + state.max_tokens > self._context and not state.max_tokens_given and len(ids) < self._context:

@@ -52,6 +52,8 @@ class ChatTokenizer:
         template = cfg.get("chat_template")
         if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        self.chat_template: str | None = template
+        """The chat template's source (the HTTP server reads which tool-call format it teaches)."""
         self._template = compile_chat_template(template) if template is not None else None
         self.eos_token_ids = self._eos_ids(d)
         """Ids that end generation: generation_config.json's eos_token_id plus the tokenizer's eos_token."""
@@ -76,9 +78,11 @@ class ChatTokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """Render `messages` ([{"role": ..., "content": ...}]) with the model's chat template, as HF's
-        `apply_chat_template(messages, tokenize=False)` does (models/llama/chat_template.py)."""
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
+        """Render `messages` ([{"role": ..., "content": ...}], with an assistant turn's ``tool_calls`` and a tool
+        message's ``tool_call_id``) and `tools` with the model's chat template, as HF's
+        `apply_chat_template(messages, tools=tools, tokenize=False)` does (models/llama/chat_template.py)."""
         if self._template is None:
             raise ValueError("this tokenizer has no chat_template in tokenizer_config.json")
         for i, m in enumerate(messages):
@@ -86,9 +90,10 @@ class ChatTokenizer:
                     or not isinstance(m.get("content"), str):
                 raise ValueError(f"messages[{i}] must be {{'role': str, 'content': str}}, got {m!r}")
         return render_chat_template(self._template, messages, add_generation_prompt=add_generation_prompt,
-                                    special_tokens=self.special_tokens)
+                                    special_tokens=self.special_tokens, tools=tools or None)
 
-    def encode_prompt(self, prompt: str | None, messages: list[dict[str, str]] | None) -> list[int]:
+    def encode_prompt(self, prompt: str | None, messages: list[dict[str, Any]] | None,
+                      tools: list[dict[str, Any]] | None = None) -> list[int]:
         """The ids of a request's prompt: ``messages`` through the chat template, else the raw ``prompt``. What
         ``LlamaChat.preprocess`` uses, and what an HTTP intake process runs in its place (``prompt_encoder``).
 
@@ -96,10 +101,10 @@ class ChatTokenizer:
         remembered: the parts of a prompt that the template writes on every request (SmolLM2's default system
         prompt, its role headers) then cost a lookup, not the pre-tokenizer's regular expressions (a short chat's
         encoding is dominated by them, and an intake takes a burst's requests one after another,
-        docs/architecture.md §2). The tokenizer cuts at added tokens first too,
-        so the ids are the whole text's; where its added tokens would take in the whitespace around them, or a
-        normalizer runs first, the text is encoded whole."""
-        text = self.apply_chat_template(messages) if messages is not None else prompt
+        docs/architecture.md §2). The tokenizer cuts at added tokens first too, so the ids are the whole text's;
+        where its added tokens would take in the whitespace around them, or a normalizer runs first, the text is
+        encoded whole. ``tools``: the functions the chat template shows the model."""
+        text = self.apply_chat_template(messages, tools=tools) if messages is not None else prompt
         if self._added is None or not isinstance(text, str):
             return self.encode(text)
         splitter, added_ids = self._added

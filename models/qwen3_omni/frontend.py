@@ -220,12 +220,14 @@ class Frontend:
         self.talker_defaults = {k: given.get(k, v) for k, v in TALKER_DEFAULTS.items()}
 
     def prompt(self, prompt: str | None, messages: list[dict] | None, media: list[MediaItem],
-               limits: MediaLimits | None, ids: list[int] | None = None) -> OmniPrompt:
-        """The request's prompt (``ids``: its tokens as an intake encoded them, for a prompt without media)."""
+               limits: MediaLimits | None, ids: list[int] | None = None,
+               tools: list[dict] | None = None) -> OmniPrompt:
+        """The request's prompt (``ids``: its tokens as an intake encoded them, for a prompt without media;
+        ``tools``: the functions the chat template shows the model)."""
         if media and messages is None:
             raise ValueError("images and audio go in messages (content parts), not with a raw prompt")
         if not media:
-            ids = ids if ids is not None else self.tokenizer.encode_prompt(prompt, messages)
+            ids = ids if ids is not None else self.tokenizer.encode_prompt(prompt, messages, tools=tools)
             if not ids:
                 raise ValueError("the prompt is empty after tokenization: send some text")
             return OmniPrompt(ids=list(ids), images=None, audio=None, order=[], positions=None, delta=0)
@@ -234,7 +236,7 @@ class Frontend:
         media = in_prompt_order(media)
         decoded = decode_media(media, limits, self.preprocessor)
         text = render_chat_template(self.template, chat_with_media(messages, media), add_generation_prompt=True,
-                                    special_tokens=self.tokenizer.special_tokens)
+                                    special_tokens=self.tokenizer.special_tokens, tools=tools or None)
         t = self.config.tokens
         prepared = proc.prepare_prompt(
             self.tokenizer.encode(text), config=self.preprocessor, image_token_id=t.image, audio_token_id=t.audio,

@@ -40,7 +40,8 @@ def plan_request(fe: Frontend, state: RequestState, prompt: str | None, messages
         ids = ids if ids is not None else fe.tokenizer.encode_prompt(prompt, None)
         if not _opens_assistant_turn(ids, fe.config.tokens.im_start, fe.config.tokens.assistant):
             messages, prompt, ids = [{"role": "user", "content": prompt}], None, None
-    p = fe.prompt(prompt, messages, state.media, state.media_limits, ids)
+    p = fe.prompt(prompt, messages, state.media, state.media_limits, ids,
+                  tools=state.params.tools if state.params is not None else None)
     _fit_context(state, len(p.ids), context)
     state.prompt_tokens = len(p.ids)
     inputs, decode_inputs = thinker_inputs(p)

@@ -36,6 +36,8 @@ from mstar_dist.transport import registry
 
 MOONCAKE_PROTOCOLS = ("tcp", "rdma")
 """Values of ``transport.mooncake_protocol``."""
+TOOL_CALL_PARSER_SETTINGS = ("auto", "none", "hermes", "llama3_json")
+"""Values of ``server.tool_call_parser`` (the formats are server/tool_calls.py's)."""
 
 
 @dataclass(frozen=True)
@@ -177,9 +179,14 @@ class ServerConfig:
     """Processes that parse HTTP and frame responses, 1..64. 1: the front end's own HTTP thread does it; N > 1:
     N intake processes, each given its share of the port's connections by the front end, talk to the conductor over
     its control socket (docs/architecture.md §2, "Intake processes"), so a burst of arrivals is parsed in parallel."""
+    tool_call_parser: str = "auto"
+    """The format the model writes tool calls in, as vLLM's ``--tool-call-parser`` names it: ``hermes``
+    (``<tool_call>{...}</tool_call>``: Qwen, Hermes), ``llama3_json`` (Llama 3.1+), ``auto`` (the one the chat
+    template teaches; none found: tools are refused) or ``none`` (tools are refused). See server/tool_calls.py."""
 
     def __post_init__(self) -> None:
         read_str(self.host, "host")
+        read_choice(self.tool_call_parser, "tool_call_parser", TOOL_CALL_PARSER_SETTINGS)
         read_int(self.port, "port", minimum=1, maximum=65535)
         read_int(self.max_body_bytes, "max_body_bytes", minimum=1)
         read_int(self.http_processes, "http_processes", minimum=1, maximum=64)

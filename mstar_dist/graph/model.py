@@ -190,9 +190,9 @@ class CompositeModel(ABC):
     def prompt_encoder(self) -> tuple[str, dict[str, Any]] | None:
         """How an HTTP intake process (docs/architecture.md §2) may turn a request's prompt into token ids itself, so
         that the one conductor thread does not: ``("package.module:Factory", kwargs)``, where the module imports no
-        torch and ``Factory(**kwargs).encode_prompt(prompt, messages)`` gives exactly the ids ``preprocess`` would
-        compute. ``preprocess`` then finds them in ``state.data["prompt_ids"]``. None (the default): the conductor
-        tokenizes."""
+        torch and ``Factory(**kwargs).encode_prompt(prompt, messages, tools=tools)`` gives exactly the ids
+        ``preprocess`` would compute (``tools``: ``GenerationParams.tools``). ``preprocess`` then finds them in
+        ``state.data["prompt_ids"]``. None (the default): the conductor tokenizes."""
         return None
 
     @property

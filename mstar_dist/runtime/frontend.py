@@ -199,7 +199,8 @@ def start_http(dep: Deployment, conductor: Conductor, *, api_key: str | None, so
     """Bind HTTP only now that every rank serves (docs/architecture.md §2 step 6)."""
     cfg = dep.config
     backend = ConductorBackend(conductor, tokenizer=load_prompt_encoder(dep.model.prompt_encoder()), **served(dep))
-    http = HttpServer(build_app(backend, api_key=api_key, max_body_bytes=cfg.server.max_body_bytes, media=cfg.media))
+    http = HttpServer(build_app(backend, api_key=api_key, max_body_bytes=cfg.server.max_body_bytes, media=cfg.media,
+                                tool_call_parser=cfg.server.tool_call_parser))
     http.start(cfg.server.host, cfg.server.port, timeout_s=30, sock=sock)
     announce(f"mstar_dist: serving {cfg.model} on http://{cfg.server.host}:{cfg.server.port}")
     return http
@@ -214,6 +215,7 @@ def start_intakes(dep: Deployment, intakes: list[IntakeProcess], sock: socket.so
     for intake in intakes:
         intake.write({"token": dep.token, "conductor": conductor_endpoint, "host": server.host, "port": port,
                       "api_key": api_key, "max_body_bytes": server.max_body_bytes, "media": dep.config.media.to_dict(),
+                      "tool_call_parser": server.tool_call_parser,
                       "prompt_encoder": dep.model.prompt_encoder(), **served(dep)})
     for intake in intakes:
         intake.read(INTAKE_WAIT_S, "that it listens on the port")

@@ -112,7 +112,7 @@ class Intake:
         stats = HttpStats()
         backend = self.link_up(handover, stats)
         app = build_app(backend, api_key=handover["api_key"], max_body_bytes=handover["max_body_bytes"], stats=stats,
-                        media=MediaConfig(**handover["media"]))
+                        media=MediaConfig(**handover["media"]), tool_call_parser=handover["tool_call_parser"])
         if backend.output_modality == "text":
             warm_up(app, backend, handover["api_key"])
             stats.reset()

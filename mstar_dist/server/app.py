@@ -42,6 +42,8 @@ from mstar_dist.server.protocol import (
 )
 from mstar_dist.server.relay import ClientGone
 from mstar_dist.server.tokenize import add_tokenize_routes
+from mstar_dist.server.tokenizer import chat_template_of
+from mstar_dist.server.tool_calls import resolve_parser
 
 __all__ = ["build_app", "HttpServer", "NDJSON_MEDIA_TYPE", "SSE_MEDIA_TYPE"]
 
@@ -59,14 +61,15 @@ BODIES = [GenerateRequest, ChatCompletionRequest, CompletionRequest, SpeechReque
 
 def build_app(backend: GenerationBackend, *, api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, stats: HttpStats | None = None,
-              media: MediaConfig | None = None) -> FastAPI:
+              media: MediaConfig | None = None, tool_call_parser: str = "auto") -> FastAPI:
     """The FastAPI app serving ``backend``. Runs on the loop of the server that hosts it (``HttpServer``).
 
     ``api_key``: when set, every route but ``/health`` needs ``Authorization: Bearer <api_key>`` (401 without).
     ``max_body_bytes``: larger request bodies get a 413. ``stats``: where the app counts its HTTP requests (a new
     ``HttpStats`` by default; an intake process shares its own with its backend, which reports them). ``media``:
     the deployment's ``media:`` section (limits on images and audio in requests, hosts of image URLs; its defaults
-    when None)."""
+    when None). ``tool_call_parser``: ``server.tool_call_parser`` (the format tool calls are parsed in, "auto": the
+    one the chat template teaches; ValueError naming the key for an unknown one)."""
     app = FastAPI(title="mstar_dist", version="0.1.0")
     stats = stats if stats is not None else HttpStats()
     media = media if media is not None else MediaConfig()
@@ -76,7 +79,8 @@ def build_app(backend: GenerationBackend, *, api_key: str | None = None,
     app.add_middleware(StatsMiddleware, stats=stats)  # added last: outermost, so it counts 401s and 413s too
     _add_error_handlers(app)
     _add_ops_routes(app, backend, stats)
-    add_chat_route(app, backend, stats, media)
+    tools = resolve_parser(tool_call_parser, chat_template_of(backend))
+    add_chat_route(app, backend, stats, media, tools)
     add_completions_route(app, backend, stats)
     add_generate_route(app, backend, stats, media, max_body_bytes)
     add_tokenize_routes(app, backend)

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 
 from mstar_dist import trace
 from mstar_dist.config.deployment import MediaConfig
+from mstar_dist.events import GuidedSpec
 from mstar_dist.server.backend import Finished, GenerationBackend, GenerationParams, MediaDelta, TextDelta
 from mstar_dist.server.checks import (
     REQUEST_ID_HEADER, ApiError, check_modality, check_model, check_outputs, error_body, family_field,
@@ -37,14 +38,18 @@ from mstar_dist.server.relay import (
     ClosingStreamingResponse, Outcome, collect, events, finish_reasons, start_stream, until_disconnect,
 )
 from mstar_dist.server.tokenizer import chat_logprobs, encode, tokenizer_of
+from mstar_dist.server.tool_calls import ToolCallParser, forced_grammar, parse_whole
 
 
 AUDIO_FIELDS = {"voice": "audio.voice"}
 """The family's knobs -> the chat fields they come from (its 400 about a voice names ``audio.voice``)."""
 
 
-def add_chat_route(app: FastAPI, backend: GenerationBackend, stats: HttpStats, media: MediaConfig) -> None:
-    """Registers ``/v1/chat/completions`` on ``app`` (runs on the HTTP server's loop, like the app)."""
+def add_chat_route(app: FastAPI, backend: GenerationBackend, stats: HttpStats, media: MediaConfig,
+                   tool_parser: str | None = None) -> None:
+    """Registers ``/v1/chat/completions`` on ``app`` (runs on the HTTP server's loop, like the app). ``tool_parser``:
+    the format the model writes tool calls in (``server/tool_calls.py``); None: requests that let it call tools are
+    a 400."""
 
     @app.post("/v1/chat/completions", openapi_extra=body_doc(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
@@ -53,8 +58,9 @@ def add_chat_route(app: FastAPI, backend: GenerationBackend, stats: HttpStats, m
         req = await parse_body(request, ChatCompletionRequest, served_context(backend))
         check_model(req.model, backend)
         request_id = header_request_id(request) or uuid.uuid4().hex
-        params = await chat_params(req, request_id, backend, media)
-        reply = ChatReply(f"chatcmpl-{request_id}", int(time.time()), backend.model_name, req.n, req.logprobs)
+        params = await chat_params(req, request_id, backend, media, tool_parser)
+        reply = ChatReply(f"chatcmpl-{request_id}", int(time.time()), backend.model_name, req.n, req.logprobs,
+                          tool_parser if req.tool_mode() != "none" else None)
         audio_id = f"audio-{request_id}" if req.wants_audio() else None
         headers = {REQUEST_ID_HEADER: request_id}
         if trace.ON:
@@ -79,9 +85,10 @@ def add_chat_route(app: FastAPI, backend: GenerationBackend, stats: HttpStats, m
 
 
 async def chat_params(req: ChatCompletionRequest, request_id: str, backend: GenerationBackend,
-                      media: MediaConfig) -> GenerationParams:
+                      media: MediaConfig, tool_parser: str | None = None) -> GenerationParams:
     """The chat request as the backend takes it: its media fetched and checked, the voice as the family's knob, the
-    prompt encoded here when its length is needed before the answer (``continuous_usage_stats``)."""
+    prompt encoded here when its length is needed before the answer (``continuous_usage_stats``), the tools for the
+    chat template and, when a call is forced, its grammar."""
     if req.wants_audio():
         check_outputs(backend, ["audio"], "modalities")
     items = await gather_media(req.messages, backend, media)
@@ -90,17 +97,35 @@ async def chat_params(req: ChatCompletionRequest, request_id: str, backend: Gene
     messages = normalize_messages(req.messages)
     prompt_ids = None
     tok = tokenizer_of(backend)
+    tools = req.tool_values()
     if req.stream and req.stream_options and req.stream_options.continuous_usage_stats and tok and not items:
-        prompt_ids = encode(tok, None, messages, "messages")
+        prompt_ids = encode(tok, None, messages, "messages", tools)
+    sampling = req.generation_fields()
+    sampling["guided"] = tool_grammar(req, backend, tool_parser) or sampling["guided"]
     return GenerationParams(
         request_id=request_id, prompt=None, messages=messages,
         max_tokens=max_tokens(req.requested_max_tokens(), backend, param),
         max_tokens_given=req.requested_max_tokens() is not None, stream=req.stream,
         model_kwargs={"voice": voice} if voice is not None else {}, prompt_ids=prompt_ids,
         media=items, media_limits=media_limits(media) if items else None,
-        output_modalities=req.output_modalities(), logprobs=req.logprobs_k(), n=req.n,
-        **req.generation_fields(),
+        output_modalities=req.output_modalities(), logprobs=req.logprobs_k(), n=req.n, tools=tools, **sampling,
     )
+
+
+def tool_grammar(req: ChatCompletionRequest, backend: GenerationBackend, parser: str | None) -> GuidedSpec | None:
+    """The grammar of a forced call (``tool_choice`` "required" or a named function), or None; a 400 when the
+    request lets the model call tools and the served model has no tool-call format."""
+    mode = req.tool_mode()
+    if mode == "none":
+        return None
+    if parser is None:
+        raise ApiError(400, f"{backend.model_name!r} cannot call tools here: its chat template teaches no tool-call "
+                            "format this server parses (the deployment may name one: server.tool_call_parser "
+                            f"hermes or llama3_json); leave tools out or send tool_choice \"none\"", "tools")
+    if mode == "auto":
+        return None
+    return GuidedSpec("grammar", forced_grammar(parser, req.tool_values(), req.forced_function(),
+                                                req.parallel_tool_calls))
 
 
 @dataclass(frozen=True)
@@ -131,21 +156,28 @@ class ChatReply:
     n: int = 1
     logprobs: bool = False
     """Whether the request asked for log-probabilities (``choices[].logprobs``)."""
+    tool_parser: str | None = None
+    """The format tool calls are parsed from (``server/tool_calls.py``); None: the text is all content."""
 
     def body(self, outcome: Outcome, audio: ChatAudio | None = None) -> dict[str, Any]:
-        """The whole response; ``message.audio`` only when the request asked for audio."""
+        """The whole response; ``message.audio`` only when the request asked for audio, ``message.tool_calls`` only
+        when the model called tools."""
         f = outcome.finish
         reasons = finish_reasons(f, self.n)
         choices = []
         for i in range(self.n):
-            choice = outcome.choice(i)
-            message = AssistantMessage(content=choice.text, audio=audio if i == 0 else None)
-            choices.append(ChatChoice(index=i, message=message, finish_reason=reasons[i]))
+            text, calls = outcome.choice(i).text, []
+            if self.tool_parser is not None:
+                text, calls = parse_whole(self.tool_parser, text)
+            message = AssistantMessage(content=text if text or not calls else None, audio=audio if i == 0 else None,
+                                       tool_calls=[call.message() for call in calls] or None)
+            choices.append(ChatChoice(index=i, message=message, finish_reason=tools_finish(reasons[i], calls)))
         body = ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
                                       usage=Usage.of(f.prompt_tokens, f.completion_tokens)).model_dump()
         for i, choice in enumerate(body["choices"]):
-            if choice["message"]["audio"] is None:
-                del choice["message"]["audio"]
+            for key in ("audio", "tool_calls"):
+                if choice["message"][key] is None:
+                    del choice["message"][key]
             if self.logprobs:
                 choice["logprobs"] = chat_logprobs(outcome.choice(i).logprobs)
         return body
@@ -163,7 +195,7 @@ class ChatReply:
 
     async def sse(self, stream, first, *, usage: StreamUsage, audio_id: str | None = None) -> AsyncIterator[bytes]:
         """``data: {chunk}`` events, then ``data: [DONE]`` (see :meth:`plain_sse` and :meth:`rich_sse`)."""
-        if self.n == 1 and not self.logprobs and not usage.continuous:
+        if self.n == 1 and not self.logprobs and not usage.continuous and self.tool_parser is None:
             body = self.plain_sse(stream, first, include_usage=usage.include, audio_id=audio_id)
         else:
             body = self.rich_sse(stream, first, usage)
@@ -171,23 +203,30 @@ class ChatReply:
             yield out
 
     async def rich_sse(self, stream, first, usage: StreamUsage) -> AsyncIterator[bytes]:
-        """Events of ``n`` choices, with log-probabilities and running usage as asked: each choice's role, then the
-        content deltas as they come (each with its choice's index), then each choice's finish, [the usage]."""
+        """Events of ``n`` choices, with log-probabilities, running usage and tool calls as asked: each choice's
+        role, then the content (or ``tool_calls``) deltas as they come (each with its choice's index), then each
+        choice's finish, [the usage]."""
         tokens = 0
         out = b"".join(self.chunk([_choice(i, {"role": "assistant", "content": ""})], usage, tokens)
                        for i in range(self.n))
+        parsers = [ToolCallParser(self.tool_parser) for _ in range(self.n)] if self.tool_parser else None
         try:
             event = first
             while not isinstance(event, Finished):
                 if isinstance(event, TextDelta):
                     tokens += event.n_tokens
                     logprobs = chat_logprobs(event.logprobs or []) if self.logprobs else None
-                    out += self.chunk([_choice(event.index, {"content": event.text}, logprobs)], usage, tokens)
-                    yield out
+                    pieces = parsers[event.index].feed(event.text) if parsers else [event.text]
+                    out += self.pieces_chunks(event.index, pieces, usage, tokens, logprobs)
+                    if out:
+                        yield out
                     out = b""
                 event = await stream.__anext__()
             prompt = event.prompt_tokens
             for i, reason in enumerate(finish_reasons(event, self.n)):
+                if parsers:
+                    out += self.pieces_chunks(i, parsers[i].close(), usage, event.completion_tokens)
+                    reason = tools_finish(reason, parsers[i].calls)
                 out += self.chunk([_choice(i, {}, finish=reason)], usage, event.completion_tokens, prompt)
             if usage.include:
                 final = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
@@ -199,6 +238,20 @@ class ChatReply:
         finally:
             await stream.aclose()
         yield out + SSE_DONE
+
+    def pieces_chunks(self, index: int, pieces: list, usage: StreamUsage, tokens: int,
+                      logprobs: dict[str, Any] | None = None) -> bytes:
+        """The events of choice ``index``'s parsed pieces (content text, or ``CallDelta`` as ``delta.tool_calls``),
+        the delta's log-probabilities on the first (an empty content delta carries them when the parser held the
+        text back)."""
+        if not pieces and logprobs is not None:
+            pieces = [""]
+        out = b""
+        for piece in pieces:
+            delta = {"content": piece} if isinstance(piece, str) else {"tool_calls": [piece.chunk()]}
+            out += self.chunk([_choice(index, delta, logprobs)], usage, tokens)
+            logprobs = None
+        return out
 
     def _event(self, delta: dict[str, Any], include_usage: bool) -> bytes:
         """One event whose delta is ``delta`` as given (the audio shapes, which ``ChunkDelta`` does not model)."""
@@ -270,6 +323,11 @@ class ChatReply:
         finally:
             await stream.aclose()
         yield out + SSE_DONE
+
+
+def tools_finish(reason: str, calls: list) -> str:
+    """A choice's finish reason: "tool_calls" when it called tools and ended by itself."""
+    return "tool_calls" if calls and reason == "stop" else reason
 
 
 def _choice(index: int, delta: dict[str, Any], logprobs: dict[str, Any] | None = None,

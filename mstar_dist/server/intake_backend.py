@@ -289,6 +289,8 @@ class IntakeBackend:
         the encoding there). None when the encoder fails: the conductor tokenizes again and answers the client as it
         always does (a 400 naming what is wrong)."""
         try:
+            if params.tools:
+                return self.encoder.encode_prompt(params.prompt, params.messages, tools=params.tools)
             return self.encoder.encode_prompt(params.prompt, params.messages)
         except Exception:
             return None

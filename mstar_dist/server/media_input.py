@@ -84,7 +84,7 @@ async def gather_media(messages: list[ChatMessage] | None, backend: GenerationBa
 def _media_parts(messages: list[ChatMessage]) -> Iterator[tuple[int, int, str, str, ImagePart | AudioPart]]:
     """(message index, offset in its text, key path, kind, part) of every image and audio part."""
     for i, message in enumerate(messages):
-        if isinstance(message.content, str):
+        if not isinstance(message.content, list):
             continue
         offset = 0
         for j, part in enumerate(message.content):

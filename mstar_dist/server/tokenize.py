@@ -20,15 +20,17 @@ def add_tokenize_routes(app: FastAPI, backend: GenerationBackend) -> None:
 
     @app.post("/tokenize", openapi_extra=body_doc(TokenizeRequest))
     async def tokenize(request: Request) -> JSONResponse:
-        """``prompt`` (as written) or ``messages`` (through the chat template, as a chat completion encodes them) ->
+        """``prompt`` (as written) or ``messages`` (through the chat template with ``tools``, as a chat completion
+        encodes them) ->
         ``{count, max_model_len, tokens}``."""
         req = await parse_body(request, TokenizeRequest, served_context(backend))
         check_model(req.model, backend)
         tok = need_tokenizer(backend, "/tokenize")
         if req.messages is not None:
-            if any(not isinstance(m.content, str) and any(p.type != "text" for p in m.content) for m in req.messages):
+            if any(isinstance(m.content, list) and any(p.type != "text" for p in m.content) for m in req.messages):
                 raise ApiError(400, "/tokenize counts text only: leave image and audio parts out", "messages")
-            ids = encode(tok, None, normalize_messages(req.messages), "messages")
+            tools = [tool.template_value() for tool in req.tools] if req.tools else None
+            ids = encode(tok, None, normalize_messages(req.messages), "messages", tools)
         else:
             ids = encode(tok, req.prompt, None, "prompt")
         body = TokenizeResponse(count=len(ids), max_model_len=backend.max_context_tokens, tokens=ids)

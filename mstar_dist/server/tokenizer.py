@@ -23,7 +23,8 @@ class PromptTokenizer(Protocol):
     @property
     def vocab_size(self) -> int: ...
 
-    def encode_prompt(self, prompt: str | None, messages: list[dict[str, str]] | None) -> list[int]: ...
+    def encode_prompt(self, prompt: str | None, messages: list[dict[str, Any]] | None,
+                      tools: list[dict[str, Any]] | None = None) -> list[int]: ...
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
@@ -32,6 +33,12 @@ def tokenizer_of(backend: GenerationBackend) -> PromptTokenizer | None:
     """The backend's tokenizer, or None."""
     tok = getattr(backend, "tokenizer", None)
     return tok if isinstance(tok, PromptTokenizer) else None
+
+
+def chat_template_of(backend: GenerationBackend) -> str | None:
+    """The source of the served model's chat template, when its tokenizer says (``chat_template``), else None."""
+    template = getattr(tokenizer_of(backend), "chat_template", None)
+    return template if isinstance(template, str) else None
 
 
 def need_tokenizer(backend: GenerationBackend, what: str, param: str | None = None) -> PromptTokenizer:
@@ -53,9 +60,13 @@ def check_ids(tok: PromptTokenizer, ids: list[int], param: str) -> list[int]:
     return ids
 
 
-def encode(tok: PromptTokenizer, prompt: str | None, messages: list[dict[str, str]] | None, param: str) -> list[int]:
-    """The prompt's ids as the family would compute them; the encoder's complaint is a 400."""
+def encode(tok: PromptTokenizer, prompt: str | None, messages: list[dict[str, Any]] | None, param: str,
+           tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """The prompt's ids as the family would compute them (``tools`` shown to the chat template); the encoder's
+    complaint is a 400."""
     try:
+        if tools:
+            return list(tok.encode_prompt(prompt, messages, tools=tools))
         return list(tok.encode_prompt(prompt, messages))
     except (ValueError, TypeError) as exc:
         raise ApiError(400, f"{param} cannot be encoded: {exc}", param) from None

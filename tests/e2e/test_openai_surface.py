@@ -1,21 +1,26 @@
 """End to end: the OpenAI surface beyond chat on SmolLM2-135M-Instruct served by the real launcher (one rank), once
 with the HTTP server in the front end and once behind two intake processes: legacy completions on raw prompts and on
 token ids, ``/tokenize`` and ``/detokenize`` through the model's own tokenizer, running usage counted up front, and
-client mistakes answered with a 4xx.
+client mistakes answered with a 4xx, and a short guidellm benchmark (the load client people point at a vLLM
+server) with every request served at exactly the length asked.
 
 A failure here means ``vllm bench serve`` or lm-eval's ``local-completions`` cannot use the server, token ids do not
 reach the model as ids (the same prompt as text and as ids answers differently), the server's prompt count differs
-from the model's, or a mistake takes a real deployment down.
+from the model's, a mistake takes a real deployment down, or guidellm (hence aiperf and ``vllm bench serve``, which
+send the same parameters) cannot hold the server's output lengths fixed.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import httpx
 import pytest
 
-from tests.e2e.server import REPO, Server
+from tests.e2e.server import REPO, WEIGHTS, Server
 
 SINGLE = REPO / "launch/configs/smollm2_single.yaml"
 PROMPT = "The capital of France is"
@@ -25,6 +30,7 @@ PROMPT = "The capital of France is"
 def served(request):
     overrides = {"server": {"host": "127.0.0.1", "port": 8000, "http_processes": request.param}}
     server = Server(SINGLE, nproc=1, overrides=overrides)
+    server.http_processes = request.param
     yield server
     assert server.stop_clean(1), server.log()
 
@@ -81,3 +87,25 @@ def test_a_lone_surrogate_is_a_400(served):
     r = httpx.post(f"{served.base_url}/v1/chat/completions", content=raw, timeout=60,
                    headers={"content-type": "application/json"})
     assert r.status_code == 400 and "lone surrogate" in r.text, r.text
+
+
+def test_a_short_guidellm_benchmark_runs_clean_with_the_lengths_asked(served, tmp_path):
+    """guidellm, as its users run it (openai_http backend, synthetic prompts, streaming chat, a fixed output length
+    held by vLLM's ignore_eos and continuous usage): every request succeeds with exactly the tokens asked."""
+    pytest.importorskip("guidellm")
+    if served.http_processes != 1:
+        pytest.skip("one HTTP process is enough for the client's view (the intakes' answers are the same bytes)")
+    out = tmp_path / "guidellm.json"
+    cmd = [sys.executable, "-m", "guidellm", "run",
+           "--backend", f"kind=openai_http,target={served.base_url},model=smollm2",
+           "--profile", "kind=concurrent,streams=2", "--constraint", "kind=max_requests,count=4",
+           "--data", "kind=synthetic_text,prompt_tokens=32,output_tokens=12",
+           "--tokenizer", f"kind=huggingface_auto,model={WEIGHTS}", "--output", f"kind=json,path={out}",
+           "--disable-console-interactive"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    (bench,) = json.loads(out.read_text())["benchmarks"]
+    requests = bench["requests"]
+    assert (len(requests["successful"]), requests["errored"], requests["incomplete"]) == (4, [], []), requests
+    assert [r["output_tokens"] for r in requests["successful"]] == [12] * 4

@@ -22,7 +22,7 @@ from starlette.testclient import TestClient
 from mstar_dist.server.app import build_app
 from tests.fakes import FakeBackend
 
-CASES = {"text": 200, "text-bare": 80, "speech": 80, "image": 80, "omni": 120, "json": 150}
+CASES = {"text": 200, "text-bare": 100, "speech": 80, "image": 80, "omni": 120, "json": 150}
 """Requests drawn per served model (most for the text model, whose routes have the most fields), and arbitrary JSON
 bodies per model."""
 BACKENDS = {

@@ -527,7 +527,7 @@ def test_chat_rejects_misspelled_fields_naming_them(client, fake, extra, needle)
 
 def test_chat_accepts_openais_own_fields_it_ignores(client):
     body = {"messages": MSGS, "user": "u1", "frequency_penalty": 0, "logprobs": False, "metadata": {"a": "b"},
-            "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto", "store": False,
+            "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none", "store": False,
             "presence_penalty": 0.0, "logit_bias": {}, "service_tier": "auto", "parallel_tool_calls": True}
     assert client.post(CHAT, json=body).status_code == 200
 

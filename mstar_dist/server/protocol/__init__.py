@@ -6,7 +6,8 @@ Requests are strict (``"5"`` is not an int, ``"yes"`` is not a bool) and reject 
 naming the key and the closest known one (``base``); keys OpenAI clients routinely send that change nothing are
 accepted and ignored, features that are not implemented are a 400 saying so. ``base``: the request base class,
 usage, errors; ``messages``: chat messages and content parts; ``sampling``: the sampling fields, vLLM's extra
-parameters and structured outputs; ``chat``, ``completions``, ``media``, ``native``, ``tokens``: each route's types.
+parameters and structured outputs; ``tools``: tool calling's request and response types; ``chat``,
+``completions``, ``media``, ``native``, ``tokens``: each route's types.
 """
 
 from mstar_dist.server.protocol.base import (
@@ -37,6 +38,10 @@ from mstar_dist.server.protocol.sampling import (
     GUIDED_FIELDS, LOGPROBS_MAX, N_MAX, TOKEN_ID_MAX, TOP_K_MAX, ExtraSampling, JsonSchemaFormat, ResponseFormat,
     Sampling, SamplingKnobs, StructuredOutputs,
 )
+from mstar_dist.server.protocol.tools import (
+    FUNCTION_NAME, TOOL_CHOICES, CalledFunction, FunctionCall, FunctionDefinition, NamedToolChoice, Tool, ToolCall,
+    ToolCallIn, ToolFields,
+)
 from mstar_dist.server.protocol.tokens import (
     DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse,
 )
@@ -58,4 +63,6 @@ __all__ = [
     "GUIDED_FIELDS", "LOGPROBS_MAX", "N_MAX", "TOKEN_ID_MAX", "TOP_K_MAX", "ExtraSampling", "JsonSchemaFormat",
     "ResponseFormat", "Sampling", "SamplingKnobs", "StructuredOutputs",
     "DetokenizeRequest", "DetokenizeResponse", "TokenizeRequest", "TokenizeResponse",
+    "FUNCTION_NAME", "TOOL_CHOICES", "CalledFunction", "FunctionCall", "FunctionDefinition", "NamedToolChoice", "Tool",
+    "ToolCall", "ToolCallIn", "ToolFields",
 ]

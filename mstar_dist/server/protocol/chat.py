@@ -15,17 +15,16 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 from mstar_dist.server.protocol.base import Body, Unsupported, Usage, key_error
 from mstar_dist.server.protocol.messages import ChatMessage
 from mstar_dist.server.protocol.sampling import LOGPROBS_MAX, N_MAX, SAMPLING_UNSUPPORTED, ExtraSampling
+from mstar_dist.server.protocol.tools import ToolCall, ToolFields
 
 OPENAI_CHAT_IGNORED = frozenset({
-    "function_call", "functions", "metadata", "parallel_tool_calls", "prediction", "prompt_cache_key",
-    "reasoning_effort", "safety_identifier", "service_tier", "store", "tool_choice", "tools", "user", "verbosity",
-    "guided_decoding_backend",
+    "metadata", "prediction", "prompt_cache_key", "reasoning_effort", "safety_identifier", "service_tier", "store",
+    "user", "verbosity", "guided_decoding_backend",
 })
 """Chat completion fields this server accepts and ignores: bookkeeping that changes no output (``metadata``,
 ``store``, ``user``, ``service_tier``, ``prompt_cache_key``, ``safety_identifier``, ``prediction``, a latency hint),
-hints its chat templates do not take (``reasoning_effort``, ``verbosity``), vLLM's choice of grammar engine
-(``guided_decoding_backend``: there is one), and, until tool calling is implemented, ``tools``, ``tool_choice``,
-``parallel_tool_calls``, ``functions`` and ``function_call`` (the model answers in text)."""
+hints its chat templates do not take (``reasoning_effort``, ``verbosity``) and vLLM's choice of grammar engine
+(``guided_decoding_backend``: there is one)."""
 
 VLLM_UNSUPPORTED = {
     "use_beam_search": Unsupported("beam search is not implemented", False),
@@ -51,6 +50,8 @@ CHAT_UNSUPPORTED = {
     "chat_template": Unsupported("the model's own chat template is used"),
     "chat_template_kwargs": Unsupported("the model's own chat template is used", {}),
     "documents": Unsupported("the chat template takes no documents; put them in a message"),
+    "functions": Unsupported("OpenAI's deprecated function calling: send tools instead", []),
+    "function_call": Unsupported("OpenAI's deprecated function calling: send tool_choice instead", "none"),
 }
 
 
@@ -73,14 +74,16 @@ class AudioOutput(Body):
     format: Literal["wav", "pcm16"] | None = None
 
 
-class ChatCompletionRequest(ExtraSampling):
+class ChatCompletionRequest(ExtraSampling, ToolFields):
     """Unknown fields are rejected (a 400 naming them), except OpenAI's own in :data:`OPENAI_CHAT_IGNORED`.
 
     ``n`` choices (1 to ``N_MAX``) share the prompt. ``logprobs: true`` returns each generated token's
     log-probability (``choices[].logprobs.content``), with ``top_logprobs`` (0 to ``LOGPROBS_MAX``) alternatives.
     ``modalities``: ["text"] (the default) or ["text", "audio"]; with "audio" the answer is also spoken (``audio``
     says how) and comes back as ``message.audio`` (``id``, base64 ``data``, ``transcript``, ``expires_at``) or,
-    streamed, as ``delta.audio`` chunks of base64 PCM16 beside the text deltas."""
+    streamed, as ``delta.audio`` chunks of base64 PCM16 beside the text deltas. ``tools`` and ``tool_choice``: see
+    :mod:`mstar_dist.server.protocol.tools`; calls come back as ``message.tool_calls`` (``delta.tool_calls``) with
+    finish reason "tool_calls"."""
 
     IGNORED = OPENAI_CHAT_IGNORED
     UNSUPPORTED = CHAT_UNSUPPORTED
@@ -110,6 +113,11 @@ class ChatCompletionRequest(ExtraSampling):
             raise key_error("audio.format", 'audio.format "wav" cannot be streamed: use "pcm16" with "stream": true')
         if self.top_logprobs is not None and not self.logprobs:
             raise key_error("top_logprobs", 'top_logprobs needs "logprobs": true')
+        if self.tool_mode() in ("required", "named") and self.guided() is not None:
+            raise key_error("tool_choice", "a forced tool call is a structured output already: leave response_format "
+                                           'and guided_* out, or use tool_choice "auto"')
+        if self.wants_audio() and self.tool_mode() != "none":
+            raise key_error("tools", "a spoken answer calls no tools: leave tools out, or ask for text alone")
         if self.wants_audio() and (self.n > 1 or self.logprobs):
             raise key_error("n" if self.n > 1 else "logprobs",
                             "a spoken answer comes as one choice without logprobs: leave n and logprobs out")
@@ -171,8 +179,11 @@ class ChatAudio(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    """The answer's text; null when it is only tool calls."""
     audio: ChatAudio | None = None
+    tool_calls: list[ToolCall] | None = None
+    """The functions the model called (only in a request with tools)."""
 
 
 class ChatChoice(BaseModel):
@@ -192,6 +203,10 @@ class ChatCompletionResponse(BaseModel):
 
 
 class ChunkDelta(BaseModel):
+    """A streamed delta. With tools, a delta may carry ``tool_calls`` instead (built as dicts,
+    ``server/tool_calls.CallDelta.chunk``): a call's ``index``, ``id``, ``type`` and ``function.name`` once, then
+    more of its ``function.arguments`` under the same ``index``."""
+
     role: Literal["assistant"] | None = None
     content: str | None = None
 

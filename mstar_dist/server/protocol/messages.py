@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from mstar_dist.events import AUDIO_INPUT_FORMATS
-from mstar_dist.server.protocol.base import Body, key_problem
+from mstar_dist.server.protocol.base import Body, key_error, key_problem
+from mstar_dist.server.protocol.tools import ToolCallIn
 
 IMAGE_DETAILS = ("auto", "low", "high")
 """``image_url.detail`` values (passed to the family, which may ignore them)."""
@@ -23,10 +24,10 @@ PART_INPUT = {"text": "text", "image_url": "image", "input_audio": "audio"}
 """Content part type -> the input modality it carries."""
 PART_KEYS = {"text": {"type", "text"}, "image_url": {"type", "image_url"}, "input_audio": {"type", "input_audio"}}
 BODY_KEYS = {"image_url": {"url", "detail"}, "input_audio": {"data", "format"}}
-MESSAGE_IGNORED = frozenset({"name", "refusal", "audio", "tool_calls", "tool_call_id", "function_call"})
+MESSAGE_IGNORED = frozenset({"name", "refusal", "audio", "function_call", "annotations"})
 """Message keys OpenAI clients send that are accepted and ignored: a participant's ``name`` and an earlier
-assistant turn's ``refusal``, ``audio`` reference, ``tool_calls`` / ``function_call`` and a tool message's
-``tool_call_id`` (tool calling is not implemented yet; the text of every message is kept)."""
+assistant turn's ``refusal``, ``audio`` reference, ``annotations`` and deprecated ``function_call`` (the text of every
+message is kept; ``tool_calls`` and a tool message's ``tool_call_id`` reach the chat template)."""
 
 
 class TextPart(Body):
@@ -70,7 +71,20 @@ class ChatMessage(Body):
     IGNORED = MESSAGE_IGNORED
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart]
+    content: str | list[ContentPart] | None
+    """Absent or null only in an assistant turn that called tools."""
+    tool_calls: list[ToolCallIn] | None = None
+    """An assistant turn's calls, sent back with the next turn (their results follow as ``role: tool``)."""
+    tool_call_id: str | None = None
+    """A tool message's: the call whose result it is."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tool_turn_content(cls, data: Any) -> Any:
+        # an assistant turn that only called tools may leave content out (clients do both)
+        if isinstance(data, dict) and "content" not in data and data.get("tool_calls"):
+            return {**data, "content": None}
+        return data
 
     @field_validator("content", mode="before")
     @classmethod
@@ -78,7 +92,7 @@ class ChatMessage(Body):
         # Checked up front so a wrong part gets one clear message instead of one error per union branch. A route
         # validates with the context {"model": name, "inputs": what it reads} (``checks.served_context``), so a part
         # the model does not read is named as such before its shape is looked at.
-        if isinstance(value, str):
+        if isinstance(value, str) or value is None:
             return value
         if not isinstance(value, list):
             raise ValueError("content must be a string or a list of text parts (or image_url / input_audio parts, for "
@@ -90,7 +104,18 @@ class ChatMessage(Body):
                 raise ValueError(f"content[{i}]{problem}")
         return value
 
+    @model_validator(mode="after")
+    def _check_tool_turn(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise key_error("tool_calls", f"tool_calls belong to an assistant message, not a {self.role!r} one")
+        if self.content is None and not self.tool_calls:
+            raise key_error("content", "content is required (it may be null only in an assistant message with "
+                                       "tool_calls)")
+        return self
+
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content if isinstance(part, TextPart))
@@ -140,6 +165,15 @@ def _unknown_keys(obj: dict, known: set[str]) -> str | None:
     return f": {problem[1]}" if problem else None
 
 
-def normalize_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """Messages as the backend takes them: ``{"role", "content": str}``."""
-    return [{"role": m.role, "content": m.text()} for m in messages]
+def normalize_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the backend takes them: ``{"role", "content": str}``, with an assistant turn's ``tool_calls``
+    (arguments as objects, as chat templates write them) and a tool message's ``tool_call_id``."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        message: dict[str, Any] = {"role": m.role, "content": m.text()}
+        if m.tool_calls:
+            message["tool_calls"] = [call.template_value() for call in m.tool_calls]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        out.append(message)
+    return out

@@ -9,6 +9,7 @@ from pydantic import BaseModel, Field, model_validator
 from mstar_dist.server.protocol.base import Body, key_error
 from mstar_dist.server.protocol.messages import ChatMessage
 from mstar_dist.server.protocol.sampling import TOKEN_ID_MAX
+from mstar_dist.server.protocol.tools import Tool
 
 TOKENS_MAX = 1 << 20
 """Most token ids one ``/detokenize`` takes."""
@@ -20,12 +21,16 @@ class TokenizeRequest(Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
+    tools: list[Tool] | None = None
+    """With ``messages``: the functions the chat template shows the model, as in a chat completion."""
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             given = "both" if self.prompt is not None else "neither"
             raise ValueError(f"give exactly one of 'prompt' (a string) or 'messages' (a chat list); got {given}")
+        if self.tools is not None and self.messages is None:
+            raise key_error("tools", "tools go with messages (through the chat template), not with a prompt")
         return self
 
 
