@@ -26,5 +26,5 @@ nproc="${NPROC:-$("$venv/bin/python" -c 'import sys
 from mstar_dist.config.deployment import load_config
 cfg = load_config(sys.argv[1])
 print(cfg.cluster.world_size if cfg.cluster else 1 + max(r for g in cfg.node_groups for r in g.ranks))' "$config")}"
-exec "$venv/bin/torchrun" --standalone --nproc-per-node "$nproc" --master-port "${MASTER_PORT:-29500}" \
+exec "$venv/bin/python" -m mstar_dist.runtime.torchrun --standalone --nproc-per-node "$nproc" --master-port "${MASTER_PORT:-29500}" \
   -m mstar_dist.serve "$config" "$@"

@@ -33,6 +33,6 @@ PY
 cd "$repo"
 "$py" -m mstar_dist.distributed.join "$config" --node-rank "$NODE_RANK" --master-addr "$MASTER_ADDR" \
   --port "$((port + 1))" --timeout "$timeout"
-exec "$py" -m torch.distributed.run --nnodes "$nnodes" --node-rank "$NODE_RANK" --nproc-per-node "$nproc" \
+exec "$py" -m mstar_dist.runtime.torchrun --nnodes "$nnodes" --node-rank "$NODE_RANK" --nproc-per-node "$nproc" \
   --master-addr "$MASTER_ADDR" --master-port "$port" \
   -m mstar_dist.serve "$config" --startup-timeout "$timeout" "$@"

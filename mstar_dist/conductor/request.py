@@ -59,6 +59,8 @@ class Request:
     without a rank mistaking the new request for the removed one."""
     stops: StopTrimmer
     """Cuts the text at the request's stop strings (the one place they are applied)."""
+    pinned_id: bool = False
+    """The client chose the id (it seeds sampling): a retry on another replica keeps it."""
     first_token_at: float | None = None
     last_token_at: float | None = None
     touched: set[int] = field(default_factory=set)

@@ -93,6 +93,7 @@ def load_deployment(args: argparse.Namespace, world_size: int | None, local_ws: 
         http_processes=args.http_processes, intra_host=args.intra_host_tensor_protocol,
         inter_host=args.inter_host_tensor_protocol,
         allowed_media_domains=args.allowed_media_domains,
+        max_restarts=getattr(args, "max_rank_restarts", None),
     )
     if world_size is None:
         world_size = _world_from_config(config) if args.dry_run else 1

@@ -80,7 +80,11 @@ class Worker:
         tp_roles: dict[str, TPRole] | None = None,
         backpressure_timeout_s: float = 10.0,
         spin_s: float = 0.0,
+        form_pairs: Callable[..., dict] | None = None,
+        incarnation: int = 0,
     ):
+        """``form_pairs(prefix, pairs)``: forms fresh pair groups with a rejoining peer (``distributed/repair.py``;
+        None: this rank cannot, and says so); ``incarnation``: how often this rank was restarted in place."""
         self.global_rank, self.name = global_rank, rank_name(global_rank)
         self.graphs, self.components = graphs, components
         self.channel, self.transport, self.store = channel, transport, store
@@ -93,6 +97,9 @@ class Worker:
         self.stats_every_s = 0.5
         """How often the rank reports ``Stats`` to the conductor."""
         self.stopping = False
+        self.restart_asked = False
+        """The conductor's ``Shutdown`` asked this rank alone to go and be restarted (not the deployment's end)."""
+        self.incarnation = incarnation
         self.rejected_messages = 0
         """Control messages dropped: undecodable, without this launch's secret, or from a spoofed sender."""
         self.failed_reason: str | None = None
@@ -101,7 +108,8 @@ class Worker:
         self.transfers = Transfers(
             global_rank=global_rank, name=self.name, token=token, channel=channel, transport=transport, store=store,
             send=self._send, removed=removed, start_walk=self._start_walk, report_failure=self._report_failure,
-            transfer_timeout_s=transfer_timeout_s, backpressure_timeout_s=backpressure_timeout_s)
+            transfer_timeout_s=transfer_timeout_s, backpressure_timeout_s=backpressure_timeout_s,
+            form_pairs=form_pairs)
         self.streams = Streams(
             edges=list(streaming_edges), graphs=graphs, name=self.name, runs=self.runs, transfers=self.transfers,
             send=self._send, removed=removed, fail_request=self._fail_request, flush_emits=self._flush_emits)
@@ -436,8 +444,10 @@ class Worker:
         self.store.drop_tag(request_id)
 
     def _on_shutdown(self, msg: m.Shutdown) -> None:
-        log.info("%s: shutdown requested: %s", self.name, msg.reason)
+        (log.warning if msg.error else log.debug)(  # a requested stop: the rank's exit line says it
+            "%s: %s: %s", self.name, "asked to restart" if msg.restart else "shutdown requested", msg.reason)
         self.stopping = True
+        self.restart_asked = msg.restart
         if msg.error:
             self.failed_reason = msg.reason
 
@@ -471,6 +481,7 @@ class Worker:
             host_staging_copies=int(st.get("host_staging_copies", 0)), engine=dict(engine),
             rejected_messages=self.rejected_messages, edge_histograms=st.get("histograms", []), **process_sample(),
             arena_bytes_used=self.transport.arena_bytes_used(), edges=self.transport.edges.snapshot(),
+            incarnation=self.incarnation,
         ))
 
 
@@ -493,6 +504,7 @@ def _handlers(w: Worker) -> dict[type, Callable[[m.Message, str], None]]:
         m.RankDown: lambda body, sender: w.transport.abort_peer(
             body.rank, f"rank {body.rank} was declared dead: {body.reason}"),
         m.AbortPair: lambda body, sender: w.transfers.on_abort_pair(body),
+        m.Repair: lambda body, sender: w.transfers.on_repair(body),
         m.StreamItems: w.streams.on_message,
         m.StreamEnd: w.streams.on_message,
         m.RemoveRequest: lambda body, sender: w._remove(body.request_id),
