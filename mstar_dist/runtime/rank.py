@@ -111,6 +111,11 @@ class StartupError(RuntimeError):
     """A startup step timed out or broke; the message names who held it up (no raw DistStoreError)."""
 
 
+class StoppedByConductor(RuntimeError):
+    """The conductor stopped this rank with an error (the deployment failed, or this rank is to restart): its
+    message says why, and the conductor's log has the rest."""
+
+
 class Rank:
     """One rank's parts, built in the steps of the module docstring, and their teardown. Parts not built yet are
     None (``components`` empty)."""
@@ -271,7 +276,7 @@ class Rank:
             reason = worker.failed_reason or "the deployment stopped"
             (self.supervisor.leaving if worker.restart_asked else self.supervisor.over)(reason)
             if worker.failed_reason:
-                raise RuntimeError(worker.failed_reason)
+                raise StoppedByConductor(worker.failed_reason)
 
     def tell_leaving(self) -> None:
         """A rank stopped by a signal tells the conductor at once (``Leaving``), so its requests fail fast; the
@@ -290,7 +295,7 @@ class Rank:
     def failed(self, exc: Exception) -> None:
         if not self.guard.serving:  # the other ranks wait in the startup: the board tells them at once
             publish_failure(self.store, self.rank, self.info.host_name, _cause(exc, self.where))
-        if isinstance(exc, (LoadError, StartupError)):
+        if isinstance(exc, (LoadError, StartupError, StoppedByConductor)):
             log.error("%s", exc)
             log.debug("%s", traceback.format_exc())
         else:

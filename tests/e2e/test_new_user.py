@@ -1,7 +1,8 @@
 """What a new user meets first, through the real scripts: ``launch/serve.sh`` with a config path relative to
 their own folder, its install step skipped when nothing changed, one clear line (no traceback, not once per
 rank) for a missing file, a flag without a config, a misspelled key, a missing weights directory or a port in
-use; and a rank stopped with SIGTERM failing its requests at once instead of after ``limits.rank_timeout_s``.
+use; and a rank stopped with SIGTERM failing its requests at once instead of after ``limits.rank_timeout_s``, then the
+deployment exiting non-zero (no other replica serves that rank's walk, and a stopped rank is not restarted).
 
 The module's one server is the toy model (2 ranks) started by ``serve.sh`` with ``MSTAR_NO_INSTALL`` on this
 test's venv; ``install.sh``'s stamp logic runs against a stub venv whose python records pip calls, so nothing is
@@ -65,7 +66,10 @@ def toy(venv, tmp_path_factory):
         yield proc, url, log_path
     finally:
         family = [proc.pid, *descendants(proc.pid)]
-        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:  # it ended already (the last test stops it)
+            pass
         try:
             proc.wait(30)
         except subprocess.TimeoutExpired:
@@ -193,3 +197,11 @@ def test_a_rank_stopped_with_sigterm_fails_its_requests_at_once(toy):
     assert time.monotonic() - t0 < 5, "must not wait for limits.rank_timeout_s (30 s)"
     wait_for(lambda: not _healthy(url), 10, "/health reporting the service down")  # COUNT has no other replica
     assert "rank 1 on localhost is leaving" in log_path.read_text()
+    # the rank was asked to stop (no restart follows), and no other replica serves COUNT: the whole deployment
+    # exits non-zero, naming why, instead of answering 503 forever
+    try:
+        status = proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"serve.sh still runs: {log_path.read_text()[-4000:]}") from None
+    text = log_path.read_text()
+    assert status != 0 and "no live replica can serve walks ['count'] and no restart is left" in text, text[-3000:]

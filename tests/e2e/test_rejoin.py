@@ -1,0 +1,81 @@
+"""A rank killed under load restarts in place and rejoins (docs/architecture.md §10): SmolLM2 with prefill on rank 0
+and two decode replicas (ranks 1, 2); rank 2's process is killed with SIGKILL while both replicas stream. A failure
+means the other replica's streams were disturbed, the killed replica's requests hung instead of ending at once with a
+503 naming the rank and the cause, the rank never came back, came back without serving (its pairs with rank 0 not
+formed again), or something was left behind."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+
+from tests.e2e.server import REPO, Server, descendants, per_rank, wait_for
+
+DP = REPO / "launch/configs/smollm2_dp.yaml"
+
+
+def rank_process(server: Server, rank: int) -> int:
+    """The pid of the process serving ``rank`` (under its supervisor: the one marked as the supervised child)."""
+    for pid in descendants(server.proc.pid):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in environ and b"MSTAR_RANK_CHILD=1" in environ:
+            return pid
+    raise AssertionError(f"no process serving rank {rank}")
+
+
+def stream(url: str, i: int, started: set[int], max_tokens: int = 160) -> dict:
+    """One streamed request: its lines' arrival times and its last line."""
+    body = {"prompt": f"Tell me a long story number {i}.", "stream": True,
+            "model_kwargs": {"max_tokens": max_tokens, "temperature": 0.9, "seed": i}}
+    times, last = [], ""
+    with httpx.stream("POST", f"{url}/generate", json=body, timeout=180) as r:
+        for line in r.iter_lines():
+            if line.strip():
+                times.append(time.monotonic())
+                last = line
+                if len(times) == 2:
+                    started.add(i)
+    return {"times": times, "last": json.loads(last) if last else {}}
+
+
+def test_a_decode_replica_killed_under_load_comes_back_and_serves_while_the_other_streams_on():
+    server = Server(DP, nproc=3, overrides={"limits": {"max_concurrent_requests": 16, "max_tokens": 512}})
+    try:
+        with cf.ThreadPoolExecutor(6) as pool:
+            started: set[int] = set()
+            futures = [pool.submit(stream, server.base_url, i, started) for i in range(6)]
+            wait_for(lambda: len(started) == 6 or any(f.done() for f in futures), 120, "every stream decoding")
+            os.kill(rank_process(server, 2), signal.SIGKILL)
+            t_kill = time.monotonic()
+            results = [f.result(timeout=180) for f in futures]
+        failed = [r for r in results if r["last"].get("modality") == "error"]
+        served = [r for r in results if r["last"].get("modality") != "error"]
+        assert failed and served, f"both replicas had streams: {[r['last'] for r in results]}"
+        for r in failed:  # ended at once, naming the rank and the cause
+            assert "rank 2 on host localhost died (killed by SIGKILL)" in r["last"]["metadata"]["message"], r["last"]
+            assert r["times"][-1] - t_kill < 5
+        for r in served:  # the other replica's streams went on to their end
+            assert r["last"]["metadata"].get("finish_reason") in ("length", "stop"), r["last"]
+            gaps = [b - a for a, b in zip(r["times"], r["times"][1:]) if a > t_kill]
+            assert max(gaps, default=0) < 5, f"a stream of rank 1 stalled {max(gaps):.1f} s"
+        wait_for(lambda: "rank 2 on localhost serves again" in server.log(), 120, "rank 2 rejoining")
+        assert httpx.get(f"{server.base_url}/health", timeout=10).status_code == 200
+        with cf.ThreadPoolExecutor(4) as pool:
+            again = list(pool.map(lambda i: httpx.post(f"{server.base_url}/generate", timeout=120, json={
+                "prompt": f"Hello {i}", "model_kwargs": {"max_tokens": 8, "seed": i}}), range(12)))
+        assert all(r.status_code == 200 for r in again), [r.text for r in again]
+        rows = per_rank(server.base_url, "mstar_dist_engine_decode_rows_total")
+        assert rows.get("2", 0) > 0, f"the restarted replica must decode again: {rows}"
+        wait_for(lambda: per_rank(server.base_url, "mstar_dist_live_tensors") == {"0": 0, "1": 0, "2": 0}, 30,
+                 "every rank's live tensors back to 0")
+    finally:
+        assert server.stop_clean(3), server.log()
