@@ -11,7 +11,7 @@ sockets: the server and its tests import this without a process group (docs/arch
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any, Callable, Union
 
 import msgspec
 
@@ -66,6 +66,24 @@ class MediaLimits(msgspec.Struct, frozen=True):
     """``media.max_audio_seconds``: duration of a decoded clip."""
 
 
+GUIDED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+"""The kinds of structured output a request may ask for (``GuidedSpec.kind``)."""
+
+
+class GuidedSpec(msgspec.Struct, frozen=True):
+    """What a structured output must match (docs/architecture.md §8, "Structured outputs")."""
+
+    kind: str
+    """One of ``GUIDED_KINDS``."""
+    spec: str = ""
+    """json_schema: the schema as JSON text; json_object: unused (any JSON object); regex: the pattern; choice: a
+    JSON list of the allowed strings; grammar: a Lark grammar (llguidance's dialect)."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in GUIDED_KINDS:
+            raise ValueError(f"guided.kind must be one of {', '.join(GUIDED_KINDS)}, got {self.kind!r}")
+
+
 @dataclass(frozen=True)
 class GenerationParams:
     """One validated request, as the backend receives it (already checked against the backend's limits)."""
@@ -99,8 +117,11 @@ class GenerationParams:
     """Per-request knobs of the model family (``voice``, ``steps``, ``guidance_scale``, ``width``...), JSON
     values. The family validates them in ``preprocess``: an unknown or out-of-range knob is a 400 naming it."""
     prompt_ids: list[int] | None = None
-    """The prompt's token ids when an HTTP intake process already encoded it (``CompositeModel.prompt_encoder``);
-    None: the conductor's ``preprocess`` tokenizes. Never taken from the client."""
+    """The prompt's token ids, for a family with a prompt encoder (``CompositeModel.prompt_encoder``, whose
+    ``preprocess`` takes them instead of tokenizing): encoded by the HTTP side (an intake process, or the server for
+    a request that needs the ids up front), or sent by the client as ids (``/v1/completions`` with a token-id prompt,
+    checked against the vocabulary; ``prompt`` then holds their text). None: the conductor's ``preprocess``
+    tokenizes."""
     media: list[MediaItem] = field(default_factory=list)
     """The images and audio clips of ``messages``, in the order the client gave them (checked for count, size,
     base64, declared format and URL policy; not decoded). Only for a family that takes them (the backend's
@@ -111,26 +132,94 @@ class GenerationParams:
     """What the client asked to receive, a subset of ``MODALITIES`` the backend produces (chat ``modalities``:
     ["text"] or ["text", "audio"]; ``/v1/audio/speech``: ["audio"]); None: whatever the family gives by default. A
     family that can speak starts its speech partitions only when "audio" is asked for."""
+    ignore_eos: bool = False
+    """Generation does not end at the model's EOS tokens (only at ``stop_token_ids``, stop strings and length)."""
+    min_tokens: int = 0
+    """The first ``min_tokens`` generated tokens cannot be an EOS or stop token (the engine masks them), and stop
+    strings are not looked for before that many tokens."""
+    min_p: float = 0.0
+    """Sampled tokens keep only candidates whose probability is at least ``min_p`` x the most likely one's; 0: off."""
+    repetition_penalty: float = 1.0
+    """vLLM's / HF's: the logits of tokens seen in the prompt or the output so far are divided by it when positive,
+    multiplied by it when negative; 1: off."""
+    presence_penalty: float = 0.0
+    """OpenAI's: subtracted once from the logit of every token the output contains so far."""
+    frequency_penalty: float = 0.0
+    """OpenAI's: subtracted from a token's logit once per time the output contains it so far."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Token ids that end generation (finish reason "stop") beside the model's EOS tokens."""
+    include_stop_str_in_output: bool = False
+    """The stop string (or stop token's text) that ended generation is part of the text."""
+    skip_special_tokens: bool = True
+    """Special tokens are left out of the text."""
+    spaces_between_special_tokens: bool = True
+    """vLLM's: with ``skip_special_tokens`` off, whether added tokens following each other are joined as the
+    tokenizer decodes them (True) or by their raw text."""
+    logprobs: int | None = None
+    """Return the log-probability of every generated token and of the ``logprobs`` most likely alternatives at its
+    place (``TextDelta.logprobs``); 0: the chosen token's only; None: none."""
+    prompt_logprobs: int | None = None
+    """Return the log-probability of every prompt token after the first, and of ``prompt_logprobs`` alternatives
+    (``TextDelta.prompt_logprobs``, on the first delta of each choice); None: none."""
+    n: int = 1
+    """Independent samples of the same prompt (seeds ``seed + i``); their events carry ``index`` i."""
+    guided: GuidedSpec | None = None
+    """Structured output: every generated text is a sentence of this grammar (the engine masks other tokens)."""
 
 
-class TextDelta(msgspec.Struct, frozen=True, tag=True):
+class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
+    """One token's log-probability as the model computed it: the log-softmax of the logits the model gave at that
+    place, before temperature, penalties or a grammar (vLLM's default, "raw" logprobs)."""
+
+    token_id: int
+    token: str
+    """The token's text alone (its bytes decoded, U+FFFD for an incomplete character; a special token's content)."""
+    token_bytes: bytes
+    """The token's exact bytes (OpenAI's ``bytes``, as a list of ints there)."""
+    logprob: float
+    top: list[TokenLogprob] = []
+    """The most likely tokens at that place, most likely first (``logprobs`` / ``prompt_logprobs`` of them; their
+    own ``top`` is empty)."""
+
+
+class TextDelta(msgspec.Struct, frozen=True, tag=True, omit_defaults=True):
     """New text since the previous delta (whole characters: the backend holds back partial UTF-8 bytes)."""
 
     text: str
     n_tokens: int
     """Tokens this delta accounts for (may be > 0 with empty text while a multi-byte character is pending)."""
+    index: int = 0
+    """The choice this delta belongs to (``GenerationParams.n`` > 1), 0 otherwise."""
+    logprobs: list[TokenLogprob] | None = None
+    """With ``GenerationParams.logprobs``: one entry per generated token of this delta, in order."""
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    """With ``GenerationParams.prompt_logprobs``, on the first delta of each choice: one entry per prompt token,
+    None for the first (nothing precedes it)."""
 
 
-class Finished(msgspec.Struct, frozen=True, tag=True):
-    """The last item of every complete generation."""
+class ChoiceEnd(msgspec.Struct, frozen=True, array_like=True):
+    """How one choice of a request with ``n`` > 1 ended."""
 
+    index: int
     finish_reason: str
-    """One of ``FINISH_REASONS``: "stop" (EOS or stop string), "length" (max_tokens or context), "abort"."""
-    prompt_tokens: int
     completion_tokens: int
 
 
-class MediaDelta(msgspec.Struct, frozen=True, tag=True):
+class Finished(msgspec.Struct, frozen=True, tag=True, omit_defaults=True):
+    """The last item of every complete generation (one per request, whatever its ``n``)."""
+
+    finish_reason: str
+    """One of ``FINISH_REASONS``: "stop" (EOS or stop string), "length" (max_tokens or context), "abort"; with
+    ``n`` > 1, choice 0's."""
+    prompt_tokens: int
+    """The prompt, counted once whatever the number of choices."""
+    completion_tokens: int
+    """Every choice's generated tokens together."""
+    choices: list[ChoiceEnd] = []
+    """With ``n`` > 1: each choice's end, by index; empty otherwise."""
+
+
+class MediaDelta(msgspec.Struct, frozen=True, tag=True, omit_defaults=True):
     """A piece of non-text output as it is produced: ``modality`` "audio" (``data`` is little-endian PCM16,
     ``metadata`` has ``sample_rate`` and ``num_channels``) or "image" (``data`` is a PNG file, ``metadata`` has
     ``width`` and ``height``). ``n_tokens`` counts the generated tokens this piece accounts for."""
@@ -139,6 +228,8 @@ class MediaDelta(msgspec.Struct, frozen=True, tag=True):
     data: bytes
     metadata: dict[str, Any] = {}
     n_tokens: int = 0
+    index: int = 0
+    """The choice this piece belongs to (``GenerationParams.n`` > 1), 0 otherwise."""
 
 
 GenerationEvent = Union[TextDelta, MediaDelta, Finished]
@@ -210,6 +301,25 @@ def as_deltas(out: Any, n_tokens: int) -> list[TextDelta | MediaDelta]:
     if not deltas:
         deltas.append(TextDelta(text="", n_tokens=0))
     first = deltas[0]
-    deltas[0] = (TextDelta(first.text, first.n_tokens + n_tokens) if isinstance(first, TextDelta)
-                 else MediaDelta(first.modality, first.data, first.metadata, first.n_tokens + n_tokens))
+    deltas[0] = msgspec.structs.replace(first, n_tokens=first.n_tokens + n_tokens)
     return deltas
+
+
+def joined(first: TextDelta, after: TextDelta) -> TextDelta | None:
+    """One delta standing for ``first`` then ``after`` (text, tokens and logprobs in order), or None when they do not
+    join: another choice, or ``after`` opens a choice (it carries the prompt's logprobs)."""
+    if after.index != first.index or after.prompt_logprobs is not None:
+        return None
+    logprobs = first.logprobs if after.logprobs is None else \
+        after.logprobs if first.logprobs is None else first.logprobs + after.logprobs
+    return TextDelta(first.text + after.text, first.n_tokens + after.n_tokens, first.index, logprobs,
+                     first.prompt_logprobs)
+
+
+def token_logprob(table: list[list[float]], piece: Callable[[int], tuple[str, bytes]]) -> TokenLogprob:
+    """One token's entry from its logprob table as the engine sends it (rows of (token id, logprob): the token, then
+    the most likely tokens at its place), each token's text and bytes from ``piece(token id)`` (the family's
+    tokenizer)."""
+    (chosen, logprob), *top = table
+    return TokenLogprob(int(chosen), *piece(int(chosen)), logprob,
+                        [TokenLogprob(int(t), *piece(int(t)), lp) for t, lp in top])

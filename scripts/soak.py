@@ -151,8 +151,9 @@ def _stream_events(r: httpx.Response, route: str):
             if item["modality"] == "error":
                 raise Failed(f"error line {meta}")
             usage = meta.get("usage") or {}
-            yield base64.b64decode(item.get("data", "")).decode(), meta.get("finish_reason"), \
-                usage.get("completion_tokens")
+            text = item.get("data", "") if meta.get("encoding") == "utf-8" else \
+                base64.b64decode(item.get("data", "")).decode()  # a server from before text was sent as itself
+            yield text, meta.get("finish_reason"), usage.get("completion_tokens")
         elif line.startswith("data: "):
             if line == "data: [DONE]":
                 yield "", "[DONE]", None

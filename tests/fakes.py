@@ -2,7 +2,10 @@
 
 FakeBackend implements ``GenerationBackend`` the way the conductor does, over a scripted model: text, audio or
 image deltas; stop strings applied once, before the app sees the text (the conductor's ``StopTrimmer``); model
-knobs (``model_kwargs``) validated like a family's ``preprocess`` (an unknown knob or value is a 400 naming it).
+knobs (``model_kwargs``) validated like a family's ``preprocess`` (an unknown knob or value is a 400 naming it) and
+listed (``model_knobs``); ``n`` choices (choice j repeats each text delta j + 1 times) and log-probabilities
+(:func:`fake_logprob`, and the prompt's on a choice's first delta) as the engine gives them; a character-level
+tokenizer (:class:`FakeTokenizer`).
 A fake that reads media (``input_modalities``) says first what it received (``media_echo``); one that also speaks
 (``output_modalities=("text", "audio")``) follows each text delta with audio when a request asks for it.
 It records every request it saw and whether each generator was closed and whether it was aborted (closed before
@@ -23,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mstar_dist.conductor.stop_strings import StopTrimmer
+from mstar_dist.events import ChoiceEnd, TokenLogprob
 from mstar_dist.server.backend import BackendError, Finished, GenerationParams, MediaDelta, TextDelta
 
 UNICODE_DELTAS = ["hé", "llo → ", "東", "京 ", "🚀"]
@@ -125,6 +129,48 @@ def speech_for(i: int) -> MediaDelta:
     return audio_delta(pcm_chunk(100 + i))
 
 
+class FakeTokenizer:
+    """One token per character: the id is the code point, below the surrogates (anything above is id 0,
+    ``<unk>``); messages are written ``"role: content\\n"`` each, then ``"assistant: "``."""
+
+    vocab_size = 0xD800
+
+    def encode_prompt(self, prompt: str | None, messages: list[dict[str, str]] | None) -> list[int]:
+        text = prompt if messages is None else "".join(f"{m['role']}: {m['content']}\n" for m in messages) + \
+            "assistant: "
+        return [ord(c) if ord(c) < self.vocab_size else 0 for c in text]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join("<unk>" if i == 0 else chr(i) for i in ids)
+
+
+def fake_token(text: str, logprob: float) -> TokenLogprob:
+    """The fake's token for ``text`` (its first character, as :class:`FakeTokenizer` has it), alternatives aside."""
+    token = ord(text[0]) if text and ord(text[0]) < FakeTokenizer.vocab_size else 0
+    piece = FakeTokenizer().decode([token])
+    return TokenLogprob(token, piece, piece.encode(), logprob)
+
+
+def fake_logprob(text: str, position: int, choice: int, k: int) -> TokenLogprob:
+    """The log-probability the fake gives the token of ``text`` (:func:`fake_token`) at ``position`` of choice
+    ``choice``, with ``k`` alternatives: the token itself first, then "a", "b", ... each 1 less likely."""
+    chosen = fake_token(text, -0.125 * (position + 1) - choice)
+    top = [chosen] + [fake_token(chr(ord("a") + r), chosen.logprob - r - 1) for r in range(k - 1)] if k else []
+    return TokenLogprob(chosen.token_id, chosen.token, chosen.token_bytes, chosen.logprob, top)
+
+
+def choice_text(item: str, choice: int) -> str:
+    """What choice ``choice`` says where the script says ``item``."""
+    return item * (choice + 1)
+
+
+class FakeChoice:
+    """One choice of a fake generation: its stop strings, tokens and end."""
+
+    def __init__(self, index: int, stop: list[str]) -> None:
+        self.index, self.stops, self.tokens, self.done = index, StopTrimmer(stop), 0, False
+
+
 class FakeBackend:
     model_name = "fake-model"
     max_context_tokens = 64
@@ -133,7 +179,8 @@ class FakeBackend:
     def __init__(self, deltas: Script | None = None, *, output_modality: str = "text", fail_at: int | None = None,
                  error: BaseException | None = None, hang_at: int | None = None, gate_at: int | None = None,
                  input_modalities: tuple[str, ...] = ("text",),
-                 output_modalities: tuple[str, ...] | None = None) -> None:
+                 output_modalities: tuple[str, ...] | None = None, lists_knobs: bool = True,
+                 tokenizer: bool = True) -> None:
         self.output_modality = output_modality
         self.input_modalities = input_modalities
         """What requests may carry; with "image" / "audio" the fake's first text delta is :func:`media_echo`."""
@@ -150,6 +197,10 @@ class FakeBackend:
         """Block forever before yielding delta number ``hang_at`` (until the app closes the generator)."""
         self.gate_at = gate_at
         """Wait before yielding delta number ``gate_at`` until ``open_gate()`` is called (every request)."""
+        knobs = set(KNOBS[output_modality]) | ({"voice"} if "audio" in self.output_modalities else set())
+        self.model_knobs = tuple(sorted(knobs)) if lists_knobs else None
+        """The family's request knobs the server checks ``model_kwargs`` against (None: not listed)."""
+        self.tokenizer = FakeTokenizer() if tokenizer and output_modality == "text" else None
         self.serving = True
         self.calls: list[GenerationParams] = []
         self.started = threading.Event()
@@ -193,7 +244,7 @@ class FakeBackend:
             problem = knobs[name](value)
             if problem:
                 raise BackendError(400, problem)
-        prompt_tokens = self.count_tokens(params)
+        prompt_tokens = len(params.prompt_ids) if params.prompt_ids is not None else self.count_tokens(params)
         if prompt_tokens > self.max_context_tokens:
             raise BackendError(400, f"prompt is {prompt_tokens} tokens, context is {self.max_context_tokens}")
         return prompt_tokens
@@ -229,7 +280,7 @@ class FakeBackend:
         prompt_tokens = self._check(params)
         self.started.set()
         finished = False
-        stops = StopTrimmer(params.stop)  # the conductor's job: the app relays text as it comes
+        choices = [FakeChoice(j, params.stop) for j in range(params.n)]  # the conductor's job: the app relays text
         try:
             n = 0
             for i, item in enumerate(self.script(params)):
@@ -238,27 +289,52 @@ class FakeBackend:
                     break
                 n += 1
                 self.n_yielded += 1
-                if isinstance(item, str):
-                    yield TextDelta(text=stops.feed(item), n_tokens=1)
-                    if stops.stopped:
-                        finished = True
-                        yield Finished("stop", prompt_tokens, n)
-                        return
-                else:
+                if not isinstance(item, str):
                     yield item(params) if callable(item) else item
+                    continue
+                for choice in choices:
+                    if not choice.done:
+                        yield self._delta(params, choice, item)
+                if all(choice.done for choice in choices):
+                    finished = True
+                    yield self._finished(choices, prompt_tokens, n, params)
+                    return
             if self.fail_at is not None and self.fail_at >= len(self.deltas):
                 raise self.error or RuntimeError("boom in the fake model")
-            tail = stops.flush()
-            if tail:
-                yield TextDelta(text=tail, n_tokens=0)
+            for choice in choices:
+                tail = "" if choice.done else choice.stops.flush()
+                if tail:
+                    yield TextDelta(text=tail, n_tokens=0, index=choice.index)
             finished = True
-            yield Finished("length" if n == params.max_tokens else "stop", prompt_tokens, n)
+            yield self._finished(choices, prompt_tokens, n, params)
         finally:
             self.n_closed += 1
             self.closed.set()
             if not finished:
                 self.n_aborted += 1
                 self.aborted.set()
+
+    def _delta(self, params: GenerationParams, choice: FakeChoice, item: str) -> TextDelta:
+        """Choice ``choice``'s delta for the script's text ``item``, cut at the stop strings, with log-probabilities
+        as asked for (the prompt's on its first delta)."""
+        text = choice.stops.feed(choice_text(item, choice.index))
+        logprobs = None if params.logprobs is None else [fake_logprob(item, choice.tokens, choice.index,
+                                                                     params.logprobs)]
+        prompt = None
+        if params.prompt_logprobs is not None and choice.tokens == 0:
+            ids = params.prompt_ids if params.prompt_ids is not None else FakeTokenizer().encode_prompt(
+                params.prompt, params.messages)
+            prompt = [None] + [fake_token(FakeTokenizer().decode([t]), -0.5 * p) for p, t in enumerate(ids[1:], 1)]
+        choice.tokens += 1
+        choice.done = choice.stops.stopped
+        return TextDelta(text=text, n_tokens=1, index=choice.index, logprobs=logprobs, prompt_logprobs=prompt)
+
+    @staticmethod
+    def _finished(choices: list[FakeChoice], prompt_tokens: int, n: int, params: GenerationParams) -> Finished:
+        reasons = ["stop" if c.stops.stopped or n < params.max_tokens else "length" for c in choices]
+        tokens = n + sum(c.tokens for c in choices[1:])  # media items count once
+        ends = [ChoiceEnd(c.index, reason, c.tokens) for c, reason in zip(choices, reasons)] if len(choices) > 1 else []
+        return Finished(reasons[0], prompt_tokens, tokens, ends)
 
 
 class IdlePlane:

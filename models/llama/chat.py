@@ -2,12 +2,17 @@
 
 - ``prefill``: ``LLM(input_ids) -> token`` (emitted to the client and a walk output) and ``kv`` (persisted, only
   materialised when the decode rank is another rank: the P/D split moves it over the data plane).
-- ``decode``: ``Loop(LLM(token[, kv]) -> token)`` named ``decode``; the token loops back and is emitted each
-  iteration; EOS stops the loop, ``max_tokens - 1`` bounds it (the prefill produced the first token).
+- ``decode``: ``Loop(LLM(token[, kv, prompt_ids]) -> token)`` named ``decode``; the token loops back and is emitted
+  each iteration; a stop token stops the loop, ``max_tokens - 1`` bounds it (the prefill produced the first token).
+
+A request that asks for logprobs also gets the engine's ``logprobs`` (and the prefill's ``prompt_logprobs``) emitted
+before each token, which ``postprocess`` turns into the token's ``TextDelta.logprobs``; a penalized request whose
+decode runs on another rank takes its prompt's ids there (``prompt_ids``: the penalties count them).
 """
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -16,6 +21,7 @@ import torch
 from mstar_dist.config.engine import EngineConfig, check_model_kwargs
 from mstar_dist.engine.kv_cache import StaticKVCache
 from mstar_dist.engine.kv_engine import KVCacheEngine
+from mstar_dist.events import TextDelta, token_logprob
 from mstar_dist.graph.model import CompositeModel, RequestState, WalkStep
 from mstar_dist.graph.nodes import EMIT_TO_CLIENT, Edge, GraphNode, Loop, Section
 from mstar_dist.transport.inline import encode_ids
@@ -28,6 +34,9 @@ DECODE_LOOP = "decode"
 MAX_DECODE_ITERS = 1 << 20
 MODEL_KWARGS = ("dtype",)
 """The family's ``model_kwargs``; the engine that runs ``LLM`` takes the deployment's ``engine:``."""
+LOGPROB_EDGES = (Edge("prompt_logprobs", EMIT_TO_CLIENT), Edge("logprobs", EMIT_TO_CLIENT))
+"""The engine's logprob tables, emitted before the token they belong to (``postprocess`` keeps them for it); only
+rows that ask for them return them."""
 
 
 class LlamaChat(CompositeModel):
@@ -51,14 +60,14 @@ class LlamaChat(CompositeModel):
         prefill = GraphNode(
             LLM,
             inputs=("input_ids",),
-            outputs=(Edge("token", EMIT_TO_CLIENT), Edge("token"), Edge("kv", persist=True)),
+            outputs=(*LOGPROB_EDGES, Edge("token", EMIT_TO_CLIENT), Edge("token"), Edge("kv", persist=True)),
         )
         decode = Loop(
             GraphNode(
                 LLM,
                 inputs=("token",),
-                optional_inputs=("kv",),
-                outputs=(Edge("token", LLM), Edge("token", EMIT_TO_CLIENT)),
+                optional_inputs=("kv", "prompt_ids"),
+                outputs=(Edge("token", LLM), LOGPROB_EDGES[1], Edge("token", EMIT_TO_CLIENT)),
             ),
             max_iters=MAX_DECODE_ITERS,
             outputs=("token",),
@@ -102,7 +111,10 @@ class LlamaChat(CompositeModel):
             dtype=dtype,
             device=device,
         )
-        return KVCacheEngine(model, cache, torch.device(device), config, logit_bias=self._logit_bias(model), name=LLM)
+        from models.llama.tokenizer import grammar_tokenizer
+
+        return KVCacheEngine(model, cache, torch.device(device), config, logit_bias=self._logit_bias(model), name=LLM,
+                             grammar_tokenizer=functools.partial(grammar_tokenizer, self.weights_dir, cfg.vocab_size))
 
     def _logit_bias(self, model: torch.nn.Module) -> torch.Tensor | None:
         """(V,) added to every row's logits before sampling (``-inf`` forbids a token); None: no bias."""
@@ -152,34 +164,68 @@ class LlamaChat(CompositeModel):
             )
         state.prompt_tokens = len(ids)
         state.data["input_ids"] = encode_ids(ids)  # as it goes on the wire: no tensor on the conductor
-        state.data["decoder"] = self.tokenizer.incremental_decoder()
+        self._text_out(state)
+
+    def _text_out(self, state: RequestState) -> None:
+        """What ``postprocess`` keeps per request: its detokenizer (``skip_special_tokens``,
+        ``spaces_between_special_tokens``) and the ids whose text it leaves out (the stop token that ends the request,
+        unless ``include_stop_str_in_output``)."""
+        p = state.params
+        state.data["decoder"] = self.tokenizer.incremental_decoder() if p is None else \
+            self.tokenizer.incremental_decoder(p.skip_special_tokens, spaces_between=p.spaces_between_special_tokens)
+        stops = self.tokenizer.eos_token_ids if state.stop_ids is None else state.stop_ids
+        state.data["hidden"] = frozenset() if p is not None and p.include_stop_str_in_output else frozenset(stops)
 
     def start(self, state: RequestState) -> WalkStep:
-        return WalkStep("prefill", {"input_ids": state.data.pop("input_ids")})
+        ids = state.data.pop("input_ids")
+        if state.penalized:  # a decode rank that imports the KV needs the prompt too
+            state.data["prompt_ids"] = ids
+        return WalkStep("prefill", {"input_ids": ids})
 
     def after_walk(self, state: RequestState, walk: str, outputs: dict[str, Any]) -> WalkStep | None:
         if walk == "prefill":
             token = outputs["token"]
-            if int(token.reshape(-1)[0]) in self.tokenizer.eos_token_ids:
+            stops = self.tokenizer.eos_token_ids if state.stop_ids is None else state.stop_ids
+            if int(token.reshape(-1)[0]) in stops:
                 state.finish_reason = "stop"
                 return None
-            inputs = {"token": token}
-            if "kv" in outputs:
-                inputs["kv"] = outputs["kv"]
-            return WalkStep("decode", inputs, loop_limits={DECODE_LOOP: state.max_tokens - 1})
+            return WalkStep("decode", self.decode_inputs(state, token, outputs),
+                            loop_limits={DECODE_LOOP: state.max_tokens - 1})
         return None
+
+    @staticmethod
+    def decode_inputs(state: RequestState, token: Any, outputs: dict[str, Any]) -> dict[str, Any]:
+        """The decode walk's inputs after the prefill's ``outputs``: the token it starts from, and the KV and the
+        prompt's ids (for penalties) when the prefill ran on another rank."""
+        inputs = {"token": token}
+        if "kv" in outputs:
+            inputs["kv"] = outputs["kv"]
+            if "prompt_ids" in state.data:
+                inputs["prompt_ids"] = state.data.pop("prompt_ids")
+        return inputs
 
     @property
     def id_signals(self) -> frozenset[str]:
         # this postprocess takes the tokens as ints; a family with its own postprocess (Orpheus) gets tensors
         return frozenset({"token"}) if type(self).postprocess is LlamaChat.postprocess else frozenset()
 
-    def postprocess(self, state: RequestState, signal: str, values: list[Any]) -> str:
+    def postprocess(self, state: RequestState, signal: str, values: list[Any]) -> str | TextDelta | list:
+        if signal in ("logprobs", "prompt_logprobs"):  # come before their token: kept for its delta
+            state.data.setdefault(signal, []).extend(v.tolist() for v in values)
+            return []
         ids = values if not values or isinstance(values[0], int) else \
             [int(t) for v in values for t in v.reshape(-1).tolist()]  # ints from the conductor (id_signals)
         state.completion_tokens += len(ids)
-        decoder = state.data["decoder"]
-        return "".join(decoder.push(i) for i in ids if i not in self.tokenizer.eos_token_ids)
+        decoder, hidden = state.data["decoder"], state.data["hidden"]
+        text = "".join(decoder.push(i) for i in ids if i not in hidden)
+        if "logprobs" not in state.data and "prompt_logprobs" not in state.data:
+            return text
+        piece = self.tokenizer.token_piece
+        tables = state.data.pop("logprobs", None)
+        prompt = state.data.pop("prompt_logprobs", None)
+        return TextDelta(text, 0, logprobs=None if tables is None else [token_logprob(t, piece) for t in tables],
+                         prompt_logprobs=None if prompt is None else
+                         [None, *(token_logprob(row, piece) for table in prompt for row in table)])
 
     def finish_text(self, state: RequestState) -> str:
         decoder = state.data.get("decoder")

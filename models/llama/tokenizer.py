@@ -58,6 +58,7 @@ class ChatTokenizer:
         self._special_ids = frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
         self._byte_level = isinstance(self._tok.decoder, decoders.ByteLevel)
         self._id_bytes: list[bytes] | None = None
+        self._pieces: dict[int, tuple[str, bytes]] = {}
         self._added = self._added_splitter()
         self._piece_ids = functools.lru_cache(maxsize=PIECE_CACHE_SIZE)(self._encode_piece)
 
@@ -135,8 +136,25 @@ class ChatTokenizer:
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def incremental_decoder(self, skip_special_tokens: bool = True, method: str | None = None) -> IncrementalDecoder:
-        return IncrementalDecoder(self, skip_special_tokens=skip_special_tokens, method=method)
+    def incremental_decoder(self, skip_special_tokens: bool = True, method: str | None = None, *,
+                            spaces_between: bool = True) -> IncrementalDecoder:
+        return IncrementalDecoder(self, skip_special_tokens=skip_special_tokens, method=method,
+                                  spaces_between=spaces_between)
+
+    def token_piece(self, token_id: int) -> tuple[str, bytes]:
+        """One token alone as (text, bytes), for logprobs: byte-level BPE gives its exact bytes (the text decodes
+        them, U+FFFD for an incomplete character); otherwise the tokenizer decodes it alone. An added token is its
+        content."""
+        piece = self._pieces.get(token_id)
+        if piece is None:
+            if self._byte_level:
+                raw = self._token_bytes()[token_id] if 0 <= token_id < self.vocab_size else b""
+                piece = (raw.decode("utf-8", errors="replace"), raw)
+            else:
+                text = self._tok.decode([token_id], skip_special_tokens=False)
+                piece = (text, text.encode())
+            self._pieces[token_id] = piece
+        return piece
 
     def _token_bytes(self) -> list[bytes]:
         """Byte-level BPE: the exact bytes of every id (added tokens: their text in UTF-8), built once."""
@@ -172,6 +190,9 @@ class IncrementalDecoder:
     `push(ids)` returns the text completed by these ids ('' while a multi-byte character is still
     incomplete); `flush()` returns what is left at the end (an incomplete tail as U+FFFD). The
     concatenated deltas equal `tokenizer.decode(all_ids)` for valid UTF-8 output.
+    `spaces_between` False (vLLM's ``spaces_between_special_tokens``, with special tokens kept): an added token that
+    follows another is its raw content, whatever spacing the tokenizer's decoder would put before it, as vLLM does
+    for fast tokenizers; byte-level BPE puts none, so there it changes nothing.
     `method` (default: "bytes" for byte-level BPE, else "stream"; the fastest first):
       * "bytes": ids map to exact bytes fed to an incremental UTF-8 decoder, O(1) per token; faster than
         DecodeStream on SmolLM2's tokenizer, so byte-level BPE keeps it;
@@ -182,7 +203,8 @@ class IncrementalDecoder:
         does not extend the previous one).
     """
 
-    def __init__(self, tokenizer: ChatTokenizer, skip_special_tokens: bool = True, method: str | None = None) -> None:
+    def __init__(self, tokenizer: ChatTokenizer, skip_special_tokens: bool = True, method: str | None = None,
+                 spaces_between: bool = True) -> None:
         method = method or ("bytes" if tokenizer._byte_level else "stream")
         if method not in DETOKENIZERS or (method == "bytes" and not tokenizer._byte_level):
             raise ValueError(f"detokenizer method {method!r}: one of {DETOKENIZERS} ('bytes' for byte-level BPE)")
@@ -194,16 +216,35 @@ class IncrementalDecoder:
         self._stream = DecodeStream(skip_special_tokens=False) if method == "stream" else None
         self._ids: list[int] = []  # every id pushed (non-bytes methods); the window is ids[_prefix:]
         self._prefix = self._read = 0
+        self._raw_added = None if spaces_between or skip_special_tokens or method == "bytes" else \
+            {i: t.content for i, t in tokenizer._tok.get_added_tokens_decoder().items()}
+        """Added token id -> its content, when one that follows another is written raw (``spaces_between`` off)."""
+        self._after_added = False
 
     def push(self, ids: int | Iterable[int]) -> str:
         ids = [ids] if isinstance(ids, int) else [i for i in ids]
         ids = [i for i in ids if i not in self._skip]
         if self._bytes is not None:
             return self._utf8.decode(b"".join(self._bytes[i] for i in ids))
+        if self._raw_added is not None:
+            return "".join(self._raw_delta(i) for i in ids)
         if self._stream is None:
             self._ids += ids
             return self._window_delta(final=False)
         return "".join(self._stream_delta(i) for i in ids)
+
+    def _raw_delta(self, token_id: int) -> str:
+        """One id's text where an added token after another is written as its content."""
+        if self._stream is None:
+            self._ids.append(token_id)
+            text = self._window_delta(final=False)
+        else:
+            text = self._stream_delta(token_id)
+        raw = self._raw_added.get(token_id)
+        if raw is not None and self._after_added:
+            text = raw
+        self._after_added = raw is not None
+        return text
 
     def flush(self) -> str:
         if self._bytes is not None:
@@ -231,3 +272,14 @@ class IncrementalDecoder:
             return ""
         self._prefix, self._read = self._read, len(self._ids)
         return text[len(prefix_text):]
+
+
+def grammar_tokenizer(weights_dir: str | Path, vocab_size: int) -> Any:
+    """The ``llguidance.LLTokenizer`` of an HF-layout directory's tokenizer.json, its vocabulary ``vocab_size`` wide
+    (the model's logits) and its EOS the tokenizer's ``eos_token_ids`` (what structured output ends with): the KV
+    engine's ``grammar_tokenizer`` (engine/grammar.py)."""
+    import llguidance
+
+    text = (Path(weights_dir).expanduser() / "tokenizer.json").read_text()
+    eos = list(ChatTokenizer(weights_dir).eos_token_ids)
+    return llguidance.LLTokenizer(text, n_vocab=vocab_size, eos_token=eos or None)

@@ -52,6 +52,9 @@ STRIDE = 7
 CONTEXT_FRAMES = 3
 """Earlier frames decoded with the new ones (their samples are not emitted again)."""
 DEFAULT_SPEECH_DIR = "~/.cache/mstar_dist/orpheus-tiny"
+REPETITION_PENALTY = 1.1
+"""Orpheus's published inference samples with a repetition penalty of 1.1 (its README: at least 1.1 for stable
+speech), over the prompt and the codes so far."""
 
 
 class SpeechCodec(Component):
@@ -139,7 +142,8 @@ class SpeechCodec(Component):
 
 class OrpheusSpeech(LlamaChat):
     """``model_kwargs``: those of :class:`LlamaChat` plus ``codec_weights`` (the SNAC directory). Request knobs:
-    ``voice`` (one of :data:`VOICES`, default ``tara``)."""
+    ``voice`` (one of :data:`VOICES`, default ``tara``) and ``repetition_penalty`` (default
+    :data:`REPETITION_PENALTY`; a request's own ``repetition_penalty`` other than 1 wins)."""
 
     name = "orpheus"
     output_modality = "audio"
@@ -154,7 +158,7 @@ class OrpheusSpeech(LlamaChat):
     def graphs(self) -> dict[str, Section]:
         prefill = GraphNode(LLM, inputs=("input_ids",), outputs=(Edge("kv", persist=True),))
         decode = Loop(
-            GraphNode(LLM, inputs=("token",), optional_inputs=("kv",), outputs=(
+            GraphNode(LLM, inputs=("token",), optional_inputs=("kv", "prompt_ids"), outputs=(
                 Edge("token", LLM), Edge("token", EMIT_TO_CLIENT), Edge("token", CODEC, stream=True))),
             max_iters=MAX_DECODE_ITERS, name=DECODE_LOOP,
         )
@@ -220,10 +224,15 @@ class OrpheusSpeech(LlamaChat):
     def preprocess(self, state: RequestState, prompt: str | None, messages: list[dict] | None) -> None:
         knobs = dict(state.knobs)
         voice = knobs.pop("voice", "tara")
+        penalty = knobs.pop("repetition_penalty", REPETITION_PENALTY)
         if unknown := sorted(knobs):
-            raise ValueError(f"model_kwargs: unknown knob(s) {unknown} for a speech model (known: voice)")
+            raise ValueError(f"model_kwargs: unknown knob(s) {unknown} for a speech model (known: voice, "
+                             f"repetition_penalty)")
         if voice not in VOICES:
             raise ValueError(f"voice {voice!r} is not one of this model's voices: {', '.join(VOICES)}")
+        if isinstance(penalty, bool) or not isinstance(penalty, (int, float)) or not 0 < penalty < float("inf"):
+            raise ValueError(f"model_kwargs.repetition_penalty must be a number > 0, got {penalty!r}")
+        state.sampling_defaults["repetition_penalty"] = float(penalty)
         text = prompt if prompt is not None else "\n".join(m["content"] for m in messages or [] if m["role"] == "user")
         if not text.strip():
             raise ValueError("input is empty: send the text to speak")
@@ -239,14 +248,14 @@ class OrpheusSpeech(LlamaChat):
     def start(self, state: RequestState) -> list[WalkStep]:
         ids = state.data.pop("input_ids")
         state.data["last"] = ids[-1:].clone()
+        if state.penalized:  # a decode rank that imports the KV needs what the prefill ran
+            state.data["prompt_ids"] = ids[:-1]
         return [WalkStep("prefill", {"input_ids": ids[:-1]}), WalkStep("codec", {})]
 
     def after_walk(self, state: RequestState, walk: str, outputs: dict[str, Any]) -> WalkStep | None:
-        if walk == "prefill":
-            inputs = {"token": state.data.pop("last")}
-            if "kv" in outputs:  # decode runs on another rank: the prefill's KV moves there
-                inputs["kv"] = outputs["kv"]
-            return WalkStep("decode", inputs, loop_limits={DECODE_LOOP: state.max_tokens})
+        if walk == "prefill":  # the decode loop starts from the prompt's last token (on another rank: with the KV)
+            return WalkStep("decode", self.decode_inputs(state, state.data.pop("last"), outputs),
+                            loop_limits={DECODE_LOOP: state.max_tokens})
         return None
 
     def postprocess(self, state: RequestState, signal: str, values: list[Any]) -> Any:

@@ -1,10 +1,12 @@
-"""MStarClient: a small synchronous SDK for an mstar_dist server (native /generate, OpenAI chat, speech and
-image generations), with images and audio in (``image_part``, ``audio_part``; files on ``/generate``) and spoken
-answers out (``modalities=["text", "audio"]``).
+"""MStarClient: a small synchronous SDK for an mstar_dist server (native /generate, OpenAI chat and completions,
+speech and image generations, /tokenize and /detokenize), with images and audio in (``image_part``, ``audio_part``;
+files on ``/generate``) and spoken answers out (``modalities=["text", "audio"]``).
 
 Streamed NDJSON is split on b"\\n" and each line decoded as UTF-8 whatever the response's Content-Type says
 (a missing charset must not turn "東京" into mojibake), and a partial line or multi-byte character split
-across network reads is held until the rest arrives.
+across network reads is held until the rest arrives. ``/generate`` outputs are decoded as their
+``metadata.encoding`` says: text as itself ("utf-8"), media as base64; an output without the key (a server from
+before text was sent as UTF-8) is base64.
 """
 
 from __future__ import annotations
@@ -19,7 +21,14 @@ from typing import Any
 
 import httpx
 
-SAMPLING_KEYS = frozenset({"max_tokens", "temperature", "top_p", "top_k", "seed", "stop"})
+SAMPLING_KEYS = frozenset({
+    "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "min_p", "repetition_penalty", "ignore_eos",
+    "min_tokens", "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens",
+    "spaces_between_special_tokens", "response_format", "guided_json", "guided_regex", "guided_choice",
+    "guided_grammar",
+})
+"""Sampling arguments of ``chat``, ``complete``, ``generate`` and their streaming forms (the server's meaning, which
+is vLLM's for its extra parameters)."""
 SPEECH_KEYS = frozenset({"model", "temperature", "top_p", "top_k", "speed"})
 """Optional ``speech`` / ``speech_stream`` arguments beyond input, voice, response_format and seed."""
 WAV_HEADER_BYTES = 44
@@ -77,6 +86,20 @@ class ChatDelta:
     text: str
     audio: bytes = b""
     finish_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class Completion:
+    """``POST /v1/completions``: one text per choice (``n`` per prompt, in order)."""
+
+    texts: list[str]
+    finish_reasons: list[str]
+    usage: Usage | None
+    id: str = ""
+
+    @property
+    def text(self) -> str:
+        return self.texts[0]
 
 
 @dataclass(frozen=True)
@@ -207,7 +230,7 @@ class MStarClient:
         body = _generate_body(prompt, messages, request_id, sampling, model_kwargs, stream=False,
                               modalities=modalities)
         data = self._request("POST", "/generate", **_payload(body, images, audio)).json()
-        outputs = [Output(o["modality"], base64.b64decode(o["data"]), o.get("metadata", {})) for o in data["outputs"]]
+        outputs = [Output(o["modality"], _output_data(o), o.get("metadata", {})) for o in data["outputs"]]
         return GenerateResult(request_id=data["request_id"], text=data["text"], finish_reason=data["finish_reason"],
                               usage=Usage.from_dict(data.get("usage")), outputs=outputs)
 
@@ -226,6 +249,33 @@ class MStarClient:
                     raise MStarError(int(chunk.metadata.get("status", 500)),
                                      str(chunk.metadata.get("message", "error line without a message")))
                 yield chunk
+
+    def complete(self, prompt: str | list[str] | list[int] | list[list[int]], *, model: str | None = None,
+                 n: int = 1, echo: bool = False, **sampling: Any) -> Completion:
+        """OpenAI's legacy completion of ``prompt`` as written (no chat template): a string, strings (``n`` choices
+        each, in order), token ids, or lists of them. ``echo`` puts the prompt before each text."""
+        body: dict[str, Any] = {"prompt": prompt, **_sampling(sampling)}
+        if n != 1:
+            body["n"] = n
+        if echo:
+            body["echo"] = True
+        if model is not None:
+            body["model"] = model
+        data = self._request("POST", "/v1/completions", json=body).json()
+        choices = sorted(data["choices"], key=lambda c: c["index"])
+        return Completion(texts=[c["text"] for c in choices], finish_reasons=[c["finish_reason"] for c in choices],
+                          usage=Usage.from_dict(data.get("usage")), id=data.get("id", ""))
+
+    def tokenize(self, prompt: str | None = None, messages: list[dict[str, Any]] | None = None) -> list[int]:
+        """The model's token ids of ``prompt`` (as written) or of ``messages`` (through its chat template)."""
+        if (prompt is None) == (messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        body = {"prompt": prompt} if prompt is not None else {"messages": messages}
+        return self._request("POST", "/tokenize", json=body).json()["tokens"]
+
+    def detokenize(self, tokens: list[int]) -> str:
+        """The text of ``tokens`` (special tokens written out)."""
+        return self._request("POST", "/detokenize", json={"tokens": list(tokens)}).json()["prompt"]
 
     def speech(self, input: str, voice: str | None, *, response_format: str = "wav", seed: int | None = None,
                **kw: Any) -> bytes:
@@ -433,11 +483,20 @@ def _ndjson_lines(chunks: Iterator[bytes]) -> Iterator[bytes]:
         yield buf
 
 
+def _output_data(obj: dict[str, Any]) -> bytes:
+    """The bytes of a ``/generate`` output or stream line: its text's UTF-8 for ``metadata.encoding`` "utf-8", else
+    base64 decoded (media, and text from servers before the key existed)."""
+    data = obj.get("data") or ""
+    if (obj.get("metadata") or {}).get("encoding") == "utf-8":
+        return data.encode("utf-8")
+    return base64.b64decode(data)
+
+
 def _chunk(line: bytes) -> StreamChunk:
     try:
         obj = json.loads(line.decode("utf-8"))
-        modality, data = obj["modality"], base64.b64decode(obj.get("data") or "")
-    except (UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
+        modality, data = obj["modality"], _output_data(obj)
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise MStarError(0, f"malformed stream line {line[:200]!r}: {exc}") from exc
     text = data.decode("utf-8") if modality == "text" else None
     return StreamChunk(modality=modality, data=data, text=text, metadata=obj.get("metadata") or {})

@@ -11,7 +11,7 @@ import collections
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Container, Mapping
 
 from mstar_dist.conductor.commands import Sink, Submit
 from mstar_dist.conductor.metrics import Metrics
@@ -39,11 +39,12 @@ class Admission:
         self.latency_ewma_s = 1.0
         """Recent request latency, for the Retry-After hint of a refused request."""
 
-    def take(self, cmd: Submit, running: Mapping[str, object]) -> bool:
-        """True when ``cmd``'s request may start now (``running``: the requests running, by client id). Else it was
-        queued, or refused on its sink: a 409 for an id already in flight, a 429 when the queue is full."""
+    def take(self, cmd: Submit, running: Mapping[str, object], fanned: Container[str] = ()) -> bool:
+        """True when ``cmd``'s request may start now (``running``: the requests running, by client id; ``fanned``:
+        the ids of running requests with several choices, which run under their choices' ids). Else it was queued,
+        or refused on its sink: a 409 for an id already in flight, a 429 when the queue is full."""
         rid = cmd.params.request_id
-        if rid in running or any(q.params.request_id == rid for q in self.queue):
+        if rid in running or rid in fanned or any(q.params.request_id == rid for q in self.queue):
             cmd.sink(BackendError(409, f"request_id {rid!r} is already in flight; use a new id"))
             return False
         self.metrics.requests_received += 1

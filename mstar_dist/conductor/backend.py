@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from mstar_dist import trace
 from mstar_dist.conductor.commands import Abort, Submit
-from mstar_dist.events import BackendError, Finished, GenerationEvent, GenerationParams, TextDelta
+from mstar_dist.events import BackendError, Finished, GenerationEvent, GenerationParams, TextDelta, joined
 
 if TYPE_CHECKING:
     from mstar_dist.conductor.conductor import Conductor
@@ -29,8 +29,10 @@ if TYPE_CHECKING:
 class ConductorBackend:
     def __init__(self, conductor: Conductor, *, model_name: str, max_context_tokens: int, max_tokens_limit: int,
                  output_modality: str = "text", output_modalities: list[str] | None = None,
-                 input_modalities: list[str] | None = None):
+                 input_modalities: list[str] | None = None, tokenizer: object = None):
         self.conductor = conductor
+        self.tokenizer = tokenizer
+        """The family's prompt encoder for ``/tokenize`` and token-id prompts (``server/tokenizer.py``), or None."""
         self.output_modality = output_modality
         self.output_modalities = tuple(output_modalities or (output_modality,))
         """Every modality the model can produce when asked (``runtime.deployment.served``)."""
@@ -92,8 +94,9 @@ class ConductorBackend:
 async def relay_queue(events: asyncio.Queue, request_id: str,
                       cancel: Callable[[], None]) -> AsyncIterator[GenerationEvent]:
     """The events of one request as they land in ``events``, until ``Finished``; an exception event is raised.
-    Text deltas waiting behind one another go out as one (one chunk, one socket write under load). Closed before
-    its end (the client left, the server stops), it calls ``cancel()`` to abort the request where it runs."""
+    Text deltas of one choice waiting behind one another go out as one (one chunk, one socket write under load).
+    Closed before its end (the client left, the server stops), it calls ``cancel()`` to abort the request where it
+    runs."""
     pending: collections.deque = collections.deque()  # events taken from the queue, not yet yielded
     first = trace.ON
     finished = False
@@ -106,8 +109,11 @@ async def relay_queue(events: asyncio.Queue, request_id: str,
             while not events.empty():
                 pending.append(events.get_nowait())
             while isinstance(event, TextDelta) and pending and isinstance(pending[0], TextDelta):
-                after = pending.popleft()  # text waiting behind this one goes out with it
-                event = TextDelta(text=event.text + after.text, n_tokens=event.n_tokens + after.n_tokens)
+                both = joined(event, pending[0])  # text waiting behind this one goes out with it (same choice)
+                if both is None:
+                    break
+                pending.popleft()
+                event = both
             if isinstance(event, BaseException):
                 finished = True  # an error event: the request has ended where it ran
                 raise event

@@ -16,6 +16,7 @@ import queue
 import threading
 import time
 
+import msgspec
 import torch
 
 from mstar_dist import trace
@@ -25,9 +26,9 @@ from mstar_dist.conductor.intake_hub import IntakeHub
 from mstar_dist.conductor.liveness import Liveness
 from mstar_dist.conductor.membership import Membership
 from mstar_dist.conductor.metrics import Metrics
-from mstar_dist.conductor.request import Request, request_state, walk_seed
+from mstar_dist.conductor.fanout import Fanout
+from mstar_dist.conductor.request import Request, check_knobs, request_seed, request_state, walk_seed
 from mstar_dist.conductor.routes import Routes
-from mstar_dist.conductor.stop_strings import StopTrimmer
 from mstar_dist.control import messages as m
 from mstar_dist.control.envelope import CONDUCTOR, Reject, is_rank, open_envelope, parse_rank, rank_name
 from mstar_dist.control.port import ControlPort
@@ -104,10 +105,10 @@ class Conductor(Liveness):
         self.stopped = threading.Event()
         self.thread: threading.Thread | None = None
         """The thread running :meth:`run` (see :meth:`start`)."""
-        self._active: dict[str, Request] = {}  # by the client's request id
+        self._active: dict[str, Request] = {}  # by the client's request id (a choice's: conductor/fanout.py)
+        self._fanouts: dict[str, Fanout] = {}  # requests with n > 1, by the client's request id
         self._by_wire: dict[str, Request] = {}
         self._incarnation = 0
-        self._stats_mark = (time.monotonic(), 0)  # (when, tokens generated then)
         self._health: tuple[bool, str] = (True, "ok")
         """What ``health`` answers once serving, published by the thread that owns the requests when a rank dies."""
         self.intakes = IntakeHub(intakes, send=self._send_to, health=self.health, execute=self.execute,
@@ -123,10 +124,8 @@ class Conductor(Liveness):
             left = deadline - time.monotonic()
             if left <= 0:
                 missing = sorted(set(range(self.world_size)) - set(self.ready_ranks))
-                raise TimeoutError(
-                    f"ranks {missing} did not report READY within {timeout_s:g} s (--startup-timeout); "
-                    f"see those ranks' logs"
-                )
+                raise TimeoutError(f"ranks {missing} did not report READY within {timeout_s:g} s "
+                                   f"(--startup-timeout); see those ranks' logs")
             for sender, payload in self.channel.recv(int(min(left, 0.2) * 1000)):
                 self.handle(sender, payload)
         self.serving = True
@@ -170,7 +169,7 @@ class Conductor(Liveness):
                 self.check_timeouts(now)
                 self.check_ranks(now)
                 self.intakes.push_health()
-            if self.log_stats_s and now - self._stats_mark[0] >= self.log_stats_s:
+            if self.log_stats_s and now - self.metrics.stats_mark[0] >= self.log_stats_s:
                 self.log_stats(now)
             if now - last_beat > 1.0:
                 last_beat = now
@@ -223,7 +222,7 @@ class Conductor(Liveness):
         if trace.ON:
             trace.event("cond_received", params.request_id, queued=self.queue_depth, active=len(self._active))
         try:
-            if self.admission.take(Submit(params, sink, pinned_id), self._active):
+            if self.admission.take(Submit(params, sink, pinned_id), self._active, self._fanouts):
                 self._start(params, sink, pinned_id, time.monotonic())
         except Exception as exc:  # never let one request take the conductor thread down
             log.exception("conductor: submit of %s failed", params.request_id)
@@ -241,6 +240,10 @@ class Conductor(Liveness):
 
     def _abort(self, request_id: str, sink: Sink | None) -> None:
         if self.admission.abort(request_id, sink):
+            return
+        fan = self._fanouts.get(request_id)
+        if fan is not None and sink in (None, fan.sink):
+            fan.abort()
             return
         req = self._active.get(request_id)
         if req is not None and sink in (None, req.sink):
@@ -336,9 +339,16 @@ class Conductor(Liveness):
 
     # ---- a request's walks ----
     def _start(self, params: GenerationParams, sink: Sink, pinned_id: bool, arrived: float) -> None:
-        """Preprocess an admitted request, choose its replicas and dispatch its first walks."""
-        state = request_state(params, pinned_id)
+        """Preprocess an admitted request, choose its replicas and dispatch its first walks (each choice's, for n > 1)."""
+        if params.n > 1:  # n choices, each a request of its own (conductor/fanout.py)
+            rid = params.request_id
+            fan = self._fanouts[rid] = Fanout(params, sink, request_seed(params, pinned_id), abort=lambda choice: (
+                self._abort(choice, None)), ended=lambda: self._fanouts.pop(rid, None))
+            fan.start(lambda choice, choice_sink: self._start(choice, choice_sink, pinned_id, arrived))
+            return
+        state = request_state(params, pinned_id, self.stop_ids)
         try:
+            check_knobs(params)
             self.model.preprocess(state, params.prompt, params.messages)
             if trace.ON:
                 trace.event("cond_preprocessed", params.request_id, prompt_tokens=state.prompt_tokens)
@@ -356,8 +366,7 @@ class Conductor(Liveness):
             return
         self._incarnation += 1
         req = Request(state=state, params=params, sink=sink, choice=choice, arrived=arrived,
-                      wire_id=f"{params.request_id}#{self._incarnation}", stops=StopTrimmer(params.stop),
-                      pinned_id=pinned_id)
+                      wire_id=f"{params.request_id}#{self._incarnation}", pinned_id=pinned_id)
         self._active[params.request_id] = req
         self._by_wire[req.wire_id] = req
         if trace.ON:  # joins the front end's events (client id) with the ranks' (wire id)
@@ -410,12 +419,12 @@ class Conductor(Liveness):
         if len(ranks) > 1:
             req.pieces[step.walk] = (set(ranks), {})
         seed = walk_seed(req.state.seed, self._partition_index[partition], walk_index)
-        sampling = m.Sampling(temperature=req.params.temperature, top_p=req.params.top_p, top_k=req.params.top_k)
+        sampling = req.walk_sampling()
         req.touched.update(route.touched)  # before any send: a send that fails still leaves them to be told to release
         for rank in ranks:
             msg = m.RunWalk(
                 request_id=req.wire_id, walk=step.walk, walk_index=walk_index, seed=seed, inputs=inputs[rank],
-                sampling=sampling, export=route.export, loop_limits=step.loop_limits, stop_token_ids=self.stop_ids,
+                sampling=sampling, export=route.export, loop_limits=step.loop_limits, stop_token_ids=req.stop_ids,
                 stream_routes=route.stream_routes, release=release[rank], node_ranks=route.node_ranks,
             )
             if trace.ON:  # as it is handed to the socket
@@ -463,13 +472,9 @@ class Conductor(Liveness):
 
     def _end_streams(self, req: Request, partition: str) -> None:
         """The producing partition is done: its consumers' buffers get their final chunk (see ``StreamEnd``)."""
-        for edge in self.streams:
-            if edge.src_partition != partition or req.partitions.is_done(edge.dst_partition):
-                continue
-            dst = self.routes.consumer_rank(req.choice, edge)
-            src = req.stream_src.get(edge.signal)
-            end = m.StreamEnd(request_id=req.wire_id, signal=edge.signal, forward_to=-1 if src is None else dst)
-            self._send(dst if src is None else src, end)
+        for rank, end in self.routes.stream_ends(req.choice, req.wire_id, partition, req.partitions.is_done,
+                                                 req.stream_src):
+            self._send(rank, end)
 
     # ---- output ----
     def _on_emit(self, emit: m.Emit) -> None:
@@ -502,12 +507,13 @@ class Conductor(Liveness):
                 return  # a stop string ended the request
 
     def _emit_text(self, req: Request, delta: TextDelta) -> bool:
-        """Send ``delta`` cut at the request's stop strings; True when a stop string ended the request."""
-        text = req.stops.feed(delta.text)
+        """Send ``delta`` cut at the request's stop strings (looked for once it made its ``min_tokens``); True when a
+        stop string ended the request."""
+        text = req.stops.feed(delta.text, req.state.completion_tokens >= req.params.min_tokens)
         if text or delta.n_tokens:
             if trace.ON:
                 trace.first("cond_first_delta", [req.wire_id], text=bool(text))
-            req.sink(TextDelta(text=text, n_tokens=delta.n_tokens))
+            req.sink(delta if text == delta.text else msgspec.structs.replace(delta, text=text))
         if req.stops.stopped:
             self._finish(req, "stop")
         return req.stops.stopped
@@ -521,6 +527,8 @@ class Conductor(Liveness):
         self._start_queued()
 
     def _finish(self, req: Request, reason: str) -> None:
+        if req.wire_id not in self._by_wire:
+            return  # ended already (a choice aborted while its batch mates' events were handled)
         stops = req.stops
         if not stops.stopped:
             tail = stops.feed(self.model.finish_text(req.state)) + stops.flush()
@@ -536,6 +544,8 @@ class Conductor(Liveness):
         self._release(req)
 
     def _finish_error(self, req: Request, status: int, message: str) -> None:
+        if req.wire_id not in self._by_wire:
+            return  # ended already
         log.error("request %s failed: %s", req.state.request_id, message)
         self.metrics.observe_done("error", time.monotonic() - req.arrived, req.state.completion_tokens)
         req.sink(BackendError(status, message))
@@ -557,20 +567,8 @@ class Conductor(Liveness):
                 self._finish_error(req, 504, f"request timed out after {limit:g} s (limits.request_timeout_s)")
 
     def log_stats(self, now: float) -> None:
-        """One log line: generation throughput since the last line, load, and the per-rank leak canary; then one
-        line per data-plane edge (walk, producer -> consumer, signal, transport) with its bytes, count and
-        p50/p99 transfer time."""
-        since, tokens = self._stats_mark
-        rate = (self.metrics.tokens_generated - tokens) / max(now - since, 1e-9)
-        live = {r: st.live_tensors for r, st in sorted(self.metrics.rank_stats.items())}
-        log.info("stats: %.1f tok/s, %d running, %d queued, finished %s, live tensors per rank %s, dead ranks %s",
-                 rate, len(self._active), self.queue_depth, dict(self.metrics.finished), live,
-                 sorted(self.dead_ranks))
-        for e in self.metrics.edges():
-            log.info("edge %s: rank %d -> rank %d, %s via %s: %d transfer(s), %d bytes, p50 %.3f ms, p99 %.3f ms",
-                     e.walk or "-", e.src, e.dst, e.signal or "-", e.via, e.count, e.nbytes, e.p50_s * 1e3,
-                     e.p99_s * 1e3)
-        self._stats_mark = (now, self.metrics.tokens_generated)
+        """Log the throughput since the last call, the load, the leak canary and the edges (``Metrics.log_stats``)."""
+        self.metrics.log_stats(now)
 
     @property
     def queue_depth(self) -> int:

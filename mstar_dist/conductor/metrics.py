@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import bisect
 import collections
+import logging
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -27,6 +29,8 @@ from prometheus_client.core import (
 from prometheus_client.samples import Sample
 
 from mstar_dist.events import REQUEST_ENDS
+
+log = logging.getLogger("mstar_dist.conductor.conductor")  # the stats lines keep the logger operators know
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
@@ -56,6 +60,8 @@ class Metrics:
         self.rejected: collections.Counter[str] = collections.Counter()
         self.rejected_messages = 0
         self.tokens_generated = 0
+        self.stats_mark = (time.monotonic(), 0)
+        """(when, tokens generated then) of the last ``log_stats`` line."""
         self.load: Callable[[], tuple[int, int]] = lambda: (0, 0)
         """(running, queued) now; the conductor sets it."""
         self.registry = CollectorRegistry()
@@ -89,6 +95,22 @@ class Metrics:
         self.tokens_generated += n
         if gap_s is not None and n > 0:
             self.itl.observe(gap_s / n, n)
+
+    def log_stats(self, now: float) -> None:
+        """One log line: generation throughput since the last line, load, and the per-rank leak canary; then one
+        line per data-plane edge (walk, producer -> consumer, signal, transport) with its bytes, count and
+        p50/p99 transfer time."""
+        since, tokens = self.stats_mark
+        rate = (self.tokens_generated - tokens) / max(now - since, 1e-9)
+        live = {r: st.live_tensors for r, st in sorted(self.rank_stats.items())}
+        running, queued = self.load()
+        log.info("stats: %.1f tok/s, %d running, %d queued, finished %s, live tensors per rank %s, dead ranks %s",
+                 rate, running, queued, dict(self.finished), live, sorted(self.dead_ranks))
+        for e in self.edges():
+            log.info("edge %s: rank %d -> rank %d, %s via %s: %d transfer(s), %d bytes, p50 %.3f ms, p99 %.3f ms",
+                     e.walk or "-", e.src, e.dst, e.signal or "-", e.via, e.count, e.nbytes, e.p50_s * 1e3,
+                     e.p99_s * 1e3)
+        self.stats_mark = (now, self.tokens_generated)
 
     def edges(self) -> list:
         """Every rank's incoming data-plane flows (``m.EdgeStat``), as last reported."""

@@ -150,6 +150,21 @@ class Routes:
         """The rank of the node consuming streaming ``edge``."""
         return choice.rank_of(self.consumer_walk[edge.signal], edge.dst_node)
 
+    def stream_ends(self, choice: Choice, wire_id: str, partition: str, is_done: Callable[[str], bool],
+                    stream_src: dict[str, int]) -> list[tuple[int, m.StreamEnd]]:
+        """(rank, message) of the ``StreamEnd`` of every streaming edge ``partition`` produces into a partition not
+        done yet (``is_done``), now that it is done: sent to the rank that produced the stream last (``stream_src``:
+        signal -> rank), which forwards it after its items, or to the consumer when nothing was produced."""
+        ends = []
+        for edge in self.streams:
+            if edge.src_partition != partition or is_done(edge.dst_partition):
+                continue
+            dst = self.consumer_rank(choice, edge)
+            src = stream_src.get(edge.signal)
+            ends.append((dst if src is None else src, m.StreamEnd(request_id=wire_id, signal=edge.signal,
+                                                                  forward_to=-1 if src is None else dst)))
+        return ends
+
     def _exports(self, choice: Choice, walk: str) -> bool:
         """Whether a walk's persisted outputs must be materialised for another rank: some other walk of its
         partition runs on a rank this walk does not (e.g. decode on another rank than prefill)."""

@@ -11,23 +11,30 @@ class StopTrimmer:
     delta yields "" and ``stopped`` is True.
     """
 
-    def __init__(self, stops: list[str]) -> None:
+    def __init__(self, stops: list[str], include: bool = False) -> None:
+        """``include``: the text keeps the stop string that ended it (vLLM's ``include_stop_str_in_output``)."""
         self._stops = [s for s in stops if s]
+        self._include = include
         self._pending = ""
         self.stopped = False
 
-    def feed(self, text: str) -> str:
-        """Returns the part of ``pending + text`` that is safe to show now."""
+    def feed(self, text: str, armed: bool = True) -> str:
+        """Returns the part of ``pending + text`` that is safe to show now. Not ``armed`` (the request has not made
+        its ``min_tokens`` yet): nothing is looked for, everything is shown."""
         if self.stopped:
             return ""
         if not self._stops:
             return text
         buf = self._pending + text
-        hits = [i for i in (buf.find(s) for s in self._stops) if i >= 0]
+        if not armed:
+            self._pending = ""
+            return buf
+        hits = [(i, i + len(s)) for i, s in ((buf.find(s), s) for s in self._stops) if i >= 0]
         if hits:
             self.stopped = True
             self._pending = ""
-            return buf[: min(hits)]
+            start, end = min(hits)
+            return buf[: end if self._include else start]
         hold = max(self._partial_match(buf, s) for s in self._stops)
         self._pending = buf[len(buf) - hold :]
         return buf[: len(buf) - hold]

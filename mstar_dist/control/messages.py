@@ -14,7 +14,7 @@ from typing import Union
 
 import msgspec
 
-from mstar_dist.events import GenerationParams, WireEvent
+from mstar_dist.events import GenerationParams, GuidedSpec, WireEvent
 
 
 class InlineTensor(msgspec.Struct, frozen=True, tag=True):
@@ -108,13 +108,24 @@ Carried = Union[InlineTensor, WireTensor]
 """A value moving between two workers: inline when small, else a descriptor of a data-plane transfer."""
 
 
-class Sampling(msgspec.Struct, frozen=True):
+class Sampling(msgspec.Struct, frozen=True, omit_defaults=True):
     """A request's sampling knobs on the wire (the walk's seed travels beside them); a rank turns them into its
-    per-row parameters with ``engine.sampling.SamplingParams.of``, the one conversion every family uses."""
+    per-row parameters with ``engine.sampling.SamplingParams.of``, the one conversion every family uses. The
+    fields are ``SamplingParams``' (its docstrings say what each means); knobs left at their defaults cost nothing
+    on the wire."""
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
+    """Counted from the walk's first token (the conductor subtracts what earlier walks generated)."""
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    guided: GuidedSpec | None = None
 
 
 # ---- conductor -> worker -------------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ import torch
 
 from mstar_dist.engine.decode_attention import kernel_contexts
 from mstar_dist.engine.kv_cache import StaticKVCache
+from mstar_dist.engine.prefill import PREFILL_ATTENTION
 from mstar_dist.engine.sampling import to_device
 
 PREFILL_MIN_LENGTH = 16
@@ -294,3 +295,18 @@ class PrefillGraphs:
         cap.graph.replay()
         return cap.logits[:n]
 
+
+
+def build_graphs(model: torch.nn.Module, cache: StaticKVCache, *, prefill: bool, token_budget: int, offsets: bool
+                 ) -> tuple[DecodeGraphs, PrefillGraphs | None]:
+    """A KV engine's decode graphs (the cache's first free slot becomes their scratch slot), and with ``prefill``
+    its prefill graphs within ``token_budget`` (None when no bucket fits it: batches are then cut as without graphs).
+    ``offsets``: decode steps take position offsets (``DecodeGraphs``). ValueError on a device that is not CUDA."""
+    if cache.device.type != "cuda":
+        raise ValueError(f"cuda_graphs needs a CUDA device, got {cache.device}")
+    graphs = DecodeGraphs(model, cache, scratch_slot=cache.alloc(), max_batch=cache.num_free, offsets=offsets)
+    if not prefill:
+        return graphs, None
+    prefills = PrefillGraphs(model, cache, scratch_slot=graphs.scratch, max_rows=graphs.max_rows,
+                             max_tokens=token_budget, attention=PREFILL_ATTENTION)
+    return graphs, prefills if prefills.buckets else None

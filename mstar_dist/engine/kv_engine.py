@@ -9,9 +9,11 @@ Inputs a call may carry:
 - A prefill's model inputs (the model's ``prefill_inputs``, and ``position_ids``): see ``prefill.row_inputs``.
 - ``position_offset`` (an int or one-element tensor) on a prefill or KV import, for a model with ``position_offsets``:
   its decode steps rotate by cache position + offset (M-RoPE's ``rope_delta``); requests without one cost nothing.
+- ``prompt_ids`` (T,) int64 beside a ``kv`` import, for a request with penalties (they count the prompt's tokens).
 
 Outputs: ``token`` (1,) int64 always; ``kv`` after a prefill when the walk context exports it (the decode rank is
-another rank), in which case this rank's slot is freed at once. The stop check fires on the model's EOS ids.
+another rank), in which case this rank's slot is freed at once; ``logprobs`` and a prefill's ``prompt_logprobs`` for a
+request that asks (engine/logits.py, like every knob beyond the draw). The stop check fires on the walk's stop ids.
 
 The engine is the runner: each turn it sorts the calls, asks its scheduler (engine/scheduler.py) which prompts to
 prefill in which batches and whether the decode rows step, and executes that plan; a call the plan holds is answered
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from typing import Any, Callable
 
 import torch
 
@@ -45,9 +48,11 @@ from mstar_dist import trace
 from mstar_dist.config.engine import EngineConfig
 from mstar_dist.engine.component import Component, WalkContext
 from mstar_dist.engine.kv_cache import Seq, StaticKVCache
-from mstar_dist.engine.lookahead import Ahead, claim
+from mstar_dist.engine.logits import Logprobs, RowExtras, prompt_table
+from mstar_dist.engine.lookahead import Ahead, claim, step_tokens, tokens_on_device
 from mstar_dist.engine.prefill import (
-    PREFILL_ATTENTION, Launched, alone_with_inputs, prefill_eager, row_inputs, side_stream,
+    Launched, alone_with_inputs, has_ended, position_offset, prefill_eager, row_inputs, side_stream, wait,
+    wait_quietly,
 )
 from mstar_dist.engine.sampling import SamplingParams, sample, to_device
 from mstar_dist.engine.scheduler import (
@@ -62,13 +67,15 @@ class KVCacheEngine(Component):
     host_inputs = frozenset({"input_ids"})  # moved to the device on the stream the prefill runs on
 
     def __init__(self, model: torch.nn.Module, cache: StaticKVCache, device: torch.device, config: EngineConfig,
-                 logit_bias: torch.Tensor | None = None, *, name: str = "LLM"):
+                 logit_bias: torch.Tensor | None = None, *, name: str = "LLM",
+                 grammar_tokenizer: Callable[[], Any] | None = None):
         """``config`` is taken as it is (a family resolves it for its rank with ``EngineConfig.on``); its sizes are
         the ``cache``'s. With ``cuda_graphs`` (CUDA only) the cache must hold one slot more than the batch: it is
         kept as the padding rows' scratch slot. ``logit_bias`` (V,) is added to every row's logits before sampling
         (``-inf`` forbids a token: e.g. a speech LLM restricted to audio codes). Lookahead and prefill graphs need a
         model with ``pads_are_inert`` (a dropped lookahead row took part in its batch's forward; a padded prefill
-        row in its bucket's)."""
+        row in its bucket's). ``grammar_tokenizer()`` builds the model's ``llguidance.LLTokenizer`` for structured
+        outputs (engine/grammar.py); None: requests with a grammar fail."""
         self.name = name
         self.config = config
         self.logit_bias = None if logit_bias is None else logit_bias.to(device, torch.float32)
@@ -81,7 +88,11 @@ class KVCacheEngine(Component):
         """Slot -> its request's decode position offset, only the nonzero ones (empty: text-only traffic)."""
         self.graphs = self.prefill_graphs = None
         if config.cuda_graphs:
-            self._build_graphs(config)
+            from mstar_dist.engine.cuda_graphs import build_graphs
+
+            self.graphs, self.prefill_graphs = build_graphs(
+                model, cache, prefill=config.prefill_graphs and self.ragged_prefill,
+                token_budget=config.prefill_token_budget, offsets=self.position_offsets)
         self.lookahead = config.lookahead and self.ragged_prefill
         self._ahead: Ahead | None = None
         self._side = torch.cuda.Stream(device, priority=-1) \
@@ -95,25 +106,12 @@ class KVCacheEngine(Component):
         self._launched: list[Launched] = []
         """Prefill batches launched in earlier turns whose tokens the host has not taken yet (``prefill_in_flight``)."""
         self._seqs: dict[str, Seq] = {}
+        self.rows = RowExtras(device, cache.max_slots, cache.max_seq_len, grammar_tokenizer, name)
+        """Penalties, min_tokens, grammars and logprobs of the rows that ask for them (engine/logits.py)."""
         self.steps = self.decode_rows = self.joined_rows = 0
         self.prefills = self.prefill_batches = self.prefill_batches_replayed = self.prefill_batches_beside = 0
         self.ahead_rows_used = self.ahead_rows_dropped = 0
         self.decode_seconds = 0.0
-
-    def _build_graphs(self, config: EngineConfig) -> None:
-        """Decode graphs, and prefill graphs within the token budget when the config and the model allow them."""
-        from mstar_dist.engine.cuda_graphs import DecodeGraphs, PrefillGraphs
-
-        if self.device.type != "cuda":
-            raise ValueError(f"cuda_graphs needs a CUDA device, got {self.device}")
-        self.graphs = DecodeGraphs(self.model, self.cache, scratch_slot=self.cache.alloc(),
-                                   max_batch=self.cache.num_free, offsets=self.position_offsets)
-        if config.prefill_graphs and self.ragged_prefill:
-            self.prefill_graphs = PrefillGraphs(self.model, self.cache, scratch_slot=self.graphs.scratch,
-                                                max_rows=self.graphs.max_rows,
-                                                max_tokens=config.prefill_token_budget, attention=PREFILL_ATTENTION)
-            if not self.prefill_graphs.buckets:  # a budget below the shortest bucket: batches cut as without graphs
-                self.prefill_graphs = None
 
     @torch.inference_mode()
     def run_batch(self, calls: list[NodeCall]) -> list[Result]:
@@ -126,26 +124,27 @@ class KVCacheEngine(Component):
         results: list[Result] = [None] * len(calls)  # every entry is set below
         prompts, ids, decode = self._sort(calls, results)
         launched_before = self._launched
-        ended = [batch for batch in launched_before if _ended(batch.ready)] if launched_before else []
-        earlier = len(ended) < len(launched_before)  # an earlier turn's prefill is still on the device
+        done = [batch for batch in launched_before if has_ended(batch.ready)] if launched_before else []
+        earlier = len(done) < len(launched_before)  # an earlier turn's prefill is still on the device
         plan = self.scheduler.plan_prefills(prompts, free_slots=self.cache.num_free, on_device=earlier,
                                             busy=bool(decode or launched_before))
         for i, why in plan.held:
             results[i] = why
-        planned = alone_with_inputs(plan.groups, calls, self.prefill_inputs) if self.prefill_inputs else plan.groups
+        planned = alone_with_inputs(plan.groups, calls, self.prefill_inputs) if self.prefill_inputs or any(
+            calls[i].ctx.sampling.prompt_logprobs is not None for group in plan.groups for i in group) else plan.groups
         groups = [[calls[i] for i in group] for group in planned]
         launched = self._launch_prefills(groups, [[ids[i] for i in group] for group in planned])
-        self._decode_turn(calls, decode, results, ended=ended, launched=launched, earlier=earlier)
-        if ended:
+        self._decode_turn(calls, decode, results, ended=done, launched=launched, earlier=earlier)
+        if done:
             at = {call: i for i, call in enumerate(calls)}
-            for batch in ended:
+            for batch in done:
                 self._launched.remove(batch)
                 self._answer(batch, at, results)
         for group, batch in zip(planned, launched):
             if isinstance(batch, BaseException):
                 for i in group:
                     results[i] = batch
-            elif self.prefill_in_flight and not _ended(batch.ready):
+            elif self.prefill_in_flight and not has_ended(batch.ready):
                 self._launched.append(batch)
                 for i in group:
                     results[i] = PREFILL_RUNNING
@@ -193,9 +192,9 @@ class KVCacheEngine(Component):
                      ended: list[Launched], launched: list, earlier: bool) -> None:
         """The decode rows of the turn: the step the scheduler allows, or all held with its reason."""
         ahead, before = self._ahead, self._launched
-        behind = bool(before) and ahead is not None and not _ended(ahead.ready)
+        behind = bool(before) and ahead is not None and not has_ended(ahead.ready)
         on_device = bool(before or launched) and \
-            any(isinstance(b, Launched) and not _ended(b.ready) for b in (*before, *launched))
+            any(isinstance(b, Launched) and not has_ended(b.ready) for b in (*before, *launched))
         go = self.scheduler.plan_decode(bool(decode), ended=bool(ended), launched=bool(launched),
                                         earlier_on_device=earlier, behind=behind, on_device=on_device)
         if not decode:
@@ -221,12 +220,14 @@ class KVCacheEngine(Component):
         if seq is not None:
             self._offsets.pop(seq.slot, None)
             self.cache.free(seq.slot)
+        if self.rows.live:
+            self.rows.release(request_id, None if seq is None else seq.slot)
         for batch in self._launched:
             if request_id in batch.ids:  # on the device: its slot goes back when the batch is finished
                 batch.dropped.add(request_id)
                 if len(batch.dropped) == len(batch.calls):  # nobody waits for this batch any more
                     self._launched.remove(batch)
-                    _wait_quietly(batch.ready)
+                    wait_quietly(batch.ready)
                     self._give_back(batch.slots, batch.stream)
                 break
 
@@ -243,7 +244,7 @@ class KVCacheEngine(Component):
 
     def close(self) -> None:
         for batch in self._launched:  # nothing may still write into the cache or the graphs' pool
-            _wait_quietly(batch.ready)
+            wait_quietly(batch.ready)
         self._launched.clear()
         if self.prefill_graphs is not None:
             self.prefill_graphs.close()
@@ -268,7 +269,7 @@ class KVCacheEngine(Component):
                 # each costs host time that would otherwise land on the first request's prefill
                 drawn = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_p=0.9, top_k=20)]
                 tokens = sample(self._biased(logits), drawn, [torch.Generator(), torch.Generator()])
-                _wait(self._copy_to_host(tokens)[1])
+                wait(self._copy_to_host(tokens)[1])
             finally:
                 self.cache.free(slot)
 
@@ -279,7 +280,7 @@ class KVCacheEngine(Component):
         if call.request_id in self._seqs:
             raise RuntimeError(f"request {call.request_id!r} already has a KV slot on {self.name!r}")
         ids = call.inputs["input_ids"].reshape(-1).long()
-        self._offset_of(call)  # a bad one fails the prompt now, not its batch later
+        position_offset(call, self.position_offsets, self.name)  # a bad one fails the prompt now, not its batch
         if ids.numel() == 0:
             raise ValueError("empty prompt")
         if ids.numel() >= self.cache.max_seq_len:
@@ -319,28 +320,43 @@ class KVCacheEngine(Component):
             trace.event("eng_prefill_start", rows=len(group), tokens=sum(lengths), padded=longest * len(group),
                         ids=ids, engine=self.name)
         extras = row_inputs(group[0], self.prefill_inputs, self.device) if len(group) == 1 else None
-        bucket = None if self.prefill_graphs is None or extras else self.prefill_graphs.bucket_for(len(group), longest)
+        every = len(group) == 1 and group[0].ctx.sampling.prompt_logprobs is not None  # the prompt's logprobs too
+        bucket = None if self.prefill_graphs is None or extras or every else \
+            self.prefill_graphs.bucket_for(len(group), longest)
         if bucket is not None:  # host prompts go to the graph's inputs in one copy
             logits = self.prefill_graphs.logits(prompts, slots, bucket)
         else:
             on_device = [to_device(p, self.device) for p in prompts]  # no stream sync
-            logits = prefill_eager(self.model, self.cache, on_device, slots, lengths, extras)
+            logits = prefill_eager(self.model, self.cache, on_device, slots, lengths, extras, every_position=every)
         if trace.ON:
             trace.event("eng_prefill_replayed", rows=len(group), engine=self.name)
         ctxs: list[WalkContext] = [c.ctx for c in group]
-        tokens = sample(self._biased(logits[:, -1]), [x.sampling for x in ctxs], _generators(ctxs))
-        host, ready = self._copy_to_host(tokens)
+        tokens, logprobs = self._first_tokens(logits, group, prompts, slots, every)
+        host, ready, logprobs = self._copy_out(tokens, logprobs)
         if trace.ON:
             trace.event("eng_prefill_launched", rows=len(group), engine=self.name)
         self.prefill_batches_replayed += bucket is not None
         self.prefill_batches_beside += side is not None
-        return Launched(group, ctxs, slots, lengths, host, ready, side, bucket is not None, ids)
+        return Launched(group, ctxs, slots, lengths, host, ready, side, bucket is not None, ids, logprobs=logprobs)
+
+    def _first_tokens(self, logits: torch.Tensor, group: list[NodeCall], prompts: list[torch.Tensor],
+                      slots: list[int], every: bool) -> tuple[torch.Tensor, Logprobs | None]:
+        """A prefill's first tokens from its logits (rows, 1, V) (``every``: (1, T, V), the prompt's logprobs asked),
+        with what its rows' knobs ask beside the draw (engine/logits.py)."""
+        ctxs: list[WalkContext] = [c.ctx for c in group]
+        last = self._biased(logits[:, -1])
+        special = [i for i, x in enumerate(ctxs) if x.sampling.extras]
+        for i in special:
+            self.rows.admit(group[i].request_id, ctxs[i].sampling, slots[i], prompts[i], prompts[i].numel())
+        prep = self.rows.prepare(ctxs, slots, [p.numel() - 1 for p in prompts], [0] * len(ctxs)) if special else None
+        prompt = prompt_table(self._biased(logits[0]), prompts[0], ctxs[0].sampling.prompt_logprobs) if every else None
+        return self.rows.draw(last, [x.sampling for x in ctxs], _generators(ctxs), prep, prompt)
 
     def _finish_prefill(self, launched: Launched) -> list[NodeResult | Held]:
         """The results of a launched prefill once its tokens are on the host: each request keeps its slot (or exports
         its KV and lets the slot go, for a decode rank elsewhere)."""
         try:
-            _wait(launched.ready)
+            wait(launched.ready)
             tokens = launched.host.tolist()
         except Exception:
             self._give_back(launched.slots, launched.stream)
@@ -354,9 +370,11 @@ class KVCacheEngine(Component):
                 results.append(RELEASED)
                 continue
             self._seqs[call.request_id] = Seq(slot=slot, length=n)
-            if offset := self._offset_of(call):  # its decode steps rotate by cache position + offset
+            if offset := position_offset(call, self.position_offsets, self.name):  # decode rotates by position + it
                 self._offsets[slot] = offset
             outputs = {"token": torch.tensor([token])}
+            if launched.logprobs is not None:
+                outputs.update(launched.logprobs.outputs(len(results)))
             if "kv" in ctx.export:  # on the current stream, where a p2p send of it is ordered (its KV writes are done)
                 outputs["kv"] = self.cache.export(slot, n)
                 self.release(call.request_id)
@@ -387,7 +405,7 @@ class KVCacheEngine(Component):
     def _busy_slots(self) -> set[int]:
         """The slots the decode step still in flight writes (empty when none is, or it has ended)."""
         ahead = self._ahead
-        if ahead is None or _ended(ahead.ready):
+        if ahead is None or has_ended(ahead.ready):
             return set()
         return {seq.slot for seq in ahead.seqs}
 
@@ -406,7 +424,7 @@ class KVCacheEngine(Component):
             raise RuntimeError(
                 f"request {call.request_id!r}: decode on {self.name!r} without a KV cache (no prefill here, none sent)"
             )
-        offset = self._offset_of(call)
+        offset = position_offset(call, self.position_offsets, self.name)
         if self.cache.num_free == 0:
             return False
         slot = self.cache.alloc()
@@ -419,16 +437,8 @@ class KVCacheEngine(Component):
         if offset:
             self._offsets[slot] = offset
         call.inputs.pop("kv")  # imported: let the received buffer go
+        self.rows.admit(call.request_id, call.ctx.sampling, slot, call.inputs.pop("prompt_ids", None), int(kv.shape[3]))
         return True
-
-    def _offset_of(self, call: NodeCall) -> int:
-        """The call's ``position_offset`` (0 without one); ValueError when the model takes none."""
-        offset = call.inputs.get("position_offset")
-        if offset is None:
-            return 0
-        if not self.position_offsets:
-            raise ValueError(f"{self.name!r}: its model takes no position_offset (request {call.request_id!r})")
-        return int(offset.reshape(-1)[0]) if isinstance(offset, torch.Tensor) else int(offset)
 
     def _decode(self, calls: list[NodeCall], step: Step) -> list[NodeResult | Held]:
         t0 = time.perf_counter()
@@ -444,7 +454,7 @@ class KVCacheEngine(Component):
     def _decode_step(self, calls: list[NodeCall], step: Step) -> list[NodeResult | Held]:
         """One decode step of ``calls``: rows the lookahead already ran take its tokens, the others run now or join
         the next launch (`Scheduler.joins`); then (lookahead) the next step of all of them is launched before this
-        step's tokens are copied to the host."""
+        step's tokens are copied to the host, unless a row has a grammar (its mask needs its token on the host)."""
         ahead, self._ahead = self._ahead, None
         seqs = [self._seqs[c.request_id] for c in calls]
         claimed: dict[int, int] = {}
@@ -452,59 +462,53 @@ class KVCacheEngine(Component):
             claimed, dropped = claim(ahead, calls, seqs, self._seqs)
             self.ahead_rows_used += len(claimed)
             self.ahead_rows_dropped += dropped
+        live = bool(self.rows.live)  # some request here uses knobs beyond the draw (engine/logits.py)
+        lookahead = self.lookahead and not (live and any(c.ctx.sampling.guided is not None for c in calls))
         fresh = [i for i in range(len(calls)) if i not in claimed]
         join: list[int] = []
-        if fresh and Scheduler.joins(self.lookahead, bool(claimed), step):
+        if fresh and Scheduler.joins(lookahead, bool(claimed), step):
             join, fresh = fresh, []
         run = [i for i in range(len(calls)) if i in claimed or i in fresh]  # this step's rows, in call order
         ctxs: list[WalkContext] = [c.ctx for c in calls]
-        fresh_tokens = fresh_host = fresh_ready = None
+        fresh_tokens = fresh_host = fresh_ready = fresh_lp = None
         if fresh:
-            inputs = self._given_on_device([calls[i] for i in fresh])
-            fresh_tokens, _ = self._forward_sample(inputs, [seqs[i] for i in fresh], [ctxs[i] for i in fresh])
-            fresh_host, fresh_ready = self._copy_to_host(fresh_tokens)
-        step_tokens = self._step_tokens(ahead, claimed, fresh, run, fresh_tokens)
+            inputs = tokens_on_device([calls[i] for i in fresh], self.device)
+            fresh_tokens, fresh_lp, _ = self._forward_sample(
+                inputs, [seqs[i] for i in fresh], [ctxs[i] for i in fresh],
+                done=[calls[i].iteration for i in fresh] if live else None,
+                given=[calls[i].inputs["token"] for i in fresh] if live else None)
+            fresh_host, fresh_ready, fresh_lp = self._copy_out(fresh_tokens, fresh_lp)
+        tokens = step_tokens(ahead, claimed, fresh, run, fresh_tokens)
         for i in run:
             seqs[i].length += 1
-        if self.lookahead:
-            given = self._given_on_device([calls[i] for i in join]) if join else None
-            tokens = step_tokens if given is None else given if step_tokens is None else torch.cat([step_tokens, given])
+        if lookahead:
+            given = tokens_on_device([calls[i] for i in join], self.device) if join else None
+            tokens = tokens if given is None else given if tokens is None else torch.cat([tokens, given])
             launch = run + join
             self._launch_ahead([calls[i] for i in launch], [seqs[i] for i in launch], [ctxs[i] for i in launch],
                                tokens, given={len(run) + k: calls[i].inputs["token"] for k, i in enumerate(join)})
         # the step's device-to-host copies (the lookahead, if any, is already queued behind them)
         ids = [0] * len(calls)
+        extra: dict[int, dict[str, torch.Tensor]] = {}
         if claimed:
-            _wait(ahead.ready)
+            wait(ahead.ready)
             ahead_ids = ahead.host.tolist()
             for i, row in claimed.items():
                 ids[i] = ahead_ids[row]
+            if ahead.logprobs is not None:
+                extra.update({i: ahead.logprobs.outputs(row) for i, row in claimed.items()})
         if fresh:
-            _wait(fresh_ready)
+            wait(fresh_ready)
             for i, value in zip(fresh, fresh_host.tolist()):
                 ids[i] = value
-        return self._step_results(ctxs, ids, run, join)
+            if fresh_lp is not None:
+                extra.update({i: fresh_lp.outputs(k) for k, i in enumerate(fresh)})
+        return self._step_results(ctxs, ids, run, join, extra)
 
-    def _step_tokens(self, ahead: Ahead | None, claimed: dict[int, int], fresh: list[int], run: list[int],
-                     fresh_tokens: torch.Tensor | None) -> torch.Tensor | None:
-        """The step's tokens (len(run),) on the device, in ``run``'s order: the lookahead's for claimed rows, the fresh
-        forward's for the others."""
-        if not claimed:
-            return fresh_tokens
-        if not fresh and list(claimed.values()) == list(range(len(ahead.request_ids))):
-            return ahead.tokens  # the common case: the same rows in the same order
-        at = {i: k for k, i in enumerate(run)}
-        step_tokens = torch.empty(len(run), dtype=torch.long, device=self.device)
-        step_tokens[to_device([at[i] for i in claimed], self.device)] = \
-            ahead.tokens[to_device(list(claimed.values()), self.device)]
-        if fresh:
-            step_tokens[to_device([at[i] for i in fresh], self.device)] = fresh_tokens
-        return step_tokens
-
-    def _step_results(self, ctxs: list[WalkContext], ids: list[int], run: list[int], join: list[int]
-                      ) -> list[NodeResult | Held]:
-        """The step's results (``ids``: each call's token on the host; joining rows are held), and the lookahead
-        launched from it told what its rows started from."""
+    def _step_results(self, ctxs: list[WalkContext], ids: list[int], run: list[int], join: list[int],
+                      extra: dict[int, dict[str, torch.Tensor]]) -> list[NodeResult | Held]:
+        """The step's results (``ids``: each call's token on the host; ``extra``: call index -> its logprobs outputs;
+        joining rows are held), and the lookahead launched from it told what its rows started from."""
         tokens_out = torch.tensor(ids, dtype=torch.long).split(1)  # one (1,) view a row, in one call
         if self._ahead is not None:
             started = [ids[i] for i in run] + [None] * len(join)
@@ -516,23 +520,20 @@ class KVCacheEngine(Component):
         self.joined_rows += len(join)
         results: list[NodeResult | Held] = [JOINED_LOOKAHEAD] * len(ids)  # joining rows: handed over again
         for i in run:
-            results[i] = NodeResult(outputs={"token": tokens_out[i]}, stop=ids[i] in ctxs[i].stop_token_ids)
+            outputs = {"token": tokens_out[i], **extra[i]} if extra and i in extra else {"token": tokens_out[i]}
+            results[i] = NodeResult(outputs=outputs, stop=ids[i] in ctxs[i].stop_token_ids)
         if join:
             self.scheduler.count(JOINED_LOOKAHEAD, len(join))
         return results
 
-    def _given_on_device(self, calls: list[NodeCall]) -> torch.Tensor:
-        """The calls' input tokens as one (n,) long tensor on the device, without a stream sync. Tokens this engine
-        sampled are host tensors; a request's first one may arrive on the device (from a prefill elsewhere)."""
-        given = [c.inputs["token"].reshape(1) for c in calls]
-        if all(t.device.type == "cpu" for t in given):
-            return to_device(torch.cat(given), self.device).long()
-        return torch.cat([to_device(t, self.device) for t in given]).long()
-
     def _forward_sample(self, tokens: torch.Tensor, seqs: list[Seq], ctxs: list[WalkContext],
-                        keep_states: bool = False) -> tuple[torch.Tensor, dict]:
+                        keep_states: bool = False, done: list[int] | None = None,
+                        given: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, Logprobs | None, dict]:
         """One decode forward of ``tokens`` (n,) on the device, each row writing its sequence's next position, and
-        its samples (n,) on the device. With ``keep_states``: {row: (generator, state before the draw)}."""
+        its samples (n,) on the device, their logprob tables (engine/logits.py) and, with ``keep_states``, {row:
+        (generator, state before the draw)}. While a request with extras lives here (``rows.live``): ``done``, the
+        tokens each row's walk made before this step, and ``given``, the calls' input token tensors (None for a
+        lookahead launch)."""
         positions = [s.length for s in seqs]
         slots = [s.slot for s in seqs]
         offsets = self._offsets
@@ -547,7 +548,15 @@ class KVCacheEngine(Component):
         generators = _generators(ctxs)
         states = {row: (generators[row], generators[row].get_state())
                   for row, p in enumerate(params) if keep_states and not p.greedy}
-        return sample(self._biased(logits[:, -1]), params, generators), states
+        prep = None if done is None else self.rows.prepare(ctxs, slots, positions, done, inputs=tokens, given=given)
+        return *self.rows.draw(self._biased(logits[:, -1]), params, generators, prep), states
+
+    def _copy_out(self, tokens: torch.Tensor, logprobs: Logprobs | None
+                  ) -> tuple[torch.Tensor, object, Logprobs | None]:
+        """Start copying a forward's ``tokens`` and logprob tables to the host: (host tokens, the event to wait for,
+        host tables); the tables' copies are queued first, so the tokens' event covers them."""
+        tables = None if logprobs is None else logprobs.to_host(pinned=self.device.type == "cuda")
+        return (*self._copy_to_host(tokens), tables)
 
     def _copy_to_host(self, tokens: torch.Tensor) -> tuple[torch.Tensor, object]:
         """Start copying ``tokens`` to the host: (host tensor, CUDA event to wait for; None when already done)."""
@@ -569,30 +578,18 @@ class KVCacheEngine(Component):
         if len(rows) < len(seqs):
             tokens = tokens[to_device(rows, self.device)]
         picked = [seqs[i] for i in rows]
-        sampled, states = self._forward_sample(tokens, picked, [ctxs[i] for i in rows], keep_states=True)
-        host, ready = self._copy_to_host(sampled)
         given = given or {}
+        # a launched row follows one more token of its walk than its call made, a joining row its call's
+        done = [calls[i].iteration + (i not in given) for i in rows] if self.rows.live else None
+        sampled, logprobs, states = self._forward_sample(tokens, picked, [ctxs[i] for i in rows], keep_states=True,
+                                                         done=done)
+        host, ready, logprobs = self._copy_out(sampled, logprobs)
         self._ahead = Ahead(rows=rows, request_ids=[calls[i].request_id for i in rows], seqs=picked,
                             lengths=[s.length for s in picked], tokens=sampled, host=host, ready=ready,
-                            generator_states=states, given={k: given[i] for k, i in enumerate(rows) if i in given})
-
-
-def _wait(event: object) -> None:
-    if event is not None:
-        event.synchronize()
-
+                            generator_states=states, given={k: given[i] for k, i in enumerate(rows) if i in given},
+                            logprobs=logprobs)
 
 def _generators(ctxs: list[WalkContext]) -> list[torch.Generator | None]:
     """The rows' sampling generators, made only for rows that draw (a greedy row never does: no generator to build
     for each greedy request's prefill)."""
     return [None if x.sampling.greedy else x.generator("cpu") for x in ctxs]
-
-
-def _ended(event: object) -> bool:
-    """Whether the work before ``event`` is done (None: done already, on the CPU), without waiting."""
-    return event is None or event.query()
-
-
-def _wait_quietly(event: object) -> None:
-    with contextlib.suppress(Exception):  # a failed stream has nothing left to write
-        _wait(event)

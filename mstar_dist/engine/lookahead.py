@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 import torch
 
 from mstar_dist.engine.kv_cache import Seq
+from mstar_dist.engine.logits import Logprobs
+from mstar_dist.engine.sampling import to_device
 from mstar_dist.graph.walk import NodeCall
 
 
@@ -44,6 +46,8 @@ class Ahead:
     given: dict[int, torch.Tensor] = field(default_factory=dict)
     """Row -> the very token tensor a joining row started from (a request's first decode step, launched here
     instead of in a forward of its own): its call, handed over again, is claimed by that tensor's identity."""
+    logprobs: Logprobs | None = None
+    """The rows' logprob tables on the host (complete with ``host``), for the rows that asked."""
     handed: list[torch.Tensor | None] = field(default_factory=list)
     """The token tensor each row started from as the launching step handed it out (its ``NodeResult``), None for a
     joining row: a call that brings that very tensor back is claimed without reading its value (reading a token
@@ -102,3 +106,29 @@ def rewind(ahead: Ahead, claimed: dict[int, int], live: dict[str, Seq]) -> int:
         if saved is not None and live.get(rid) is ahead.seqs[row]:
             saved[0].set_state(saved[1])
     return dropped
+
+
+def step_tokens(ahead: Ahead | None, claimed: dict[int, int], fresh: list[int], run: list[int],
+                fresh_tokens: torch.Tensor | None) -> torch.Tensor | None:
+    """A step's tokens (len(run),) on the device, in ``run``'s order (call indices): the lookahead's for the
+    ``claimed`` rows (call index -> its row), ``fresh_tokens`` (the ``fresh`` rows' forward) for the others."""
+    if not claimed:
+        return fresh_tokens
+    if not fresh and list(claimed.values()) == list(range(len(ahead.request_ids))):
+        return ahead.tokens  # the common case: the same rows in the same order
+    device = ahead.tokens.device
+    at = {i: k for k, i in enumerate(run)}
+    tokens = torch.empty(len(run), dtype=torch.long, device=device)
+    tokens[to_device([at[i] for i in claimed], device)] = ahead.tokens[to_device(list(claimed.values()), device)]
+    if fresh:
+        tokens[to_device([at[i] for i in fresh], device)] = fresh_tokens
+    return tokens
+
+
+def tokens_on_device(calls: list[NodeCall], device: torch.device) -> torch.Tensor:
+    """The calls' input tokens as one (n,) long tensor on ``device``, without a stream sync. Tokens the engine
+    sampled are host tensors; a request's first one may arrive on the device (from a prefill elsewhere)."""
+    given = [c.inputs["token"].reshape(1) for c in calls]
+    if all(t.device.type == "cpu" for t in given):
+        return to_device(torch.cat(given), device).long()
+    return torch.cat([to_device(t, device) for t in given]).long()

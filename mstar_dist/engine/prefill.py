@@ -4,6 +4,7 @@ eager padded forward, and the rule for running a batch beside the decode step in
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -11,6 +12,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mstar_dist.engine.component import WalkContext
 from mstar_dist.engine.kv_cache import StaticKVCache
+from mstar_dist.engine.logits import Logprobs
 from mstar_dist.engine.sampling import to_device
 from mstar_dist.graph.walk import NodeCall
 
@@ -40,16 +42,20 @@ class Launched:
     ids: list[str]
     dropped: set[str] = field(default_factory=set)
     """Requests released while the batch was on the device: their slots go back when it is finished."""
+    logprobs: Logprobs | None = None
+    """The rows' logprob tables on the host (complete with ``host``), for the rows that asked."""
 
 
 def alone_with_inputs(groups: list[list[int]], calls: list[NodeCall], names: tuple[str, ...]) -> list[list[int]]:
     """The prefill ``groups`` (call indices) with every prompt that carries model inputs (``names`` or
-    ``position_ids``) in a group of its own: its inputs are one row's."""
+    ``position_ids``) in a group of its own: its inputs are one row's; and so is one that asks for its prompt's
+    logprobs (its forward keeps the logits of every position, `prefill_eager`)."""
     out: list[list[int]] = []
     for group in groups:
         rest = []
         for i in group:
-            if any(name in calls[i].inputs for name in (*names, "position_ids")):
+            if calls[i].ctx.sampling.prompt_logprobs is not None or \
+                    any(name in calls[i].inputs for name in (*names, "position_ids")):
                 out.append([i])
             else:
                 rest.append(i)
@@ -70,11 +76,23 @@ def row_inputs(call: NodeCall, names: tuple[str, ...], device: torch.device) -> 
     return {name: to_device(t, device) for name, t in given.items()} or None
 
 
+def position_offset(call: NodeCall, accepted: bool, engine: str) -> int:
+    """The call's ``position_offset`` (0 without one); ValueError when the engine's model takes none
+    (``accepted`` False)."""
+    offset = call.inputs.get("position_offset")
+    if offset is None:
+        return 0
+    if not accepted:
+        raise ValueError(f"{engine!r}: its model takes no position_offset (request {call.request_id!r})")
+    return int(offset.reshape(-1)[0]) if isinstance(offset, torch.Tensor) else int(offset)
+
+
 def prefill_eager(model: torch.nn.Module, cache: StaticKVCache, prompts: list[torch.Tensor], slots: list[int],
-                  lengths: list[int], inputs: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+                  lengths: list[int], inputs: dict[str, torch.Tensor] | None = None, *,
+                  every_position: bool = False) -> torch.Tensor:
     """One forward of ``prompts`` (on the cache's device) right-padded to the longest, each row from position 0 of
-    its slot: the last-token logits (rows, 1, V), each row's at its own last token. ``inputs``: one prompt's model
-    inputs (``row_inputs``)."""
+    its slot: the last-token logits (rows, 1, V), each row's at its own last token; with ``every_position`` (one
+    prompt) the logits of every position (1, T, V). ``inputs``: one prompt's model inputs (``row_inputs``)."""
     device = cache.device
     longest = max(lengths)
     ids = torch.zeros((len(prompts), longest), dtype=torch.long, device=device)
@@ -91,7 +109,7 @@ def prefill_eager(model: torch.nn.Module, cache: StaticKVCache, prompts: list[to
     cache.bind(slots, [0] * len(prompts), longest)
     last = None if min(lengths) == longest else to_device([n - 1 for n in lengths], device)
     with sdpa_kernel(PREFILL_ATTENTION):
-        return model(ids, positions, cache, last_only=True, last_index=last, **kwargs)
+        return model(ids, positions, cache, last_only=not every_position, last_index=last, **kwargs)
 
 
 def side_stream(side: torch.cuda.Stream | None, busy: set[int], slots: list[int], prompts: list[torch.Tensor]
@@ -115,3 +133,20 @@ def side_stream(side: torch.cuda.Stream | None, busy: set[int], slots: list[int]
     if any(p.device.type != "cpu" for p in prompts):  # made on the current stream, maybe still queued there
         return None
     return side
+
+
+def wait(event: object) -> None:
+    """Block until the work before ``event`` (a CUDA event; None on the CPU) is done."""
+    if event is not None:
+        event.synchronize()
+
+
+def has_ended(event: object) -> bool:
+    """Whether the work before ``event`` is done (None: done already, on the CPU), without waiting."""
+    return event is None or event.query()
+
+
+def wait_quietly(event: object) -> None:
+    """`wait`, where a failed stream has nothing left to write."""
+    with contextlib.suppress(Exception):
+        wait(event)

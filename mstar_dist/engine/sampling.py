@@ -1,10 +1,13 @@
-"""Next-token sampling: greedy, temperature, top-k, top-p, one seeded generator per request.
+"""Next-token sampling: greedy, temperature, top-k, top-p, min-p, one seeded generator per request.
 
 The one place where a request's sampling knobs become what the device draws with: `SamplingParams.of` turns the knobs
 a request carries (``GenerationParams``, the wire's ``control.messages.Sampling``, a TP call's) and its walk's seed
 into a walk's `SamplingParams`; `sample` turns the rows' parameters into per-row tensors on the device and draws;
 `seeded` turns a seed into a generator (the engine's, and a family's own noise). Every family's tokens go through
-`sample` (the KV engine calls it); no family reads temperature, top-p or top-k itself.
+`sample` (the KV engine calls it); no family reads temperature, top-p or top-k itself. The knobs that change the
+logits before the draw (penalties, ``min_tokens``, a grammar) and the logprobs a row returns are the KV engine's
+(engine/logits.py, engine/grammar.py), from the same `SamplingParams`; a row that uses none of them
+(``SamplingParams.extras`` False) costs what it cost before they existed.
 
 A row's token depends only on its own logits, parameters and generator - never on which other requests
 share the batch - so a pinned seed gives the same text whatever the batching. To keep that exact, the
@@ -15,8 +18,8 @@ alone); greedy rows are one batched argmax.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
@@ -25,8 +28,17 @@ _NUCLEUS_GUESS = 1024
 vocabulary of tens of thousands)."""
 
 
+MAX_LOGPROBS = 20
+"""The most alternatives a request may ask for per token (``logprobs``, ``prompt_logprobs``), as vLLM's default."""
+KNOBS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+         "min_tokens", "logprobs", "prompt_logprobs", "guided")
+"""The request's knobs a `SamplingParams` is made of (``of``) and gives back (``knobs``), by their one name."""
+
+
 class SamplingKnobs(Protocol):
-    """A request's sampling knobs as any layer carries them (validated where they enter: the HTTP models)."""
+    """A request's sampling knobs as any layer carries them (validated where they enter: the HTTP models, and
+    `SamplingParams` itself on the conductor before anything runs). The knobs after ``top_k`` may be absent (a
+    family's own knobs object): they then take `SamplingParams`' defaults."""
 
     temperature: float
     top_p: float
@@ -43,6 +55,30 @@ class SamplingParams:
     """Keep only the k most likely tokens (applied before top_p). >= 0; 0 = off."""
     seed: int | None = None
     """Seed of the request's generator (see make_generator); None = nondeterministic."""
+    min_p: float = 0.0
+    """Drawn rows keep only tokens whose probability is at least min_p x the row's most likely one's (after
+    temperature, before top-k/top-p, as vLLM). In [0, 1]; 0 = off."""
+    repetition_penalty: float = 1.0
+    """Logits of tokens in the prompt or the output so far: divided by it when positive, multiplied when negative
+    (HF's and vLLM's). > 0; 1 = off."""
+    presence_penalty: float = 0.0
+    """Subtracted once from the logit of every token the output contains (OpenAI's). In [-2, 2]."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per occurrence in the output (OpenAI's). In [-2, 2]."""
+    min_tokens: int = 0
+    """This walk's first ``min_tokens`` tokens cannot be one of the walk's stop tokens (their logits are -inf)."""
+    logprobs: int | None = None
+    """Each token of the walk comes with its logprob and the ``logprobs`` most likely alternatives' (0: its own
+    only; None: none), computed from the logits before any knob changes them. 0 to ``MAX_LOGPROBS``."""
+    prompt_logprobs: int | None = None
+    """A prefill also returns the logprob of each prompt token after the first, with as many alternatives."""
+    guided: Any = None
+    """A structured-output spec (``events.GuidedSpec``: kind and spec): tokens that leave its grammar are masked."""
+    penalized: bool = field(init=False, repr=False, compare=False)
+    """Some penalty is on (the row's prompt and output are kept on the device: engine/logits.py)."""
+    extras: bool = field(init=False, repr=False, compare=False)
+    """Some knob beyond temperature, top-k, top-p and min-p is on: the engine's per-row work of engine/logits.py
+    runs for this row (off: the row costs what a plain draw costs)."""
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -57,16 +93,42 @@ class SamplingParams:
         s = self.seed
         if s is not None and (isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < 2**64):
             raise ValueError(f"SamplingParams.seed must be None or an int in [0, 2**64), got {s!r}")
+        self._check_extras()
+        penalized = self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+        object.__setattr__(self, "penalized", penalized)
+        object.__setattr__(self, "extras", penalized or self.min_tokens > 0 or self.guided is not None
+                           or self.logprobs is not None or self.prompt_logprobs is not None)
+
+    def _check_extras(self) -> None:
+        """ValueError naming the knob for a value out of its range."""
+        for name, low, high in (("min_p", 0, 1), ("presence_penalty", -2, 2), ("frequency_penalty", -2, 2),
+                                ("repetition_penalty", 0, math.inf)):
+            v = getattr(self, name)
+            number = not isinstance(v, bool) and isinstance(v, (int, float))
+            if not (number and low <= v <= high) or (high == math.inf and not 0 < v < high):
+                span = "> 0 and finite" if high == math.inf else f"in [{low}, {high}]"
+                raise ValueError(f"SamplingParams.{name} must be a number {span}, got {v!r}")
+        m = self.min_tokens
+        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+            raise ValueError(f"SamplingParams.min_tokens must be an int >= 0, got {m!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):
+                raise ValueError(f"SamplingParams.{name} must be None or an int in [0, {MAX_LOGPROBS}], got {k!r}")
+        g = self.guided
+        if g is not None and not (isinstance(getattr(g, "kind", None), str) and isinstance(getattr(g, "spec", None),
+                                                                                            str)):
+            raise ValueError(f"SamplingParams.guided must be None or a GuidedSpec (kind, spec), got {g!r}")
 
     @classmethod
     def of(cls, knobs: SamplingKnobs, seed: int | None) -> SamplingParams:
         """A walk's parameters: the request's ``knobs`` and the walk's ``seed`` (docs/architecture.md §4)."""
-        return cls(temperature=knobs.temperature, top_p=knobs.top_p, top_k=knobs.top_k, seed=seed)
+        return cls(**{name: getattr(knobs, name) for name in KNOBS if hasattr(knobs, name)}, seed=seed)
 
-    def knobs(self) -> dict[str, float | int]:
+    def knobs(self) -> dict[str, Any]:
         """The request's knobs these were made of (``control.messages.Sampling(**params.knobs())`` on the wire: the
         seed travels apart, as the walk's)."""
-        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
+        return {name: getattr(self, name) for name in KNOBS}
 
     @property
     def greedy(self) -> bool:
@@ -139,6 +201,8 @@ def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], u: torch.Te
     depend on the other rows (normalisers are per row, over the row's own top-k set, in vocabulary order)."""
     device, vocab = logits.device, logits.shape[1]
     x = logits / to_device([float(p.temperature) for p in params], device)[:, None]
+    if any(p.min_p > 0 for p in params):
+        x = min_p_filtered(x, [p.min_p for p in params])
     plain = [i for i, p in enumerate(params) if not (0 < p.top_k < vocab) and p.top_p >= 1]
     if len(plain) == len(params):
         return _sample_plain(x, u)
@@ -177,7 +241,8 @@ def _sample_cut(x: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) 
     vals, candidates = x.topk(width, dim=-1)  # (R, width), most likely first
     ranks = torch.arange(width, device=device)[None]
     probs = (vals - log_total).exp() * (ranks < k)
-    keep = ((probs.cumsum(dim=-1) - probs) < top_p) & (ranks < k)  # the first token always stays
+    # the first token always stays (a top_p that rounds to 0 in fp32 keeps it alone: greedy)
+    keep = (((probs.cumsum(dim=-1) - probs) < top_p) | (ranks == 0)) & (ranks < k)
     probs = probs * keep
     cdf = probs.cumsum(dim=-1)
     # first index whose cdf exceeds u * mass; the clamp guards u * mass rounding up to the full mass
@@ -191,3 +256,22 @@ def _top_k_masked(x: torch.Tensor, k: torch.Tensor, k_max: int) -> torch.Tensor:
     k = V keeps all)."""
     kth = x.topk(k_max, dim=-1).values.gather(1, k - 1)
     return x.masked_fill(x < kth, float("-inf"))
+
+
+def min_p_filtered(x: torch.Tensor, min_p: list[float]) -> torch.Tensor:
+    """x (R, V) tempered logits with every token whose probability is below ``min_p[r]`` x the row's most likely
+    one's set to -inf (HF's ``MinPLogitsWarper``, vLLM's min-p): p / p_max < min_p is x - x_max < log(min_p)."""
+    floor = to_device([math.log(p) if p > 0 else -math.inf for p in min_p], x.device)
+    return x.masked_fill(x < x.amax(dim=-1, keepdim=True) + floor[:, None], float("-inf"))
+
+
+def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:
+    """logits (R, V), the tokens drawn (R,) -> (R, 1 + k, 2) float64 on logits' device: [r, 0] = (token id, its
+    logprob), [r, 1:] = the k most likely (id, logprob), most likely first. Logprobs are the log-softmax of these
+    logits in fp32; ids ride as float64 (exact below 2**53). One log-softmax and one topk for the whole batch."""
+    lp = logits.float().log_softmax(dim=-1)
+    chosen = torch.stack([tokens.double(), lp.gather(1, tokens[:, None].long())[:, 0].double()], dim=-1)[:, None]
+    if k == 0:
+        return chosen
+    top = lp.topk(k, dim=-1)
+    return torch.cat([chosen, torch.stack([top.indices.double(), top.values.double()], dim=-1)], dim=1)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mstar_dist.config.engine import EngineConfig
-from mstar_dist.events import MediaItem, MediaLimits
+from mstar_dist.events import GenerationParams, MediaItem, MediaLimits
 from mstar_dist.graph.nodes import Section
 from mstar_dist.graph.partitions import Partition, StreamingEdge
 
@@ -80,7 +80,30 @@ class RequestState:
     output_modalities: list[str] | None = None
     """What the client asked to receive (``GenerationParams.output_modalities``); None: the family's default. A
     family that speaks on request runs its speech partitions only when "audio" is in it (``start_done``)."""
+    params: GenerationParams | None = None
+    """The request as the client sent it (its sampling and detokenisation knobs: ``logprobs``,
+    ``skip_special_tokens``, ``include_stop_str_in_output``...); None outside the conductor (tests)."""
+    stop_ids: frozenset[int] | None = None
+    """The token ids that end this request's generation: the model's ``stop_token_ids()`` unless ``ignore_eos``, plus
+    the request's ``stop_token_ids`` (the ranks stop on the same set); None: the model's own."""
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    """Sampling knobs the family sets in ``preprocess`` for its walks, used where the client left the knob at its
+    neutral value (e.g. a speech model's ``repetition_penalty``); names as ``GenerationParams``'."""
     data: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def penalized(self) -> bool:
+        """Some penalty is on for the request's walks (its own knobs, else the family's ``sampling_defaults``): a
+        decode rank that imports its KV needs the prompt's ids too (the KV engine's ``prompt_ids``)."""
+        for name, off in PENALTIES.items():
+            value = getattr(self.params, name, off)
+            if (value if value != off else self.sampling_defaults.get(name, off)) != off:
+                return True
+        return False
+
+
+PENALTIES = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+"""The penalty knobs and the value that turns each off."""
 
 
 class CompositeModel(ABC):

@@ -54,6 +54,7 @@ from mstar_dist.runtime.cli import parse_args
 from mstar_dist.runtime.deployment import Deployment, load_deployment, served, torchrun_sizes
 from mstar_dist.runtime.intake import IntakeProcess
 from mstar_dist.runtime.lifecycle import SHUTDOWN_FLUSH_S, Lifecycle
+from mstar_dist.runtime.registry import load_prompt_encoder
 from mstar_dist.server.app import build_app
 from mstar_dist.server.handoff import Acceptor
 from mstar_dist.server.http_server import HttpServer
@@ -265,7 +266,7 @@ def watch_deaths(store: Any, conductor: Conductor, stop: threading.Event) -> Non
 def start_http(dep: Deployment, conductor: Conductor, *, api_key: str | None, sock: socket.socket) -> HttpServer:
     """Bind HTTP only now that every rank serves (docs/architecture.md §2 step 6)."""
     cfg = dep.config
-    backend = ConductorBackend(conductor, **served(dep))
+    backend = ConductorBackend(conductor, tokenizer=load_prompt_encoder(dep.model.prompt_encoder()), **served(dep))
     http = HttpServer(build_app(backend, api_key=api_key, max_body_bytes=cfg.server.max_body_bytes, media=cfg.media))
     http.start(cfg.server.host, cfg.server.port, timeout_s=30, sock=sock)
     announce(f"mstar_dist: serving {cfg.model} on http://{cfg.server.host}:{cfg.server.port}")

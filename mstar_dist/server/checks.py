@@ -1,17 +1,20 @@
-"""Request checking shared by every route: JSON bodies parsed with one readable message, the served model, the
-route's output modality, ``X-Request-Id``. Every failure is an :class:`ApiError` with a 4xx status saying what
-to fix; the app's error handler renders it in the route family's error format.
+"""Request checking shared by every route: JSON bodies parsed with one readable message (strict JSON: no NaN or
+Infinity, no lone surrogate escapes), the served model, the route's output modality, ``X-Request-Id``. Every failure
+is an :class:`ApiError` with a 4xx status saying what to fix and, where one field is at fault, naming it
+(``param``); the app's error handler renders it in the route family's error format.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from mstar_dist.server.backend import GenerationBackend
+from mstar_dist.server.protocol import PARAM_CTX
 
 REQUEST_ID_HEADER = "X-Request-Id"
 MODALITY_ROUTES = {"text": "POST /v1/chat/completions", "audio": "POST /v1/audio/speech",
@@ -27,10 +30,12 @@ class ApiError(Exception):
     ``headers`` go on the response (``Retry-After`` on a 429)."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
         self.headers = dict(headers or {})
+        self.code = code
+        """OpenAI's code name for this error (``model_not_found``); None: the status is the code."""
 
 
 def error_body(path: str, exc: ApiError) -> dict[str, Any]:
@@ -41,7 +46,8 @@ def error_body(path: str, exc: ApiError) -> dict[str, Any]:
     kind = "invalid_request_error" if exc.status < 500 else "server_error"
     if exc.status == 401:
         kind = "authentication_error"
-    return {"error": {"message": exc.message, "type": kind, "param": exc.param, "code": exc.status}}
+    return {"error": {"message": exc.message, "type": kind, "param": exc.param,
+                      "code": exc.code if exc.code is not None else exc.status}}
 
 
 async def parse_body(request: Request, model: type[M], context: dict[str, Any] | None = None) -> M:
@@ -53,8 +59,11 @@ async def parse_body(request: Request, model: type[M], context: dict[str, Any] |
 
 
 def served_context(backend: GenerationBackend) -> dict[str, Any]:
-    """What a request's validation knows of the served model: its name and what it reads (``ChatMessage``)."""
-    return {"model": backend.model_name, "inputs": inputs_of(backend)}
+    """What a request's validation knows of the served model: its name, what it reads (``ChatMessage``) and the
+    family's request knobs when the backend lists them (``model_knobs``, for ``ModelKwargs``; None: not listed)."""
+    knobs = getattr(backend, "model_knobs", None)
+    return {"model": backend.model_name, "inputs": inputs_of(backend),
+            "knobs": None if knobs is None else tuple(knobs)}
 
 
 def parse_json(raw: bytes | str, model: type[M], what: str = "request body", *,
@@ -63,16 +72,53 @@ def parse_json(raw: bytes | str, model: type[M], what: str = "request body", *,
     if not raw.strip():
         raise ApiError(400, f"{what} is empty: send a JSON object (Content-Type: application/json)")
     try:
-        obj = json.loads(raw)
+        obj = json.loads(raw, parse_constant=_no_constant)
     except (UnicodeDecodeError, ValueError) as exc:
         raise ApiError(400, f"{what} is not valid JSON: {exc}") from None
     if not isinstance(obj, dict):
         raise ApiError(400, f"{what} must be a JSON object, got {_json_type(obj)}")
+    if _SURROGATE_ESCAPE.search(raw if isinstance(raw, bytes) else raw.encode("utf-8", "surrogatepass")):
+        check_unicode(obj)
     try:
         return model.model_validate(obj, context=context)
     except ValidationError as exc:
-        first = exc.errors(include_url=False)[0]
-        raise ApiError(400, _describe(exc), _loc(first["loc"]) or None) from None
+        raise ApiError(400, _describe(exc), _param(exc.errors(include_url=False)[0])) from None
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+"""A JSON escape of a UTF-16 surrogate: only then may the parsed text hold one alone (a raw one is invalid UTF-8)."""
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number (JSON has no NaN or Infinity)")
+
+
+def check_unicode(obj: Any, where: str = "") -> None:
+    """A 400 naming the first string (or key) of ``obj`` holding a lone UTF-16 surrogate (``"\\ud800"``): such text
+    has no UTF-8 form, so nothing after the parser could encode it."""
+    if isinstance(obj, str):
+        try:
+            obj.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ApiError(400, f"{where or 'the body'} holds a lone surrogate escape "
+                                f"({obj[exc.start]!r} at character {exc.start}), which is not text: send valid "
+                                "Unicode (a surrogate only as one half of a pair)", where or None) from None
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            check_unicode(key, f"{where}.{key!r}" if where else repr(key))
+            check_unicode(value, f"{where}.{key}" if where else key)
+    elif isinstance(obj, list):
+        for i, value in enumerate(obj):
+            check_unicode(value, f"{where}[{i}]")
+
+
+def _param(err: dict[str, Any]) -> str | None:
+    """The field a validation error is about: its location, and for an unknown or unsupported key the key."""
+    where = _loc(err["loc"])
+    key = (err.get("ctx") or {}).get(PARAM_CTX)
+    if key is not None:
+        where = f"{where}.{key}" if where else str(key)
+    return where or None
 
 
 def _describe(exc: ValidationError) -> str:
@@ -110,12 +156,12 @@ def _json_type(value: Any) -> str:
 
 
 def check_model(model: str | None, backend: GenerationBackend) -> None:
-    """A request naming a model must name the served one."""
+    """A request naming a model must name the served one; another is a 404 (OpenAI's ``model_not_found``)."""
     if model is not None and model != backend.model_name:
         raise ApiError(
-            400,
-            f"model {model!r} is not served here; this server serves {backend.model_name!r} (see GET /v1/models)",
-            "model",
+            404,
+            f"The model {model!r} does not exist: this server serves {backend.model_name!r} (see GET /v1/models)",
+            "model", code="model_not_found",
         )
 
 
@@ -159,11 +205,23 @@ def max_tokens(requested: int | None, backend: GenerationBackend, param: str) ->
     return requested
 
 
+def family_field(exc: ApiError, fields: dict[str, str]) -> ApiError:
+    """``exc`` naming its field when it is the family's 400 about one of its knobs (the message starts with the
+    knob's name: "voice 'carol' is not one of ..."): ``fields`` maps the family's knob to the request field the
+    client wrote it in. Anything else is returned as it is."""
+    if exc.status != 400 or exc.param is not None:
+        return exc
+    knob = exc.message.split(" ", 1)[0].rstrip(":")
+    if knob not in fields:
+        return exc
+    return ApiError(400, exc.message, fields[knob], exc.headers, exc.code)
+
+
 def header_request_id(request: Request) -> str | None:
     """The client's ``X-Request-Id``, if it sent a valid one (1-128 characters of ``[A-Za-z0-9._:-]``)."""
     value = request.headers.get(REQUEST_ID_HEADER)
     if value is None:
         return None
     if not (0 < len(value) <= 128 and all(c.isascii() and (c.isalnum() or c in "._:-") for c in value)):
-        raise ApiError(400, f"{REQUEST_ID_HEADER} must be 1-128 characters of [A-Za-z0-9._:-]")
+        raise ApiError(400, f"{REQUEST_ID_HEADER} must be 1-128 characters of [A-Za-z0-9._:-]", REQUEST_ID_HEADER)
     return value

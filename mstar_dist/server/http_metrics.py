@@ -11,8 +11,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 class HttpStats:
     """Requests by route and status, requests in flight, and client disconnects (runs on the HTTP loop)."""
 
-    ROUTES = ("/generate", "/v1/chat/completions", "/v1/audio/speech", "/v1/images/generations", "/v1/models",
-              "/health", "/metrics")
+    ROUTES = ("/generate", "/v1/chat/completions", "/v1/completions", "/v1/audio/speech", "/v1/images/generations",
+              "/v1/models", "/tokenize", "/detokenize", "/health", "/metrics")
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()

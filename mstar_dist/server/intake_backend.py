@@ -191,6 +191,9 @@ class IntakeBackend:
         tokenizes. The rest: ``runtime.deployment.served``."""
         self.link, self.stats = link, stats
         self.encoder = encoder
+        self.tokenizer = encoder
+        """The family's prompt encoder as ``/tokenize``, token-id prompts and logprobs use it
+        (``server/tokenizer.py``); None: the model has none here."""
         self.model_name = model_name
         self.max_context_tokens = max_context_tokens
         self.max_tokens_limit = max_tokens_limit
@@ -264,7 +267,9 @@ class IntakeBackend:
         self.loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         self._queues[params.request_id] = events
-        if self.encoder is not None and not params.media:  # media placeholders are the family's preprocess's
+        # media placeholders are the family's preprocess's; ids the server already has (a token-id prompt, one it
+        # counted up front) stay as they are
+        if self.encoder is not None and params.prompt_ids is None and not params.media:
             params = dataclasses.replace(params, prompt_ids=self._encode(params))
         if trace.ON:
             trace.event("http_submitted", params.request_id)

@@ -8,7 +8,6 @@ checking and the relay guarantees (abort on disconnect, errors per request) are 
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import logging
 import time
@@ -16,20 +15,19 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from mstar_dist.media.wav import wav_bytes, wav_header
 from mstar_dist.server.backend import Finished, GenerationBackend, GenerationEvent, GenerationParams, MediaDelta
 from mstar_dist.server.checks import (
-    REQUEST_ID_HEADER, ApiError, check_modality, check_model, header_request_id, parse_body,
+    REQUEST_ID_HEADER, ApiError, check_modality, check_model, family_field, header_request_id, parse_body,
 )
 from mstar_dist.server.http_metrics import HttpStats
 from mstar_dist.server.openapi import body_doc
 from mstar_dist.server.protocol import ImageData, ImageGenerationRequest, ImagesResponse, SpeechRequest
 from mstar_dist.server.relay import (
-    ClosingStreamingResponse, StreamAborted, collect, events, start_stream, until_disconnect,
+    ClosingStreamingResponse, StreamAborted, collect, events, run_all, start_stream, until_disconnect,
 )
 
 logger = logging.getLogger(__name__)
@@ -39,6 +37,9 @@ DEFAULT_SAMPLE_RATE = 24000
 """Sample rate written in the (empty) WAV header when a model yields no audio at all: there is no delta to take
 it from, and with no samples it changes nothing audible (24 kHz is OpenAI's PCM rate)."""
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+SPEECH_FIELDS = {"voice": "voice"}
+IMAGE_FIELDS = {"width": "size", "height": "size", "steps": "steps", "guidance_scale": "guidance_scale"}
+"""The family's knobs -> the request fields they come from (a family's 400 about a knob names the field)."""
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,10 @@ def add_media_routes(app: FastAPI, backend: GenerationBackend, stats: HttpStats)
         headers = {REQUEST_ID_HEADER: request_id}
         media_type = SPEECH_MEDIA_TYPES[req.response_format]
         if req.stream:
-            stream, first = await start_stream(request, backend, params, stats, first=_is_audio)
+            try:
+                stream, first = await start_stream(request, backend, params, stats, first=_is_audio)
+            except ApiError as exc:
+                raise family_field(exc, SPEECH_FIELDS) from None
             try:
                 fmt = AudioFormat.of(first, request_id) if _is_audio(first) else AudioFormat(DEFAULT_SAMPLE_RATE, 1)
             except ApiError:
@@ -109,7 +113,10 @@ def add_media_routes(app: FastAPI, backend: GenerationBackend, stats: HttpStats)
                 raise
             body = _speech_body(stream, first, fmt, wav=req.response_format == "wav", request_id=request_id)
             return ClosingStreamingResponse(body, stats=stats, media_type=media_type, headers=headers | fmt.headers())
-        outcome = await until_disconnect(request, collect(events(backend, params)), stats)
+        try:
+            outcome = await until_disconnect(request, collect(events(backend, params)), stats)
+        except ApiError as exc:
+            raise family_field(exc, SPEECH_FIELDS) from None
         pcm, fmt = join_audio(outcome.media, request_id)
         fmt = fmt or AudioFormat(DEFAULT_SAMPLE_RATE, 1)
         content = wav_file(pcm, fmt, request_id) if req.response_format == "wav" else pcm
@@ -122,7 +129,10 @@ def add_media_routes(app: FastAPI, backend: GenerationBackend, stats: HttpStats)
         check_model(req.model, backend)
         request_id = header_request_id(request) or uuid.uuid4().hex
         batch = [_image_params(req, request_id, i, backend) for i in range(req.n)]
-        pngs = await until_disconnect(request, _run_all(backend, batch), stats)
+        try:
+            pngs = await until_disconnect(request, run_all([_one_image(backend, params) for params in batch]), stats)
+        except ApiError as exc:
+            raise _image_error(exc, req) from None
         data = [ImageData(b64_json=base64.b64encode(png).decode("ascii")) for png in pngs]
         size = req.size if req.size not in (None, "auto") else None
         body = ImagesResponse(created=int(time.time()), data=data, size=size)
@@ -138,7 +148,7 @@ def _speech_params(req: SpeechRequest, request_id: str, backend: GenerationBacke
     return GenerationParams(
         request_id=request_id, prompt=req.input, messages=None,
         max_tokens=backend.max_tokens_limit, max_tokens_given=False,
-        temperature=req.temperature, top_p=req.top_p, top_k=req.top_k_value(), seed=req.seed, stream=req.stream,
+        temperature=req.temperature_value(), top_p=req.top_p, top_k=req.top_k_value(), seed=req.seed, stream=req.stream,
         model_kwargs={"voice": req.voice} if req.voice is not None else {}, output_modalities=["audio"],
     )
 
@@ -194,21 +204,15 @@ def _image_params(req: ImageGenerationRequest, request_id: str, i: int,
     )
 
 
-async def _run_all(backend: GenerationBackend, batch: list[GenerationParams]) -> list[bytes]:
-    """Runs the requests concurrently and returns their PNGs in order. The first failure cancels (aborts) the
-    others and is raised; cancelling this coroutine cancels them all and waits until they are closed."""
-    tasks = [asyncio.ensure_future(_one_image(backend, params)) for params in batch]
-    try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-    finally:
-        for task in tasks:
-            task.cancel()  # no-op for the finished ones
-        with anyio.CancelScope(shield=True):
-            await asyncio.wait(tasks)
-    errors = [task.exception() for task in tasks if not task.cancelled() and task.exception() is not None]
-    if errors:
-        raise errors[0]
-    return [task.result() for task in tasks]
+def _image_error(exc: ApiError, req: ImageGenerationRequest) -> ApiError:
+    """The family's complaint about a knob as the client wrote it: ``width`` / ``height`` came from ``size`` (a 400
+    naming ``size``), ``steps`` and ``guidance_scale`` are the request's own fields."""
+    named = family_field(exc, IMAGE_FIELDS)
+    if named.param != "size":
+        return named
+    if req.size in (None, "auto"):
+        return exc  # the family's own default size: not the client's doing
+    return ApiError(400, f"size {req.size!r} is not supported: {exc.message}", "size", exc.headers)
 
 
 async def _one_image(backend: GenerationBackend, params: GenerationParams) -> bytes:

@@ -4,9 +4,11 @@ The routes parse their bodies themselves (``checks.parse_body``: our error forma
 knows nothing of them; each POST route declares its body here with ``openapi_extra=body_doc(Model)`` and
 :func:`install_openapi` adds the pydantic models' JSON schemas to ``components.schemas``. The document also says
 what this deployment accepts beyond the models' types: the served model's name, ``max_tokens`` up to the
-server's limit, ``n`` = 1, exactly one of ``prompt`` / ``messages``, non-empty stop strings, the content parts and
-output ``modalities`` the model takes, base64 media data and image URLs on the allowed hosts, the multipart body of
-``/generate`` for a model that takes media; and, with an API key, the bearer scheme on every route but ``/health``.
+server's limit, exactly one of ``prompt`` / ``messages``, non-empty stop strings, the keys accepted and ignored and
+those accepted only with their "off" value (``Body.IGNORED`` / ``UNSUPPORTED``), the family's ``model_kwargs`` knobs
+when the backend lists them, token ids within the vocabulary, the content parts and output ``modalities`` the model
+takes, base64 media data and image URLs on the allowed hosts, the multipart body of ``/generate`` for a model that
+takes media; and, with an API key, the bearer scheme on every route but ``/health``.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from mstar_dist.config.deployment import MediaConfig
 from mstar_dist.events import INPUT_MEDIA
 from mstar_dist.server.backend import GenerationBackend
 from mstar_dist.server.checks import REQUEST_ID_HEADER, inputs_of, outputs_of
-from mstar_dist.server.protocol import OPENAI_CHAT_IGNORED
+from mstar_dist.server.protocol import TOKEN_ID_MAX, Body
+from mstar_dist.server.tokenizer import tokenizer_of
 
 _REF = "#/components/schemas/{model}"
 _B64 = "(?:[A-Za-z0-9+/]{4})+"
@@ -74,6 +77,7 @@ def install_openapi(app: FastAPI, backend: GenerationBackend, bodies: list[type[
             _, defs = models_json_schema([(m, "validation") for m in bodies], ref_template=_REF)
             schemas = doc.setdefault("components", {}).setdefault("schemas", {})
             schemas.update(defs.get("$defs", {}))
+            _describe_keys(schemas, backend)
             _describe_deployment(schemas, backend)
             _describe_media(schemas, backend, media or MediaConfig())
             if api_key:
@@ -98,17 +102,47 @@ def _describe_deployment(schemas: dict[str, Any], backend: GenerationBackend) ->
         if "stop" in props:
             text = {"type": "string", "minLength": 1}
             props["stop"] = {"anyOf": [text, {"type": "array", "items": text}, {"type": "null"}]}
-    if "ChatCompletionRequest" in schemas:
-        chat = schemas["ChatCompletionRequest"]
-        chat["properties"]["n"] = {"type": "integer", "enum": [1], "default": 1}
-        chat["additionalProperties"] = False  # OpenAI's other fields are accepted and ignored, others a 400
-        chat["description"] += f" Accepted and ignored: {', '.join(sorted(OPENAI_CHAT_IGNORED))}."
-    if "GenerateRequest" in schemas:
-        generate = schemas["GenerateRequest"]
-        generate["properties"]["prompt"] = {"type": "string", "minLength": 1}
-        generate["properties"]["messages"] = {"type": "array", "minItems": 1,
+    tok = tokenizer_of(backend)
+    top = (tok.vocab_size if tok is not None else TOKEN_ID_MAX + 1) - 1
+    ids = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0, "maximum": top}}
+    if "CompletionRequest" in schemas:
+        schemas["CompletionRequest"]["properties"]["prompt"] = {
+            "anyOf": [{"type": "string", "minLength": 1}, {"type": "array", "minItems": 1, "items": {
+                "type": "string", "minLength": 1}}, ids, {"type": "array", "minItems": 1, "items": ids}],
+            "description": "a string, a list of strings, a list of token ids or a list of token-id lists"}
+    if "DetokenizeRequest" in schemas:
+        schemas["DetokenizeRequest"]["properties"]["tokens"] = {**ids, "minItems": 0}
+    for name in ("GenerateRequest", "TokenizeRequest"):
+        if name in schemas:
+            body = schemas[name]
+            body["properties"]["prompt"] = {"type": "string", "minLength": 1 if name == "GenerateRequest" else 0}
+            body["properties"]["messages"] = {"type": "array", "minItems": 1,
                                               "items": {"$ref": _REF.format(model="ChatMessage")}}
-        generate["oneOf"] = [{"required": ["prompt"]}, {"required": ["messages"]}]
+            body["oneOf"] = [{"required": ["prompt"]}, {"required": ["messages"]}]
+
+
+def _body_classes(cls: type[Body] = Body) -> list[type[Body]]:
+    return [sub for direct in cls.__subclasses__() for sub in (direct, *_body_classes(direct))]
+
+
+def _describe_keys(schemas: dict[str, Any], backend: GenerationBackend) -> None:
+    """The keys each request object accepts beyond its fields: ``IGNORED`` ones (any value), ``UNSUPPORTED`` ones
+    (only their "off" values); and ``model_kwargs``' family knobs when the backend lists them (else any key)."""
+    for cls in _body_classes():
+        schema = schemas.get(cls.__name__)
+        if schema is None or "properties" not in schema:
+            continue
+        props = schema["properties"]
+        for key in sorted(cls.IGNORED):
+            props[key] = {"description": "accepted and ignored"}
+        for key, rule in cls.UNSUPPORTED.items():
+            props[key] = {"enum": [None, *rule.off], "description": f"not supported ({rule.why}): only these values"}
+    knobs = getattr(backend, "model_knobs", None)
+    if "ModelKwargs" in schemas and knobs is not None:
+        kwargs = schemas["ModelKwargs"]
+        for knob in knobs:
+            kwargs["properties"].setdefault(knob, {"description": "the model family's knob (it checks the value)"})
+        kwargs["additionalProperties"] = False
 
 
 def _describe_media(schemas: dict[str, Any], backend: GenerationBackend, media: MediaConfig) -> None:

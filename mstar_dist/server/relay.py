@@ -15,11 +15,13 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import anyio
+import msgspec
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.requests import ClientDisconnect
 
 from mstar_dist import trace
+from mstar_dist.events import TokenLogprob
 from mstar_dist.server.backend import (
     BackendError, Finished, GenerationBackend, GenerationEvent, GenerationParams, MediaDelta, TextDelta,
 )
@@ -42,21 +44,52 @@ class StreamAborted(Exception):
 
 
 @dataclass
+class Choice:
+    """What one choice of a generation produced: its text, and its log-probabilities when asked for."""
+
+    parts: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+    def add(self, delta: TextDelta) -> None:
+        self.parts.append(delta.text)
+        self.logprobs += delta.logprobs or ()
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
+
+
+@dataclass
 class Outcome:
-    """A whole generation: its text, its media deltas in order, and how it ended."""
+    """A whole generation: its text, its media deltas in order, and how it ended; with several choices
+    (``GenerationParams.n``), each one's text and log-probabilities (``choice(i)``)."""
 
     text: str
     finish: Finished
     media: list[MediaDelta] = field(default_factory=list)
+    choices: dict[int, Choice] = field(default_factory=dict)
+
+    def choice(self, index: int) -> Choice:
+        """Choice ``index`` (an empty one when it produced nothing)."""
+        return self.choices.get(index) or Choice()
+
+
+def finish_reasons(finish: Finished, n: int) -> list[str]:
+    """How each of a request's ``n`` choices ended (``Finished.choices``; one choice: ``finish_reason``)."""
+    ends = {end.index: end.finish_reason for end in finish.choices}
+    return [ends.get(i, finish.finish_reason) for i in range(n)]
 
 
 async def events(backend: GenerationBackend, params: GenerationParams) -> AsyncIterator[GenerationEvent]:
     """The backend's events with failures turned into :class:`ApiError`.
 
-    Yields text deltas with non-empty text and media deltas, as produced, then one ``Finished``; the tokens of
-    empty text deltas ride on the next delta yielded. Stop strings are the backend's business (the conductor
-    applies them once, ``conductor/stop_strings.py``): text is relayed as is. Closing this generator closes the
-    backend's.
+    Yields text deltas with non-empty text or log-probabilities and media deltas, as produced, then one
+    ``Finished``; the tokens of other text deltas ride on the next delta yielded. Stop strings are the backend's
+    business (the conductor applies them once, ``conductor/stop_strings.py``): text is relayed as is. Closing this
+    generator closes the backend's.
     """
     gen = backend.generate(params)
     tokens = 0  # tokens of empty text deltas, reported with the next delta shown
@@ -64,8 +97,8 @@ async def events(backend: GenerationBackend, params: GenerationParams) -> AsyncI
         async for event in gen:
             if isinstance(event, TextDelta):
                 tokens += event.n_tokens
-                if event.text:
-                    yield TextDelta(text=event.text, n_tokens=tokens)
+                if event.text or event.logprobs or event.prompt_logprobs is not None:
+                    yield event if tokens == event.n_tokens else msgspec.structs.replace(event, n_tokens=tokens)
                     tokens = 0
             elif isinstance(event, MediaDelta):
                 yield MediaDelta(event.modality, event.data, event.metadata, event.n_tokens + tokens)
@@ -88,16 +121,19 @@ async def events(backend: GenerationBackend, params: GenerationParams) -> AsyncI
 
 async def collect(stream: AsyncIterator[GenerationEvent]) -> Outcome:
     """Drains ``stream`` (from :func:`events`) into an :class:`Outcome`; always closes it."""
-    parts: list[str] = []
+    choices: dict[int, Choice] = {}
     media: list[MediaDelta] = []
     try:
         async for event in stream:
             if isinstance(event, Finished):
-                return Outcome("".join(parts), event, media)
+                return Outcome(choices[0].text if 0 in choices else "", event, media, choices)
             if isinstance(event, MediaDelta):
                 media.append(event)
             else:
-                parts.append(event.text)
+                choice = choices.get(event.index)
+                if choice is None:
+                    choice = choices[event.index] = Choice()
+                choice.add(event)
         raise AssertionError("events() ended without Finished")
     finally:
         await stream.aclose()
@@ -230,3 +266,78 @@ class ClosingStreamingResponse(StreamingResponse):
             watcher.cancel()  # no await since the streaming ended: the watcher cannot cancel this task any more
         if self.background is not None:
             await self.background()
+
+
+async def first_events(request: Request, streams: list[AsyncIterator[GenerationEvent]],
+                       stats: HttpStats) -> list[GenerationEvent]:
+    """The first event of each stream (from :func:`events`), awaited together before the 200 goes out, so that a
+    rejected request still gets its HTTP status; the first failure is raised (the streams stay open: the caller
+    closes them). Raises ClientGone when the client leaves first."""
+    async def firsts() -> list[GenerationEvent]:
+        tasks = [asyncio.ensure_future(stream.__anext__()) for stream in streams]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for task in tasks:
+                if task.done() and task.exception() is not None:
+                    raise task.exception()
+            return [task.result() for task in tasks]
+        finally:
+            for task in tasks:
+                task.cancel()  # no-op for the finished ones
+            with anyio.CancelScope(shield=True):
+                await asyncio.wait(tasks)
+
+    return await until_disconnect(request, firsts(), stats)
+
+
+async def merged(streams: list[AsyncIterator[GenerationEvent]], firsts: list[GenerationEvent]
+                 ) -> AsyncIterator[tuple[int, GenerationEvent]]:
+    """The events of several streams (from :func:`events`, whose first events are ``firsts``) as they come, each with
+    its stream's place in the list; ends when every stream has given its ``Finished``. A failure of any is raised at
+    once; closing this generator (or a failure) closes every stream, which aborts what still runs."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[GenerationEvent]) -> None:
+        try:
+            async for event in stream:
+                await queue.put((i, event, None))
+        except Exception as exc:  # noqa: BLE001 -- handed to the consumer, which raises it
+            await queue.put((i, None, exc))
+
+    left = len(streams)
+    for i, event in enumerate(firsts):
+        queue.put_nowait((i, event, None))
+    tasks = [asyncio.ensure_future(pump(i, stream)) for i, stream in enumerate(streams)
+             if not isinstance(firsts[i], Finished)]
+    try:
+        while left:
+            i, event, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if isinstance(event, Finished):
+                left -= 1
+            yield i, event
+    finally:
+        for task in tasks:
+            task.cancel()
+        with anyio.CancelScope(shield=True):
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for stream in streams:
+                await stream.aclose()
+
+
+async def run_all(work: list[Awaitable[T]]) -> list[T]:
+    """Runs ``work`` concurrently and returns the results in order. The first failure cancels (aborts) the others and
+    is raised; cancelling this coroutine cancels them all and waits until they are closed."""
+    tasks = [asyncio.ensure_future(w) for w in work]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    finally:
+        for task in tasks:
+            task.cancel()  # no-op for the finished ones
+        with anyio.CancelScope(shield=True):
+            await asyncio.wait(tasks)
+    errors = [task.exception() for task in tasks if not task.cancelled() and task.exception() is not None]
+    if errors:
+        raise errors[0]
+    return [task.result() for task in tasks]

@@ -58,8 +58,8 @@ def test_generated_requests_never_get_5xx_or_hang_and_leave_the_server_clean(toy
     assert not failures, "\n".join(failures[:10])
     total = sum(seen.values())
     routes = {route for route, _, _ in seen}
-    assert total >= 1000 and len(routes) == 7, (total, sorted(routes))
-    for route in ("POST /generate", "POST /v1/chat/completions"):
+    assert total >= 1000 and len(routes) == 10, (total, sorted(routes))
+    for route in ("POST /generate", "POST /v1/chat/completions", "POST /v1/completions"):
         positive = [(code, n) for (r, mode, code), n in seen.items() if r == route and mode == "positive"]
         ok = sum(n for code, n in positive if code < 300)
         assert ok >= 0.5 * sum(n for _, n in positive), (route, sorted(positive))
@@ -69,7 +69,8 @@ def test_generated_requests_never_get_5xx_or_hang_and_leave_the_server_clean(toy
 
 def test_without_the_key_every_route_but_health_is_401(toy):
     for method, path in (("GET", "/metrics"), ("GET", "/v1/models"), ("POST", "/generate"),
-                         ("POST", "/v1/chat/completions"), ("GET", "/openapi.json")):
+                         ("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST", "/tokenize"),
+                         ("GET", "/openapi.json")):
         assert httpx.request(method, f"{toy.base_url}{path}", timeout=10).status_code == 401, path
     assert httpx.get(f"{toy.base_url}/health", timeout=10).status_code == 200
 

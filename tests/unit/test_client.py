@@ -122,6 +122,17 @@ def test_generate(client, fake):
     assert client.generate(messages=[{"role": "user", "content": "hi"}]).text == UNICODE_TEXT
 
 
+def test_complete_tokenize_and_detokenize(client, fake):
+    out = client.complete(["one", "two"], n=2, max_tokens=2, echo=True, ignore_eos=True, min_tokens=1)
+    assert len(out.texts) == 4 and out.texts[0] == "one" + "".join(UNICODE_DELTAS[:2])
+    assert out.finish_reasons == ["length"] * 4 and out.usage.prompt_tokens == 2 and out.id.startswith("cmpl-")
+    assert all(p.ignore_eos and p.min_tokens == 1 and p.n == 2 for p in fake.calls)
+    assert client.complete([104, 105], max_tokens=1).text == UNICODE_DELTAS[0]
+    ids = client.tokenize("héllo")
+    assert ids == [104, 233, 108, 108, 111] and client.detokenize(ids) == "héllo"
+    assert client.tokenize(messages=[{"role": "user", "content": "x"}])[:6] == [117, 115, 101, 114, 58, 32]
+
+
 def test_stream_yields_typed_chunks(client):
     chunks = list(client.stream("hi", request_id="st-1"))
     *deltas, final = chunks
@@ -262,8 +273,12 @@ def test_openai_client_sees_bad_requests_as_400(served, fake):
     import openai
 
     oai = OpenAI(base_url=f"{served[1].url}/v1", api_key="x", max_retries=0, timeout=10)
-    with pytest.raises(openai.BadRequestError, match="only n=1"):
-        oai.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "hi"}], n=2)
+    with pytest.raises(openai.BadRequestError, match="logit_bias is not supported"):
+        oai.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "hi"}],
+                                    logit_bias={"5": 10})
+    with pytest.raises(openai.NotFoundError, match="does not exist") as err:
+        oai.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "hi"}])
+    assert err.value.code == "model_not_found" and err.value.param == "model"
 
 
 def test_openai_client_speech(served, fake):
@@ -417,8 +432,12 @@ class _TinyNdjsonServer:
 
 
 @pytest.mark.parametrize("content_type", ["application/x-ndjson", "application/x-ndjson; charset=iso-8859-1"])
-def test_stream_decodes_utf8_whatever_the_content_type_says(content_type):
-    lines = [{"modality": "text", "data": base64.b64encode(d.encode()).decode(), "metadata": {"note": NOTE}}
+@pytest.mark.parametrize("text_as_itself", [True, False])
+def test_stream_decodes_utf8_whatever_the_content_type_says(content_type, text_as_itself):
+    """Text lines as servers send them now (``encoding: utf-8``, the text itself) and as they did before (base64, no
+    ``encoding``): the SDK reads both."""
+    lines = [{"modality": "text", "data": d, "metadata": {"note": NOTE, "encoding": "utf-8"}} if text_as_itself else
+             {"modality": "text", "data": base64.b64encode(d.encode()).decode(), "metadata": {"note": NOTE}}
              for d in UNICODE_DELTAS]
     lines.append({"modality": "text", "data": "", "metadata": {"finish_reason": "stop", "note": NOTE}})
     with _TinyNdjsonServer(_ndjson_body(lines), content_type) as url, MStarClient(url, timeout=5) as c:

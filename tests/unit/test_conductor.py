@@ -393,3 +393,34 @@ def test_start_then_stop_ends_the_thread_and_fails_in_flight_requests_with_503()
     assert not c.alive and ch.woken.is_set()
     errors = [e for e in events if isinstance(e, BackendError)]
     assert [e.status for e in errors] == [503], events
+
+
+def test_choices_of_a_request_run_as_requests_of_their_own_and_end_together():
+    c, ch = make(max_concurrent=8)
+    events = submit(c, GenerationParams(request_id="n", prompt="start=0", messages=None, max_tokens=1, n=3, seed=40))
+    starts = walks_sent(ch, "start")
+    assert [b.seed for _, b in starts] == [40, 41, 42]  # choice i draws with seed + i
+    assert submit(c, params("n"))[0].status == 409  # the request's id is in flight
+    for i, (_, walk) in enumerate(starts):
+        emit(c, walk.request_id, 10 * i)
+        from_rank(c, m.WalkDone(request_id=walk.request_id, walk="start", rank=0, outputs={}))
+    deltas = [e for e in events if isinstance(e, TextDelta)]
+    assert [d.index for d in deltas] == [0, 1, 2] and deltas[2].text == "20 "
+    end = events[-1]
+    assert isinstance(end, Finished) and [ch.index for ch in end.choices] == [0, 1, 2]
+    assert end.completion_tokens == 3 and end.prompt_tokens == 1  # the prompt counted once
+    assert c.active_count == 0 and not c._fanouts
+
+
+def test_a_failed_choice_fails_its_request_once_and_an_abort_ends_every_choice():
+    c, ch = make(max_concurrent=8)
+    events = submit(c, GenerationParams(request_id="f", prompt="start=0", messages=None, max_tokens=5, n=2))
+    first, second = (b.request_id for _, b in walks_sent(ch, "start"))
+    from_rank(c, m.WalkDone(request_id=first, walk="start", rank=0, outputs={}, error="boom"))
+    assert [type(e) for e in events] == [BackendError] and c.active_count == 0  # the other choice was aborted
+    assert {b.request_id for _, b in ch.sent if isinstance(b, m.RemoveRequest)} == {first, second}
+    ch.sent.clear()
+    events = submit(c, GenerationParams(request_id="a", prompt="start=0", messages=None, max_tokens=5, n=2))
+    c.abort("a")
+    assert events == [] and c.active_count == 0 and not c._fanouts
+    assert len({b.request_id for _, b in ch.sent if isinstance(b, m.RemoveRequest)}) == 2

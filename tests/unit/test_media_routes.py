@@ -169,7 +169,8 @@ SPEECH_BAD = [
     ({**SAY, "input": ""}, "input: String should have at least 1 character"),
     ({"voice": "alice"}, "input: field required"),
     ({**SAY, "input": 5}, "input: Input should be a valid string"),
-    ({**SAY, "model": "tts-1"}, "model 'tts-1' is not served here"),
+    ({**SAY, "voise": "bob"}, "unknown field 'voise' (did you mean 'voice'?)"),
+    ({**SAY, "quality": "hd"}, "unknown field 'quality'"),
     ({**SAY, "stream": "yes"}, "stream"),
     ({**SAY, "temperature": 3}, "temperature"),
     ({**SAY, "input": " ".join(["w"] * 65)}, "prompt is 65 tokens, context is 64"),
@@ -247,7 +248,7 @@ def test_media_route_on_a_text_model_is_400(client, fake, path, body, needle):
 def test_images_n2_gives_two_pngs_with_their_own_seeds(client, fake):
     fake.__init__(output_modality="image")
     body = {**DRAW, "n": 2, "size": "32x32", "seed": 5, "steps": 4, "guidance_scale": 1.5,
-            "response_format": "b64_json", "quality": "hd"}  # unknown OpenAI fields are ignored
+            "response_format": "b64_json", "quality": "auto", "user": "u1"}  # what asks for nothing is accepted
     resp = client.post(IMAGES, json=body, headers={"X-Request-Id": "img"})
     assert resp.status_code == 200, resp.text
     data = resp.json()
@@ -290,7 +291,9 @@ IMAGES_BAD = [
     ({**DRAW, "n": 5}, "n: Input should be less than or equal to 4"),
     ({**DRAW, "size": "big"}, "size: 'big' is not a size: write WIDTHxHEIGHT"),
     ({**DRAW, "size": "64"}, "size: '64' is not a size"),
-    ({**DRAW, "size": "100x100"}, "width 100 is not supported"),
+    ({**DRAW, "size": "100x100"}, "size '100x100' is not supported: width 100 is not supported"),
+    ({**DRAW, "quality": "hd"}, "quality is not supported by this server"),
+    ({**DRAW, "sizes": "64x64"}, "unknown field 'sizes' (did you mean 'size'?)"),
     ({**DRAW, "response_format": "url"}, "response_format: 'url' is not supported: only 'b64_json'"),
     ({**DRAW, "output_format": "jpeg"}, "output_format: 'jpeg' is not supported; use 'png'"),
     ({**DRAW, "stream": True}, "streaming images is not supported"),
@@ -298,7 +301,6 @@ IMAGES_BAD = [
     ({**DRAW, "steps": 0}, "steps must be a int in [1, 50], got 0"),
     ({**DRAW, "steps": 2.5}, "steps: Input should be a valid integer"),
     ({**DRAW, "guidance_scale": 99.0}, "guidance_scale must be a float in [0, 20]"),
-    ({**DRAW, "model": "dall-e-3"}, "not served here"),
 ]
 
 
@@ -338,7 +340,8 @@ def test_generate_stream_has_one_audio_line_per_delta(client):
     *media, final = lines
     assert [base64.b64decode(m["data"]) for m in media] == [d.data for d in AUDIO_DELTAS]
     assert all(m["modality"] == "audio" for m in media)
-    assert media[0]["metadata"] == {"sample_rate": SAMPLE_RATE, "num_channels": 1, "request_id": "g1", "n_tokens": 1}
+    assert media[0]["metadata"] == {"encoding": "base64", "sample_rate": SAMPLE_RATE, "num_channels": 1,
+                                    "request_id": "g1", "n_tokens": 1}
     assert final["metadata"]["finish_reason"] == "stop" and final["metadata"]["usage"]["completion_tokens"] == 3
 
 
@@ -355,7 +358,8 @@ def test_generate_outputs_have_one_entry_per_modality(client, fake):
     data = client.post("/generate", json={"prompt": "hi", "model_kwargs": {"voice": "bob"}}).json()
     assert [o["modality"] for o in data["outputs"]] == ["text", "audio", "image", "image"]
     text, audio, *images = data["outputs"]
-    assert base64.b64decode(text["data"]) == b"spoken: hi" == data["text"].encode()
+    assert text["data"] == "spoken: hi" == data["text"] and text["metadata"]["encoding"] == "utf-8"
+    assert audio["metadata"]["encoding"] == "base64" == images[0]["metadata"]["encoding"]
     assert base64.b64decode(audio["data"]) == AUDIO_DELTAS[0].data + AUDIO_DELTAS[1].data
     assert (audio["metadata"]["sample_rate"], audio["metadata"]["num_channels"]) == (SAMPLE_RATE, 1)
     assert all(png_size(base64.b64decode(i["data"])) == (64, 64) for i in images)

@@ -96,6 +96,10 @@ def test_frequencies_follow_probabilities() -> None:
     ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
     ({"top_k": -1}, "top_k"), ({"top_k": 2.5}, "top_k"),
     ({"seed": -1}, "seed"), ({"seed": "7"}, "seed"),
+    ({"min_p": 1.5}, "min_p"), ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ({"repetition_penalty": float("inf")}, "repetition_penalty"), ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -3}, "frequency_penalty"), ({"min_tokens": -1}, "min_tokens"),
+    ({"logprobs": 21}, "logprobs"), ({"prompt_logprobs": -1}, "prompt_logprobs"), ({"guided": "json"}, "guided"),
 ])
 def test_bad_params_raise_naming_the_field(kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field} ") as err:
@@ -114,10 +118,17 @@ def test_a_request_s_knobs_become_a_walk_s_parameters_in_one_place_and_go_back_a
     from mstar_dist.control.messages import Sampling
     from mstar_dist.events import GenerationParams
 
+    from mstar_dist.events import GuidedSpec
+
     wire = Sampling(temperature=0.7, top_p=0.9, top_k=20)
     params = SamplingParams.of(wire, seed=11)
     assert params == SamplingParams(temperature=0.7, top_p=0.9, top_k=20, seed=11)
     assert Sampling(**params.knobs()) == wire
+    assert not params.extras  # a request with none of the knobs beyond the draw takes none of their work
+    every = Sampling(temperature=0.5, min_p=0.1, repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=-0.5,
+                     min_tokens=3, logprobs=4, prompt_logprobs=1, guided=GuidedSpec("regex", "a+"))
+    assert Sampling(**SamplingParams.of(every, seed=1).knobs()) == every
+    assert SamplingParams.of(every, seed=1).extras and SamplingParams.of(every, seed=1).penalized
     request = GenerationParams(request_id="r", prompt="hi", messages=None, max_tokens=4, temperature=0.0, top_k=3)
     assert SamplingParams.of(request, seed=None) == SamplingParams(temperature=0.0, top_k=3)
     with pytest.raises(ValueError, match="top_p must be in"):

@@ -1,6 +1,6 @@
 """The HTTP app over a fake backend (docs/architecture.md §9, §10), no processes, no sockets.
 
-A failure here means clients see the wrong wire format (NDJSON/SSE framing, base64 text, usage), a bad
+A failure here means clients see the wrong wire format (NDJSON/SSE framing, UTF-8 text, usage), a bad
 request turns into a 500 or poisons /health, a model failure leaks beyond its request, or a client that goes
 away leaves its generation running in the backend.
 """
@@ -8,7 +8,6 @@ away leaves its generation running in the backend.
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 
 import pytest
@@ -180,7 +179,7 @@ def test_generate_returns_text_outputs_and_pinned_request_id(client, fake):
     assert data["text"] == UNICODE_TEXT and data["finish_reason"] == "stop"
     assert data["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
     (out,) = data["outputs"]
-    assert out["modality"] == "text" and base64.b64decode(out["data"]).decode("utf-8") == UNICODE_TEXT
+    assert out["modality"] == "text" and out["data"] == UNICODE_TEXT and out["metadata"]["encoding"] == "utf-8"
     assert (fake.calls[0].prompt, fake.calls[0].max_tokens, fake.calls[0].seed) == ("the capital of", 8, 3)
 
 
@@ -190,14 +189,16 @@ def test_generate_with_messages_and_length_finish(client, fake):
     assert fake.calls[0].messages == MSGS and fake.calls[0].prompt is None
 
 
-def test_generate_stream_is_ndjson_with_base64_utf8_and_final_usage(client):
+def test_generate_stream_is_ndjson_with_utf8_text_and_final_usage(client):
     resp = client.post("/generate", json={"prompt": "hi", "stream": True, "request_id": "s1"})
     assert resp.status_code == 200
     assert resp.headers["content-type"] == "application/x-ndjson; charset=utf-8"
     lines = ndjson(resp.content)
     *deltas, final = lines
-    assert [base64.b64decode(d["data"]).decode("utf-8") for d in deltas] == UNICODE_DELTAS
+    assert [d["data"] for d in deltas] == UNICODE_DELTAS  # readable as it is: text is not base64
     assert all(d["modality"] == "text" and d["metadata"]["request_id"] == "s1" for d in deltas)
+    assert all(d["metadata"]["encoding"] == "utf-8" for d in deltas)
+    assert "東".encode() in resp.content and "🚀".encode() in resp.content
     assert final["modality"] == "text" and final["data"] == ""
     assert final["metadata"]["finish_reason"] == "stop"
     assert final["metadata"]["usage"] == {"prompt_tokens": 1, "completion_tokens": 5, "total_tokens": 6}
@@ -207,7 +208,7 @@ def test_generate_stream_honours_stop(client, fake):
     fake.deltas = ["a", "b<", "/s", "> c", "d"]
     resp = client.post("/generate", json={"prompt": "x", "stream": True, "model_kwargs": {"stop": ["</s>"]}})
     *deltas, final = ndjson(resp.content)
-    assert "".join(base64.b64decode(d["data"]).decode() for d in deltas) == "ab"
+    assert "".join(d["data"] for d in deltas) == "ab"
     assert final["metadata"]["finish_reason"] == "stop"
 
 
@@ -226,7 +227,6 @@ CHAT_BAD = [
     ({"messages": [{"role": "user"}]}, "messages[0].content: field required"),
     ({"messages": [{"role": "user", "content": 5}]}, "content must be a string or a list of text parts"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "only text parts"),
-    ({"messages": MSGS, "model": "gpt-9"}, "model 'gpt-9' is not served here"),
     ({"messages": MSGS, "max_tokens": 0}, "max_tokens: Input should be greater than 0"),
     ({"messages": MSGS, "max_tokens": -3}, "max_tokens"),
     ({"messages": MSGS, "max_tokens": 33}, "limit of 32"),
@@ -234,7 +234,8 @@ CHAT_BAD = [
     ({"messages": MSGS, "max_tokens": "5"}, "max_tokens: Input should be a valid integer"),
     ({"messages": MSGS, "temperature": 2.5}, "temperature"),
     ({"messages": MSGS, "top_p": 0}, "top_p"),
-    ({"messages": MSGS, "n": 2}, "only n=1"),
+    ({"messages": MSGS, "n": 17}, "n: Input should be less than or equal to 16"),
+    ({"messages": MSGS, "n": 0}, "n: Input should be greater than or equal to 1"),
     ({"messages": MSGS, "stream": "yes"}, "stream"),
     ({"messages": MSGS, "stop": [""]}, "stop strings must be non-empty"),
     ({"messages": MSGS, "stop": 3}, "stop must be a string or a list of strings"),
@@ -253,9 +254,9 @@ NATIVE_BAD = [
     ({"prompt": "a", "model_kwargs": {"temperature": -1}}, 400, "model_kwargs.temperature"),
     ({"prompt": "a", "model_kwargs": {"seed": "7"}}, 400, "model_kwargs.seed"),
     ({"prompt": "a", "model_kwargs": []}, 400, "model_kwargs"),
-    ({"prompt": "a", "stream": True, "modelkwargs": {}}, 400, "modelkwargs: Extra inputs are not permitted"),
+    ({"prompt": "a", "stream": True, "modelkwargs": {}}, 400, "unknown field 'modelkwargs' (did you mean "
+                                                             "'model_kwargs'?)"),
     ({"prompt": "a", "request_id": "has space"}, 400, "request_id"),
-    ({"prompt": "a", "model": "other"}, 400, "not served here"),
 ]
 
 
@@ -296,7 +297,8 @@ def test_generate_passes_family_knobs_through_model_kwargs(client, fake):
 
 
 @pytest.mark.parametrize("knobs,needle", [
-    ({"max_token": 3}, "unknown model_kwargs key 'max_token'"),  # a typo reaches the family, which names it
+    ({"max_token": 3}, "unknown field 'max_token' (did you mean 'max_tokens'?)"),
+    ({"voise": "bob"}, "unknown field 'voise' (did you mean 'voice'?)"),
     ({"voice": "carol"}, "voice 'carol' is not one of this model's voices: alice, bob"),
 ])
 def test_generate_knob_the_family_rejects_is_400_naming_it(client, fake, knobs, needle):
@@ -319,7 +321,7 @@ def test_chat_on_a_non_text_model_is_400_naming_the_right_route(client, fake):
 def test_empty_text_deltas_tokens_ride_on_the_next_delta(client, fake):
     fake.deltas = ["a", "", "", "b"]  # e.g. a multi-byte character still incomplete
     *deltas, final = ndjson(client.post("/generate", json={"prompt": "x", "stream": True}).content)
-    assert [(base64.b64decode(d["data"]).decode(), d["metadata"]["n_tokens"]) for d in deltas] == [("a", 1), ("b", 3)]
+    assert [(d["data"], d["metadata"]["n_tokens"]) for d in deltas] == [("a", 1), ("b", 3)]
     assert final["metadata"]["usage"]["completion_tokens"] == 4
 
 
@@ -524,14 +526,30 @@ def test_chat_rejects_misspelled_fields_naming_them(client, fake, extra, needle)
 
 
 def test_chat_accepts_openais_own_fields_it_ignores(client):
-    body = {"messages": MSGS, "user": "u1", "frequency_penalty": 0, "logprobs": False, "metadata": {"a": "b"}}
+    body = {"messages": MSGS, "user": "u1", "frequency_penalty": 0, "logprobs": False, "metadata": {"a": "b"},
+            "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto", "store": False,
+            "presence_penalty": 0.0, "logit_bias": {}, "service_tier": "auto", "parallel_tool_calls": True}
     assert client.post(CHAT, json=body).status_code == 200
 
 
-@pytest.mark.parametrize("body", [{}, {"prompt": 5}, {"prompt": "a", "extra": 1}, {"prompt": "a", "model": "x"}])
+@pytest.mark.parametrize("body", [{}, {"prompt": 5}, {"prompt": "a", "extra": 1}])
 def test_native_client_errors_are_all_400_with_a_string_error(client, body):
     resp = client.post("/generate", json=body)
     assert resp.status_code == 400 and isinstance(resp.json()["error"], str)
+
+
+def test_a_wrong_model_is_404_model_not_found_on_every_route(client, fake):
+    for path, body in ((CHAT, {"messages": MSGS}), ("/v1/completions", {"prompt": "a"})):
+        resp = client.post(path, json={**body, "model": "gpt-9"})
+        assert resp.status_code == 404, resp.text
+        assert resp.json()["error"] == {"message": "The model 'gpt-9' does not exist: this server serves 'fake-model' "
+                                                   "(see GET /v1/models)", "type": "invalid_request_error",
+                                        "param": "model", "code": "model_not_found"}
+    for path, body in (("/generate", {"prompt": "a"}), ("/tokenize", {"prompt": "a"}),
+                       ("/detokenize", {"tokens": [97]})):
+        resp = client.post(path, json={**body, "model": "gpt-9"})
+        assert resp.status_code == 404 and "'gpt-9' does not exist" in resp.json()["error"], resp.text
+    assert fake.calls == []
 
 
 def test_streamed_lines_survive_clients_that_split_on_unicode_line_breaks(client, fake):
@@ -550,23 +568,25 @@ def test_streamed_text_events_are_the_bytes_the_response_models_give(text):
     """The per-token SSE and NDJSON events are written without pydantic; they must stay byte for byte what the
     response models serialise to (JSON escapes, the line breakers clients split on, null fields)."""
     from mstar_dist.events import Finished, TextDelta
-    from mstar_dist.server.app import _ChatReply, _delta_line, _json, _line, _ndjson_body
+    from mstar_dist.server.chat import ChatReply
+    from mstar_dist.server.framing import json_bytes, ndjson_line
+    from mstar_dist.server.native import delta_line, ndjson_body
     from mstar_dist.server.protocol import ChunkChoice, ChunkDelta
 
-    reply = _ChatReply('chatcmpl-a"b\u2028', 1700000000, "org/model")
+    reply = ChatReply('chatcmpl-a"b\u2028', 1700000000, "org/model")
     for include_usage in (False, True):
-        head, tail = reply._content_framing(include_usage)
-        slow = reply._chunk([ChunkChoice(delta=ChunkDelta(content=text))], None, include_usage)
-        assert head + _json(text) + tail == slow
+        head, tail = reply.content_framing(include_usage)
+        slow = reply.typed_chunk([ChunkChoice(delta=ChunkDelta(content=text))], None, include_usage)
+        assert head + json_bytes(text) + tail == slow
 
     async def body(request_id: str) -> list[bytes]:
         async def rest():
             yield Finished(finish_reason="stop", prompt_tokens=1, completion_tokens=3)
-        return [line async for line in _ndjson_body(rest(), TextDelta(text=text, n_tokens=3), request_id)]
+        return [line async for line in ndjson_body(rest(), TextDelta(text=text, n_tokens=3), request_id)]
 
     for request_id in ("r1", 'q"u\u2028ote'):
         lines = asyncio.run(body(request_id))
-        assert lines[0] == _line(_delta_line(TextDelta(text=text, n_tokens=3), request_id))
+        assert lines[0] == ndjson_line(delta_line(TextDelta(text=text, n_tokens=3), request_id))
         assert json.loads(lines[-1])["metadata"]["finish_reason"] == "stop"
 
 
@@ -574,21 +594,22 @@ def test_streamed_chat_events_built_from_templates_are_the_bytes_pydantic_writes
     """The role, content and finish events of a streamed chat completion come from per-model templates with the
     response's id and time filled in; a client must get exactly what the models would write, whatever the id holds
     (a client's X-Request-Id can carry quotes, backslashes, line separators)."""
-    from mstar_dist.server.app import _ChatReply, _chunk_template, _json
+    from mstar_dist.server.chat import ChatReply, chunk_template
+    from mstar_dist.server.framing import json_bytes
     from mstar_dist.server.protocol import ChunkChoice, ChunkDelta
 
-    reply = _ChatReply('chatcmpl-a"b\\c\u2028d', 1764629000, "fake/model")
+    reply = ChatReply('chatcmpl-a"b\\c\u2028d', 1764629000, "fake/model")
     for usage in (False, True):
-        role = reply._chunk([ChunkChoice(delta=ChunkDelta(role="assistant", content=""))], None, usage)
-        assert reply._fill(_chunk_template(reply.model, usage, "role")) == role
+        role = reply.typed_chunk([ChunkChoice(delta=ChunkDelta(role="assistant", content=""))], None, usage)
+        assert reply.fill(chunk_template(reply.model, usage, "role")) == role
         for reason in ("stop", "length"):
-            finish = reply._chunk([ChunkChoice(delta=ChunkDelta(), finish_reason=reason)], None, usage)
-            assert reply._fill(_chunk_template(reply.model, usage, "finish", reason)) == finish
-        head, tail = reply._content_framing(usage)
-        assert head + _json("h\u00e9\n") + tail == reply._chunk(
+            finish = reply.typed_chunk([ChunkChoice(delta=ChunkDelta(), finish_reason=reason)], None, usage)
+            assert reply.fill(chunk_template(reply.model, usage, "finish", reason)) == finish
+        head, tail = reply.content_framing(usage)
+        assert head + json_bytes("h\u00e9\n") + tail == reply.typed_chunk(
             [ChunkChoice(delta=ChunkDelta(content="h\u00e9\n"))], None, usage)
-    other = _ChatReply("chatcmpl-x", 5, "fake/model")
-    assert b'"id":"chatcmpl-x"' in other._fill(_chunk_template(other.model, False, "role"))  # no id carried over
+    other = ChatReply("chatcmpl-x", 5, "fake/model")
+    assert b'"id":"chatcmpl-x"' in other.fill(chunk_template(other.model, False, "role"))  # no id carried over
 
 
 def test_a_stream_cancelled_by_the_server_stays_cancelled_and_aborts_the_backend():
