@@ -115,12 +115,20 @@ def _world_from_config(config: DeploymentConfig) -> int:
 
 def check_weights(config: DeploymentConfig, model: CompositeModel) -> None:
     """``weights:`` must exist unless the family prepares that path itself: its ``default_weights_dir``, or any
-    path of a family that decides in ``prepare_weights`` (checked there, at load). ConfigError naming the key."""
+    path of a family that decides in ``prepare_weights`` (checked there, at load). A family that prepares its default
+    path would fill any existing directory too: one other than the default must already hold a checkpoint (its
+    ``config.json``), so a wrong folder is named instead of receiving a conversion. ConfigError naming the key."""
     path = config.weights
-    if path is None or os.path.exists(path):
+    if path is None:
         return
     default = type(model).default_weights_dir
-    if default is not None and os.path.realpath(path) == os.path.realpath(os.path.expanduser(default)):
+    is_default = default is not None and os.path.realpath(path) == os.path.realpath(os.path.expanduser(default))
+    if os.path.exists(path):
+        if default is not None and not is_default and not os.path.exists(os.path.join(path, "config.json")):
+            raise ConfigError("weights", f"is not a checkpoint (no config.json in it; only the default {default} is "
+                              "prepared automatically)", repr(path), config.source)
+        return
+    if is_default:
         return
     if default is None and type(model).prepare_weights is not CompositeModel.prepare_weights:
         return
