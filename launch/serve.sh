@@ -20,8 +20,9 @@ fi
 [ -f "$config" ] || { echo "serve.sh: error: $config: no such file; $usage" >&2; exit 2; }
 venv="$(bash "$repo/launch/install.sh" | tail -n 1)"
 cd "$repo"
-# Check the config (and flags) once, before torchrun starts ranks: a mistake is one line, not one per rank.
-"$venv/bin/python" -m mstar_dist.serve "$config" --dry-run "$@" >/dev/null || exit 2
+# Check the config (and flags) and the HTTP port once, before torchrun starts ranks: a mistake is one line, not one
+# per rank.
+"$venv/bin/python" -m mstar_dist.serve "$config" --dry-run --check-port "$@" >/dev/null || exit 2
 nproc="${NPROC:-$("$venv/bin/python" -c 'import sys
 from mstar_dist.config.deployment import load_config
 cfg = load_config(sys.argv[1])

@@ -62,6 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="rank 0 logs throughput, queue, per-rank live tensors and every data-plane edge (bytes, "
                         "count, p50/p99 transfer time) every SECONDS (default 10)")
     p.add_argument("--dry-run", action="store_true", help="validate the config and print the placement, then exit")
+    p.add_argument("--check-port", action="store_true",
+                   help="with --dry-run: also bind the HTTP address once, as rank 0 will, so a port in use is one "
+                        "line before torchrun starts any rank (launch/serve.sh does this)")
     return p.parse_args(argv)
 
 
@@ -99,7 +102,12 @@ def dry_run(args: argparse.Namespace) -> int:
     """Validate the config and print the placement (no torchrun, no weights, no process group)."""
     from mstar_dist.runtime.deployment import load_deployment, torchrun_sizes
 
-    print(load_deployment(args, *torchrun_sizes(os.environ)).describe())
+    dep = load_deployment(args, *torchrun_sizes(os.environ))
+    print(dep.describe())
+    if args.check_port:  # OSError naming the address: one line, exit 2 (main)
+        from mstar_dist.server.http_server import reserve_port
+
+        reserve_port(dep.config.server.host, dep.config.server.port).close()
     return 0
 
 

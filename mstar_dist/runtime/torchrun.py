@@ -7,7 +7,8 @@ torchrun itself answers Ctrl-C or SIGTERM by stopping its workers with that sign
 error summary (another 30); its agent logs a warning per worker it signals. Here the same agent runs (its flags,
 rendezvous and restarts are torchrun's own, unchanged), its own log lines are left out (``LOGLEVEL=CRITICAL``: what
 they would say, the line below says), and its end is one line on stderr: ``stopped by SIGINT`` (exit 0: a requested stop), or which worker
-failed how (exit 1; the worker's own log lines say why), or what kept torchrun from starting them.
+failed how (exit 1; the worker's own log lines say why), or what kept torchrun from starting them; nothing more for a
+mistake that local rank 0 already named in its one line (exit 2: config, flags, a port in use).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ def summary(exc: BaseException) -> tuple[int, str]:
         return 0, f"mstar-dist: stopped by {signal.Signals(exc.sigval).name}"
     if isinstance(exc, ChildFailedError):
         rank, failure = exc.get_first_failure()
+        if failure.exitcode == 2 and failure.local_rank == 0:
+            return 2, ""  # a mistake (config, flags, port in use) its worker already said in one line
         how = (f"was killed by {failure.signal_name()}" if failure.exitcode < 0
                else f"exited with status {failure.exitcode}")
         others = len(exc.failures) - 1
@@ -47,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         run(args)
     except Exception as exc:  # noqa: BLE001 - every way torchrun ends is one line here
         rc, line = summary(exc)
-        print(line, file=sys.stderr, flush=True)
+        if line:
+            print(line, file=sys.stderr, flush=True)
         return rc
     return 0
 

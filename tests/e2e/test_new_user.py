@@ -171,7 +171,46 @@ def test_a_port_in_use_is_reported_before_any_rank_loads(venv, tmp_path):
     text = out.stdout + out.stderr
     assert out.returncode != 0 and f"cannot bind HTTP server to 127.0.0.1:{port} (port already in use)" in text
     assert "loaded ADD" not in text and "loaded COUNT" not in text, text[-3000:]
+    assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in text, text  # checked before torchrun
     assert time.monotonic() - t0 < 60
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_and_sigterm_stop_every_rank_at_once_with_one_line_and_status_0(venv, tmp_path, signum):
+    """Ctrl-C (SIGINT to the terminal's process group) or SIGTERM: every rank ends within seconds, the command
+    ends with one line naming the signal the user sent, exit 0, no traceback and no process left behind."""
+    port = free_port()
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(["bash", str(SERVE), str(REPO / "tests/toy_deploy.yaml"), "--port", str(port)],
+                                cwd=tmp_path, env=env_for(venv, MASTER_PORT=str(free_port())), stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    family = []
+    try:
+        def up() -> bool:
+            assert proc.poll() is None, log_path.read_text()
+            return _healthy(f"http://127.0.0.1:{port}")
+
+        wait_for(up, 120, "serve.sh answering /health", interval=0.25)
+        family = descendants(proc.pid)
+        t0 = time.monotonic()
+        os.killpg(proc.pid, signum)
+        status = proc.wait(30)
+        took = time.monotonic() - t0
+    finally:
+        for pid in [proc.pid, *family]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    text = log_path.read_text()
+    name = signal.Signals(signum).name
+    assert status == 0 and text.rstrip().endswith(f"mstar-dist: stopped by {name}"), text[-3000:]
+    assert "Traceback" not in text and "SignalException" not in text, text[-5000:]
+    assert text.count(f"exits with status 0 ({name})") == 2, text[-3000:]
+    assert took < 10, f"the stop took {took:.1f} s"
+    left = [pid for pid in family if Path(f"/proc/{pid}").exists()]
+    assert not left, f"processes left behind: {left}"
 
 
 def test_serve_sh_serves_a_config_relative_to_the_callers_folder(toy):

@@ -223,3 +223,22 @@ def test_the_board_is_written_as_json_once_per_failure():
     publish_failure(store, 3, "host-b", "boom")
     assert json.loads(store.get(key("failed", rank=3))) == {"rank": 3, "host": "host-b", "reason": "boom"}
     assert store.add(key("failures"), 0) == 1
+
+
+def test_torchrun_ends_in_one_line_and_says_nothing_more_for_a_mistake_rank_0_named():
+    """What ``launch/serve.sh`` prints last: a requested stop is exit 0, a failed worker is named with how it ended,
+    and a mistake its local rank 0 already named in one line (exit 2) gets no second line."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from mstar_dist.runtime.torchrun import summary
+
+    def failed(local_rank: int, exitcode: int) -> ChildFailedError:
+        return ChildFailedError("serve", {local_rank: ProcessFailure(local_rank, 100 + local_rank, exitcode, "-")})
+
+    assert summary(SignalException("stop", signal.SIGINT)) == (0, "mstar-dist: stopped by SIGINT")
+    assert summary(failed(0, 2)) == (2, "")
+    assert summary(failed(1, -9)) == (1, "mstar-dist: worker 1 (local rank 1, pid 101) was killed by SIGKILL; its "
+                                         "log lines above say why")
+    rc, line = summary(failed(1, 2))  # a rank other than local rank 0 prints no config line: torchrun's line stays
+    assert rc == 1 and "exited with status 2" in line
