@@ -21,7 +21,7 @@ from mstar_dist.config.schema import ConfigError
 from mstar_dist.graph.model import CompositeModel, Layout
 from mstar_dist.graph.nodes import iter_nodes, node_names
 from mstar_dist.runtime.registry import model_class
-from mstar_dist.topology.cuts import cut_signals, describe_cuts, flows
+from mstar_dist.topology.cuts import cut_signals, describe_cross_host, describe_cuts, flows
 from mstar_dist.topology.placement import Placement
 
 
@@ -57,14 +57,16 @@ class Deployment:
 
     def describe(self) -> str:
         """The dry run and startup report: rank map, placement per walk (replicas), TP groups, the data plane's
-        transports and the pair groups it creates, cross-host rank pairs with their transport, every cut edge."""
-        cuts = cut_signals(self.model.graphs(), self.model.streaming_edges(), self.placement)
+        transports and the pair groups it creates, cross-host rank pairs with their transport, every cut edge, and
+        every graph edge that crosses hosts."""
+        cuts = cut_signals(self.model.graphs(), self.model.streaming_edges(), self.placement, self.model.partitions())
         return "\n".join([
             f"deployment: model {self.config.model}, {self.config.source}",
             self.placement.describe_ranks(self.cluster),
             self.placement.describe(self.cluster, self.config.transport),
             self.placement.describe_groups(self.p2p_pairs, self.config.transport),
             describe_cuts(cuts),
+            describe_cross_host(cuts, self.cluster.rank_hosts(), self.config.transport.inter_host),
         ])
 
     def via(self, src: int, dst: int) -> str:
