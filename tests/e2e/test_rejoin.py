@@ -79,3 +79,46 @@ def test_a_decode_replica_killed_under_load_comes_back_and_serves_while_the_othe
                  "every rank's live tensors back to 0")
     finally:
         assert server.stop_clean(3), server.log()
+
+
+def test_a_replica_stopped_past_the_timeout_has_its_requests_run_elsewhere_and_rejoins_after_sigcont():
+    """Two SmolLM2 replicas (ranks 0 and 1, each prefill and decode) with ``restart.retry_in_flight``: rank 1's
+    process is stopped (SIGSTOP) past ``limits.rank_timeout_s``. The requests it held, none of which streamed
+    anything, must run again on rank 0 and succeed; once it is continued (SIGCONT) the old process, which its peers
+    gave up, must be told to restart, and its new process must rejoin and serve. A failure means a stopped replica's
+    requests were lost (a 503 or a hang) or the rank never came back."""
+    overrides = {"node_groups": [{"node_names": ["LLM"], "ranks": [0, 1], "graph_walks": ["prefill", "decode"]}],
+                 "limits": {"max_concurrent_requests": 16, "max_tokens": 512, "rank_timeout_s": 4},
+                 "restart": {"retry_in_flight": True, "backoff_s": 0.5}}
+    server = Server(DP, nproc=2, overrides=overrides)
+    pid = rank_process(server, 1)
+    try:
+        os.kill(pid, signal.SIGSTOP)
+
+        def ask(i: int) -> httpx.Response:
+            return httpx.post(f"{server.base_url}/generate", timeout=120, json={
+                "prompt": f"Hello {i}", "model_kwargs": {"max_tokens": 8, "seed": i}})
+
+        with cf.ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(ask, range(8)))
+        assert all(r.status_code == 200 for r in answers), [r.text for r in answers]
+        log = server.log()
+        assert "rank 1 declared dead: silent for" in log, log
+        assert "runs again on another replica" in log, "no request was routed to the stopped replica"
+        os.kill(pid, signal.SIGCONT)
+        wait_for(lambda: "rank 1 on localhost serves again" in server.log(), 120, "rank 1 rejoining")
+        assert not Path(f"/proc/{pid}").exists() or b"zombie" in Path(f"/proc/{pid}/status").read_bytes().lower(), \
+            "the stopped process must be gone: its peers gave up its pairs"
+        with cf.ThreadPoolExecutor(4) as pool:
+            again = list(pool.map(ask, range(100, 112)))
+        assert all(r.status_code == 200 for r in again), [r.text for r in again]
+        rows = per_rank(server.base_url, "mstar_dist_engine_decode_rows_total")
+        assert rows.get("1", 0) > 0, f"the restarted replica must decode again: {rows}"
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        server.stop()
+    text = server.log_path.read_text(errors="replace")
+    assert text.count("exits with status 0 (SIGTERM)") == 2, text[-6000:]
