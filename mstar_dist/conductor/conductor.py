@@ -84,14 +84,7 @@ class Conductor(Liveness):
                                      repair_timeout_s=60.0, send=self._send,
                                      reconnect=lambda name, ep: self.channel.reconnect(name, ep))
         self.dead_ranks = self.membership.dead
-        self.graphs = model.graphs()
-        self.stop_ids = model.stop_token_ids()
-        self._id_signals = model.id_signals
-        self.partitions = list(check_partitions(model.partitions(), self.graphs).values())
-        self.streams = model.streaming_edges()
-        for edge in self.streams:
-            edge.check({p.name: p for p in self.partitions}, self.graphs)
-        self._partition_index = {p.name: i for i, p in enumerate(self.partitions)}
+        self._read_model(model)
         self.routes = Routes(graphs=self.graphs, partitions=self.partitions, streams=self.streams,
                              placement=placement, world_size=world_size, rank_hosts=rank_hosts)
         self.metrics = Metrics(world_size)
@@ -113,6 +106,17 @@ class Conductor(Liveness):
         """What ``health`` answers once serving, published by the thread that owns the requests when a rank dies."""
         self.intakes = IntakeHub(intakes, send=self._send_to, health=self.health, execute=self.execute,
                                  metrics_text=self.metrics.render)
+
+    def _read_model(self, model: CompositeModel) -> None:
+        """The model's walks, partitions and streaming edges, checked against each other, and its stop ids."""
+        self.graphs = model.graphs()
+        self.stop_ids = model.stop_token_ids()
+        self._id_signals = model.id_signals
+        self.partitions = list(check_partitions(model.partitions(), self.graphs).values())
+        self.streams = model.streaming_edges()
+        for edge in self.streams:
+            edge.check({p.name: p for p in self.partitions}, self.graphs)
+        self._partition_index = {p.name: i for i, p in enumerate(self.partitions)}
 
     # ---- thread side ----
     def wait_ready(self, timeout_s: float) -> None:

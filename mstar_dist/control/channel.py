@@ -98,17 +98,7 @@ class ControlChannel:
         self._own_ctx = ctx is None
         self._ctx = zmq.Context() if ctx is None else ctx
         self._sndhwm = sndhwm
-        self._router = self._ctx.socket(zmq.ROUTER)
-        self._router.setsockopt(zmq.LINGER, 0)
-        self._router.setsockopt(zmq.RCVHWM, rcvhwm)
-        # A restarted peer reconnects under the same name; take the name over instead of silently dropping it.
-        self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        host, seen = _tcp_host(bind_addr), _tcp_host(advertise_addr or bind_addr)
-        if "[" in host or "[" in seen:  # IPv6 literal
-            self._router.setsockopt(zmq.IPV6, 1)
-        port = self._bind(host if host.strip("[]") not in ("0.0.0.0", "") else "*", port_range)
-        self.endpoint = f"tcp://{seen}:{port}"
-        """Address peers connect to: `tcp://host:port`, then ` local:<name>` when the channel has a local link."""
+        self._router = self._open_router(bind_addr, advertise_addr, port_range, rcvhwm)
         self._dealers: dict[str, zmq.Socket] = {}
         self._peer_eps: dict[str, str] = {}
         self._poller = zmq.Poller()
@@ -129,6 +119,22 @@ class ControlChannel:
             self.endpoint += f" local:{self._listener.getsockname()[1:].decode()}"
         self.sent_local = self.sent_zmq = 0
         self._closed = False
+
+    def _open_router(self, bind_addr: str, advertise_addr: str | None, port_range: tuple[int, int] | None,
+                     rcvhwm: int) -> zmq.Socket:
+        """The ROUTER every peer sends to, bound (in `port_range` when given), and `endpoint` naming it."""
+        router = self._router = self._ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.setsockopt(zmq.RCVHWM, rcvhwm)
+        # A restarted peer reconnects under the same name; take the name over instead of silently dropping it.
+        router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        host, seen = _tcp_host(bind_addr), _tcp_host(advertise_addr or bind_addr)
+        if "[" in host or "[" in seen:  # IPv6 literal
+            router.setsockopt(zmq.IPV6, 1)
+        port = self._bind(host if host.strip("[]") not in ("0.0.0.0", "") else "*", port_range)
+        self.endpoint = f"tcp://{seen}:{port}"
+        """Address peers connect to: `tcp://host:port`, then ` local:<name>` when the channel has a local link."""
+        return router
 
     def connect(self, peer_name: str, endpoint: str) -> None:
         """Open the sending direction to `peer_name` at `endpoint`. Returns at once (ZMQ connects in the

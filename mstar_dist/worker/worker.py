@@ -104,20 +104,8 @@ class Worker:
         """Control messages dropped: undecodable, without this launch's secret, or from a spoofed sender."""
         self.failed_reason: str | None = None
         self.runs = Runs()
-        removed = self.runs.removed
-        self.transfers = Transfers(
-            global_rank=global_rank, name=self.name, token=token, channel=channel, transport=transport, store=store,
-            send=self._send, removed=removed, start_walk=self._start_walk, report_failure=self._report_failure,
-            transfer_timeout_s=transfer_timeout_s, backpressure_timeout_s=backpressure_timeout_s,
-            form_pairs=form_pairs)
-        self.streams = Streams(
-            edges=list(streaming_edges), graphs=graphs, name=self.name, runs=self.runs, transfers=self.transfers,
-            send=self._send, removed=removed, fail_request=self._fail_request, flush_emits=self._flush_emits)
-        self.spans = Spans(global_rank=global_rank, transport=transport, transfers=self.transfers, send=self._send,
-                           removed=removed, fail_run=self._fail_run, transfer_timeout_s=transfer_timeout_s)
-        self.tp = TPReplicas(roles=dict(tp_roles or {}), name=self.name, device=device, components=components,
-                             store=store, transfers=self.transfers, send=self._send,
-                             transfer_timeout_s=transfer_timeout_s)
+        self._build_parts(streaming_edges=streaming_edges, tp_roles=tp_roles, form_pairs=form_pairs,
+                          transfer_timeout_s=transfer_timeout_s, backpressure_timeout_s=backpressure_timeout_s)
         self._emits: dict[str, list[tuple[str, torch.Tensor]]] = collections.defaultdict(list)
         self._done_out: list[m.WalkDone] = []  # walks ended this turn: reported with its emits (``_flush_emits``)
         self._ended: set[str] = set()  # requests whose last walk here ended this turn: their emits go, then the list
@@ -125,6 +113,26 @@ class Worker:
         self._deferred_only = False  # the last step ran nothing: every call was deferred (no free KV slot)
         self._last_stats = 0.0
         self._handlers = _handlers(self)
+
+    def _build_parts(self, *, streaming_edges: Sequence[StreamingEdge], tp_roles: dict[str, TPRole] | None,
+                     form_pairs: Callable[..., dict] | None, transfer_timeout_s: float,
+                     backpressure_timeout_s: float) -> None:
+        """The loop's parts: transfers, streams, walks across ranks and TP replicas (each a module of worker/)."""
+        removed = self.runs.removed
+        self.transfers = Transfers(
+            global_rank=self.global_rank, name=self.name, token=self.token, channel=self.channel,
+            transport=self.transport, store=self.store, send=self._send, removed=removed, start_walk=self._start_walk,
+            report_failure=self._report_failure, transfer_timeout_s=transfer_timeout_s,
+            backpressure_timeout_s=backpressure_timeout_s, form_pairs=form_pairs)
+        self.streams = Streams(
+            edges=list(streaming_edges), graphs=self.graphs, name=self.name, runs=self.runs, transfers=self.transfers,
+            send=self._send, removed=removed, fail_request=self._fail_request, flush_emits=self._flush_emits)
+        self.spans = Spans(global_rank=self.global_rank, transport=self.transport, transfers=self.transfers,
+                           send=self._send, removed=removed, fail_run=self._fail_run,
+                           transfer_timeout_s=transfer_timeout_s)
+        self.tp = TPReplicas(roles=dict(tp_roles or {}), name=self.name, device=self.device,
+                             components=self.components, store=self.store, transfers=self.transfers, send=self._send,
+                             transfer_timeout_s=transfer_timeout_s)
 
     # ---- loop ----
     def run(self, should_stop: Callable[[], bool] = lambda: False) -> None:

@@ -12,7 +12,7 @@ import time
 
 import httpx
 
-from tests.e2e.server import REPO, Server, per_rank, wait_for
+from tests.e2e.server import REPO, Server, descendants, per_rank, wait_for
 
 CONFIG = {
     "node_groups": [
@@ -77,6 +77,7 @@ def test_ranks_of_other_hosts_exit_when_the_conductor_host_dies():
         # a few heartbeats arm the ranks' watchdog (a rank arms it on its first message from the conductor, which
         # nothing outside the rank shows: a fixed wait)
         time.sleep(2)
+        host_b = descendants(server.procs[1].pid)  # its ranks, their supervisors and their children
         server.kill_node(0)  # host A: rank 0 (conductor, HTTP) and rank 1
         t_kill = time.monotonic()
         status = server.procs[1].wait(timeout=30)  # host B's torchrun ends instead of serving nobody forever
@@ -85,5 +86,15 @@ def test_ranks_of_other_hosts_exit_when_the_conductor_host_dies():
         log = server.log()
         assert "rank 0's host (host-a) is gone" in log, log
         assert elapsed < 10, f"host B's ranks took {elapsed:.1f} s to notice (limits.rank_timeout_s is 6)"
+        wait_for(lambda: not [pid for pid in host_b if _alive(pid)], 10, "every process of host B gone (no orphan)")
     finally:
         server.stop()
+
+
+def _alive(pid: int) -> bool:
+    """``pid`` runs (a zombie waiting for its reaper does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -122,3 +122,34 @@ def test_a_replica_stopped_past_the_timeout_has_its_requests_run_elsewhere_and_r
         server.stop()
     text = server.log_path.read_text(errors="replace")
     assert text.count("exits with status 0 (SIGTERM)") == 2, text[-6000:]
+
+
+def test_a_killed_tp_member_restarts_with_its_whole_replica_and_the_replica_serves_the_same_text():
+    """Qwen3-MoE with prefill on TP ranks 0, 1 and decode on TP ranks 2, 3: rank 3's process is killed with SIGKILL.
+    Its TP partner (rank 2) must be restarted with it, both must rejoin (a fresh TP group between them, fresh pairs
+    with the prefill ranks), and greedy answers afterwards must be the ones before. A failure means a TP replica came
+    back half (a hang in its first all-reduce), with shards that disagree (other text), or not at all."""
+    moe = REPO / "launch/configs/moe_pd_tp2.yaml"
+    weights = os.path.expanduser("~/.cache/mstar_dist/qwen3-moe-tiny")
+    server = Server(moe, nproc=4, overrides={"weights": weights, "restart": {"backoff_s": 0.5}})
+
+    def texts() -> list[str]:
+        out = []
+        for i in range(3):
+            r = httpx.post(f"{server.base_url}/generate", timeout=120, json={
+                "prompt": f"Count with me {i}:", "model_kwargs": {"max_tokens": 12, "temperature": 0}})
+            assert r.status_code == 200, r.text
+            out.append(r.json()["text"])
+        return out
+
+    try:
+        before = texts()
+        os.kill(rank_process(server, 3), signal.SIGKILL)
+        wait_for(lambda: all(f"rank {r} on localhost serves again" in server.log() for r in (2, 3)), 180,
+                 "ranks 2 and 3 rejoining")
+        assert "restarting with its TP replica (rank 3 died)" in server.log()
+        assert texts() == before
+    finally:
+        server.stop()
+    text = server.log_path.read_text(errors="replace")
+    assert text.count("exits with status 0 (SIGTERM)") == 4, text[-6000:]
