@@ -24,10 +24,11 @@ def get_model_class(name: str):
     from models.image.family import BagelImage
     from models.llama.chat import LlamaChat, SmolLM2Chat
     from models.moe.chat import MoEChat
+    from models.qwen3_omni.family import Qwen3Omni
     from models.speech.orpheus import OrpheusSpeech
 
     registry = {"llama": LlamaChat, "smollm2": SmolLM2Chat, "orpheus": OrpheusSpeech, "bagel": BagelImage,
-                "qwen3_moe": MoEChat}
+                "qwen3_moe": MoEChat, "qwen3_omni": Qwen3Omni}
     try:
         return registry[name]
     except KeyError:

@@ -12,8 +12,9 @@ Inputs a call may carry:
 - ``prompt_ids`` (T,) int64 beside a ``kv`` import, for a request with penalties (they count the prompt's tokens).
 
 Outputs: ``token`` (1,) int64 always; ``kv`` after a prefill when the walk context exports it (the decode rank is
-another rank), in which case this rank's slot is freed at once; ``logprobs`` and a prefill's ``prompt_logprobs`` for a
-request that asks (engine/logits.py, like every knob beyond the draw). The stop check fires on the walk's stop ids.
+another rank), in which case this rank's slot is freed at once; after a prompt with model inputs, what else its
+forward returned (``prefill.prefill_eager``); ``logprobs`` and a prefill's ``prompt_logprobs`` for a request that
+asks (engine/logits.py, like every knob beyond the draw). The stop check fires on the walk's stop ids.
 
 The engine is the runner: each turn it sorts the calls, asks its scheduler (engine/scheduler.py) which prompts to
 prefill in which batches and whether the decode rows step, and executes that plan; a call the plan holds is answered
@@ -324,10 +325,11 @@ class KVCacheEngine(Component):
         bucket = None if self.prefill_graphs is None or extras or every else \
             self.prefill_graphs.bucket_for(len(group), longest)
         if bucket is not None:  # host prompts go to the graph's inputs in one copy
-            logits = self.prefill_graphs.logits(prompts, slots, bucket)
+            logits, given = self.prefill_graphs.logits(prompts, slots, bucket), {}
         else:
             on_device = [to_device(p, self.device) for p in prompts]  # no stream sync
-            logits = prefill_eager(self.model, self.cache, on_device, slots, lengths, extras, every_position=every)
+            logits, given = prefill_eager(self.model, self.cache, on_device, slots, lengths, extras,
+                                          every_position=every)
         if trace.ON:
             trace.event("eng_prefill_replayed", rows=len(group), engine=self.name)
         ctxs: list[WalkContext] = [c.ctx for c in group]
@@ -337,7 +339,8 @@ class KVCacheEngine(Component):
             trace.event("eng_prefill_launched", rows=len(group), engine=self.name)
         self.prefill_batches_replayed += bucket is not None
         self.prefill_batches_beside += side is not None
-        return Launched(group, ctxs, slots, lengths, host, ready, side, bucket is not None, ids, logprobs=logprobs)
+        return Launched(group, ctxs, slots, lengths, host, ready, side, bucket is not None, ids, given,
+                        logprobs=logprobs)
 
     def _first_tokens(self, logits: torch.Tensor, group: list[NodeCall], prompts: list[torch.Tensor],
                       slots: list[int], every: bool) -> tuple[torch.Tensor, Logprobs | None]:
@@ -372,7 +375,7 @@ class KVCacheEngine(Component):
             self._seqs[call.request_id] = Seq(slot=slot, length=n)
             if offset := position_offset(call, self.position_offsets, self.name):  # decode rotates by position + it
                 self._offsets[slot] = offset
-            outputs = {"token": torch.tensor([token])}
+            outputs = {"token": torch.tensor([token]), **launched.outputs}  # the model's own: a batch of one
             if launched.logprobs is not None:
                 outputs.update(launched.logprobs.outputs(len(results)))
             if "kv" in ctx.export:  # on the current stream, where a p2p send of it is ordered (its KV writes are done)

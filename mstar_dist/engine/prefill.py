@@ -40,6 +40,8 @@ class Launched:
     replayed: bool
     """It replays a captured prefill graph."""
     ids: list[str]
+    outputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Outputs besides the token that the model's forward gave for the batch's one prompt (``prefill_eager``)."""
     dropped: set[str] = field(default_factory=set)
     """Requests released while the batch was on the device: their slots go back when it is finished."""
     logprobs: Logprobs | None = None
@@ -89,10 +91,13 @@ def position_offset(call: NodeCall, accepted: bool, engine: str) -> int:
 
 def prefill_eager(model: torch.nn.Module, cache: StaticKVCache, prompts: list[torch.Tensor], slots: list[int],
                   lengths: list[int], inputs: dict[str, torch.Tensor] | None = None, *,
-                  every_position: bool = False) -> torch.Tensor:
+                  every_position: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One forward of ``prompts`` (on the cache's device) right-padded to the longest, each row from position 0 of
-    its slot: the last-token logits (rows, 1, V), each row's at its own last token; with ``every_position`` (one
-    prompt) the logits of every position (1, T, V). ``inputs``: one prompt's model inputs (``row_inputs``)."""
+    its slot: the last-token logits (rows, 1, V), each row's at its own last token (with ``every_position``, one
+    prompt: the logits of every position, (1, T, V)), and the outputs the model gave besides them. ``inputs``: one
+    prompt's model inputs (``row_inputs``); given them, a model may return ``(logits, {name: tensor})`` rather than
+    the logits, and the engine adds those to the prompt's call outputs (e.g. the hidden states another node
+    reads)."""
     device = cache.device
     longest = max(lengths)
     ids = torch.zeros((len(prompts), longest), dtype=torch.long, device=device)
@@ -109,7 +114,8 @@ def prefill_eager(model: torch.nn.Module, cache: StaticKVCache, prompts: list[to
     cache.bind(slots, [0] * len(prompts), longest)
     last = None if min(lengths) == longest else to_device([n - 1 for n in lengths], device)
     with sdpa_kernel(PREFILL_ATTENTION):
-        return model(ids, positions, cache, last_only=not every_position, last_index=last, **kwargs)
+        out = model(ids, positions, cache, last_only=not every_position, last_index=last, **kwargs)
+    return out if isinstance(out, tuple) else (out, {})
 
 
 def side_stream(side: torch.cuda.Stream | None, busy: set[int], slots: list[int], prompts: list[torch.Tensor]

@@ -28,7 +28,7 @@ class Port:
     node: str
     signal: str
     required: bool
-    """``False`` for an optional input (passed when present)."""
+    """``False`` for an optional input (passed when present) or one read until its stream ends (``until_end``)."""
 
 
 @dataclass(frozen=True)
@@ -108,6 +108,7 @@ def walk_io(section: Section) -> WalkIO:
         Port(node.name, signal, required)
         for node in iter_nodes(section)
         for signal, required in [(s, True) for s in node.inputs] + [(s, False) for s in node.optional_inputs]
+        + [(s, False) for s in node.until_end]
         if (node.name, signal) not in fed
     ]
     outputs = [e.signal for node in iter_nodes(section) for e in node.outputs if e.dst is None]

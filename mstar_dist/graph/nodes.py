@@ -42,6 +42,10 @@ class GraphNode:
     outputs: tuple[Edge, ...] = ()
     optional_inputs: tuple[str, ...] = ()
     """Inputs passed when present (e.g. a KV cache that arrives only on a loop's first iteration)."""
+    until_end: tuple[str, ...] = ()
+    """Inputs fed by a streaming edge, one value per run, required until their stream ends: while it lasts the node
+    waits for the next value; once it has ended (``WalkRun.end_input``) and none is queued, the node runs without
+    them (a talker that reads one text entry per step while the text is written, and goes on alone after it)."""
 
 
 @dataclass(frozen=True)

@@ -94,7 +94,7 @@ class StreamingEdge:
         if not dst:
             raise ValueError(f"StreamingEdge {self.signal!r}: dst_node {self.dst_node!r} is in no walk of "
                              f"partition {self.dst_partition!r}")
-        if not any(self.signal in n.inputs or self.signal in n.optional_inputs for n in dst):
+        if not any(self.signal in (*n.inputs, *n.optional_inputs, *n.until_end) for n in dst):
             raise ValueError(f"StreamingEdge {self.signal!r}: dst_node {self.dst_node!r} does not take "
                              f"{self.signal!r} as an input")
 

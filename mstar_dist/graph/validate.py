@@ -15,8 +15,9 @@ def validate(section: Section) -> None:
     """Raise ``ValueError`` listing every problem of a walk's graph, each with the node, loop and signal names:
     a non-section member, a node name used twice (a node may appear once per walk), a loop name used twice, a loop
     with ``max_iters < 0``, a loop output or accumulated output no node inside the loop produces (or one listed as
-    both), an edge to an unknown node or to an input the node does not declare, and a loop-back edge outside any
-    loop (its value could never be consumed)."""
+    both), an edge to an unknown node or to an input the node does not declare (or to an ``until_end`` input, which
+    only a streaming edge feeds), an input listed both as ``until_end`` and as an input, and a loop-back edge
+    outside any loop (its value could never be consumed)."""
     bad = _bad_members(section)
     if bad:
         raise ValueError("invalid walk graph: " + "; ".join(bad))
@@ -73,12 +74,17 @@ def _edge_problems(section: Section) -> list[str]:
     nodes = {node.name: node for node in iter_nodes(section)}
     problems = []
     for node in nodes.values():
+        if twice := sorted(set(node.until_end) & {*node.inputs, *node.optional_inputs}):
+            problems.append(f"node {node.name!r}: {twice} are until_end inputs and also listed as (optional) inputs")
         for e in node.outputs:
             if e.dst is None or e.dst == EMIT_TO_CLIENT or e.stream:
                 continue  # a streaming edge's consumer is in another walk: checked by StreamingEdge.check
             where = f"edge {e.signal!r} from node {node.name!r} to {e.dst!r}"
             if e.dst not in nodes:
                 problems.append(f"{where}: no node {e.dst!r} in this walk (nodes: {sorted(nodes)})")
+            elif e.signal in nodes[e.dst].until_end:
+                problems.append(f"{where}: {e.signal!r} is an until_end input of {e.dst!r}: only a streaming edge "
+                                f"feeds one")
             elif e.signal not in nodes[e.dst].inputs + nodes[e.dst].optional_inputs:
                 dst = nodes[e.dst]
                 problems.append(f"{where}: node {e.dst!r} has no input {e.signal!r} "

@@ -7,8 +7,9 @@ calls ready. Values from outside the walk during it (a streamed chunk, an input 
 :meth:`WalkRun.deliver`.
 
 Readiness: a ``Sequential`` starts member ``i + 1`` when member ``i`` has finished; a ``Parallel`` starts all its
-members. A started node runs once its required inputs are present and every ``Parallel`` sibling member that feeds
-it has finished; it runs once per iteration of its loops (once per walk outside loops).
+members. A started node runs once its required inputs are present, each of its ``until_end`` inputs holds a value or
+has ended (:meth:`WalkRun.end_input`: its stream is over), and every ``Parallel`` sibling member that feeds it has
+finished; it runs once per iteration of its loops (once per walk outside loops).
 
 Routing: an edge to a node queues the value as that node's input; the node consumes it when it runs. Each input
 holds at most two values: one for the node's next run and one for the run after (a loop-back value, or a delivered
@@ -30,14 +31,12 @@ when a call of a node it holds innermost returns ``NodeResult.stop`` or when :me
 
 from __future__ import annotations
 
-import functools
-from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection
 
-from mstar_dist.graph.io import Port, WalkIO, common_loops, divergence, edge_kind, node_trails, walk_io
-from mstar_dist.graph.nodes import EMIT_TO_CLIENT, GraphNode, Loop, Parallel, Section, Sequential, iter_nodes
-from mstar_dist.graph.validate import validate
+from mstar_dist.graph.io import Port
+from mstar_dist.graph.nodes import GraphNode, Loop, Parallel, Section, Sequential, iter_nodes
+from mstar_dist.graph.wiring import OUTPUT, PUSH, STREAM, wire
 
 
 @dataclass(eq=False)
@@ -70,41 +69,6 @@ class GraphError(RuntimeError):
     """A walk could not proceed (a required input never arrived, a value would be lost, a call is unknown)."""
 
 
-@dataclass(frozen=True)
-class _Wiring:
-    """What ``WalkRun`` needs from a section's structure, derived once per section."""
-
-    io: WalkIO
-    waits_on: dict[str, frozenset[tuple[int, ...]]]
-    """Node -> positions of the ``Parallel`` sibling members that feed it (it runs after they have finished)."""
-    persist_signals: frozenset[str]
-    stream_signals: frozenset[str]
-    routes: dict[str, tuple["_Hop", ...]]
-    """Node -> where each of its output edges takes a value (``WalkRun._route``, once per call: every decode token)."""
-    self_loops: dict[str, tuple[tuple[str, ...], tuple[tuple[str, str], ...]]]
-    """Nodes that are the whole body of their innermost loop and feed every input they need from their own outputs
-    (an AR decode step: ``Loop(LLM(token) -> token)``), each with the signals it feeds itself and its inbox keys.
-    While such a loop goes on, a call's completion touches nothing but the node itself: ``WalkRun._iterate``."""
-
-
-_STREAM, _EMIT, _OUTPUT, _PUSH = range(4)
-
-
-@dataclass(frozen=True)
-class _Hop:
-    """One output edge of a node, resolved once per section: what ``_route`` does with the edge's value."""
-
-    signal: str
-    kind: int
-    """``_STREAM`` (a streaming edge), ``_EMIT`` (to the client), ``_OUTPUT`` (a walk output) or ``_PUSH`` (to
-    ``dst``)."""
-    dst: str | None
-    latest_only: bool
-    """The edge leaves a loop that does not hold ``dst``: only its latest value waits there."""
-    records: tuple[int, ...]
-    """Depths of the loops holding the node (outermost 0) that keep the value as a loop output."""
-
-
 def _origin(source: str | None) -> str:
     """Where a value came from, for an error message (built only when one is raised: ``_push`` runs per token)."""
     return f"node {source!r}" if source else "outside the walk"
@@ -112,48 +76,6 @@ def _origin(source: str | None) -> str:
 
 def _ignore(signal: str, value: Any) -> None:
     """A closed run's ``on_emit`` and ``on_stream``."""
-
-
-@functools.lru_cache(maxsize=256)
-def _wire(section: Section) -> _Wiring:
-    validate(section)
-    trails = node_trails(section)
-    leaves: set[tuple[str, int]] = set()
-    waits: dict[str, set[tuple[int, ...]]] = defaultdict(set)
-    for node in iter_nodes(section):
-        for index, e in enumerate(node.outputs):
-            if e.dst not in trails:
-                continue  # EMIT_TO_CLIENT or a walk output
-            src, dst = trails[node.name], trails[e.dst]
-            if sum(isinstance(sec, Loop) for sec, _ in src) > len(common_loops(src, dst)):
-                leaves.add((node.name, index))
-            k = divergence(src, dst)
-            if edge_kind(src, dst) == "internal" and isinstance(src[k][0], Parallel):
-                waits[e.dst].add(tuple(i for _, i in src[: k + 1]))
-    outputs = [edge for node in iter_nodes(section) for edge in node.outputs]
-    routes, self_loops = {}, {}
-    for node in iter_nodes(section):
-        loops = [sec for sec, _ in trails[node.name] if isinstance(sec, Loop)]  # outermost first, as frame.loops
-        recorded: set[str] = set()  # two edges of one signal carry one value: the loops record it once
-        hops = []
-        for index, e in enumerate(node.outputs):
-            records = () if e.signal in recorded else tuple(
-                depth for depth, loop in enumerate(loops)
-                if e.signal in loop.outputs or e.signal in loop.accumulated_outputs)
-            recorded.add(e.signal)
-            hops.append(_Hop(e.signal, _STREAM if e.stream else _EMIT if e.dst == EMIT_TO_CLIENT
-                             else _OUTPUT if e.dst is None else _PUSH, e.dst, (node.name, index) in leaves, records))
-        routes[node.name] = tuple(hops)
-        fed = [h.signal for h in hops if h.kind == _PUSH]
-        if (loops and loops[-1].section is node and not loops[-1].accumulated_outputs and node.name not in waits
-                and all(h.dst == node.name for h in hops if h.kind == _PUSH) and len(set(fed)) == len(fed)
-                and set(node.inputs) <= set(fed) <= set(node.inputs) | set(node.optional_inputs)):
-            self_loops[node.name] = (tuple(fed), tuple((node.name, signal)
-                                                       for signal in (*node.inputs, *node.optional_inputs)))
-    return _Wiring(walk_io(section), {name: frozenset(p) for name, p in waits.items()},
-                   persist_signals=frozenset(e.signal for e in outputs if e.persist),
-                   stream_signals=frozenset(e.signal for e in outputs if e.stream), routes=routes,
-                   self_loops=self_loops)
 
 
 class _Frame:
@@ -320,7 +242,7 @@ class WalkRun:
 
     def __post_init__(self):
         self.outputs: dict[str, Any] = {}
-        self._wiring = _wire(self.section)
+        self._wiring = wire(self.section)
         self.persist_signals = self._wiring.persist_signals
         self.stream_signals = self._wiring.stream_signals
         self.finish_reason: str | None = None
@@ -332,6 +254,7 @@ class WalkRun:
         self._outstanding: dict[NodeCall, _NodeFrame] = {}
         self._fresh: list[NodeCall] = []
         self._stop_requests: set[str] = set()
+        self._ended: set[tuple[str, str]] = set()  # (node, until_end input) whose stream has ended
         root = self._build(self.section, None, (), ())
         for name, positions in self._wiring.waits_on.items():
             self._nodes[name].waits_on = tuple(self._positions[p] for p in sorted(positions))
@@ -396,14 +319,27 @@ class WalkRun:
             raise GraphError(f"walk {self.walk!r}: cannot deliver {sorted(values)}: no node {node!r} "
                              f"(nodes: {sorted(self._nodes)})")
         for signal in values:
-            if signal not in frame.node.inputs + frame.node.optional_inputs:
+            if signal not in (*frame.node.inputs, *frame.node.optional_inputs, *frame.node.until_end):
                 raise GraphError(f"walk {self.walk!r}: cannot deliver {signal!r}: node {node!r} has no such input "
-                                 f"(inputs: {list(frame.node.inputs)}, optional: {list(frame.node.optional_inputs)})")
+                                 f"(inputs: {list(frame.node.inputs)}, optional: {list(frame.node.optional_inputs)}, "
+                                 f"until_end: {list(frame.node.until_end)})")
             if len(self._inbox.get((node, signal), ())) >= 2:
                 raise GraphError(f"walk {self.walk!r}: node {node!r} input {signal!r} already holds a value for its "
                                  f"next run and one for the run after; rejected a third from outside the walk")
         for signal, value in values.items():
             self._push(node, signal, value, source=None)
+        self._pump()
+
+    def end_input(self, node: str, signal: str) -> None:
+        """The stream feeding ``node``'s ``until_end`` input ``signal`` has ended: once the values already queued
+        for it are taken, the node runs without it. A no-op once the walk is done; ``GraphError`` for a node or
+        input the walk does not have."""
+        if self._done:
+            return
+        frame = self._nodes.get(node)
+        if frame is None or signal not in frame.node.until_end:
+            raise GraphError(f"walk {self.walk!r}: end_input({node!r}, {signal!r}): no such until_end input")
+        self._ended.add((node, signal))
         self._pump()
 
     def stop_loop(self, name: str) -> None:
@@ -425,7 +361,8 @@ class WalkRun:
         rank in the middle of a decode wave)."""
         for frame in self._positions.values():
             frame.__dict__.clear()
-        for held in (self._positions, self._nodes, self._named_loops, self._outstanding, self._inbox, self._fresh):
+        for held in (self._positions, self._nodes, self._named_loops, self._outstanding, self._inbox, self._fresh,
+                     self._ended):
             held.clear()
         self.on_emit = self.on_stream = _ignore
 
@@ -458,16 +395,16 @@ class WalkRun:
             value = outputs[hop.signal]
             for depth in hop.records:
                 frame.loops[depth].record(hop.signal, value)
-            if hop.kind == _PUSH:
+            if hop.kind == PUSH:
                 self._push(hop.dst, hop.signal, value, source=name, latest_only=hop.latest_only)
-            elif hop.kind == _OUTPUT:
+            elif hop.kind == OUTPUT:
                 self.outputs[hop.signal] = value
             elif self.emitting_nodes is None or name in self.emitting_nodes:
-                (self.on_stream if hop.kind == _STREAM else self.on_emit)(hop.signal, value)
+                (self.on_stream if hop.kind == STREAM else self.on_emit)(hop.signal, value)
 
     def _iterate(self, frame: _NodeFrame, result: NodeResult, fed: tuple[str, ...],
                  keys: tuple[tuple[str, str], ...]) -> bool:
-        """``complete`` for a self-loop node (``_Wiring.self_loops``) whose loop goes on after this iteration, with
+        """``complete`` for a self-loop node (``wiring.Wiring.self_loops``) whose loop goes on after this iteration, with
         nothing queued for the node from outside: route the outputs, end the iteration and issue the next call, as
         ``_route``, ``ran`` and ``_pump`` would, in one pass (every row of every decode step comes here). False, with
         nothing changed, when the generic path must run (the loop ends or stops, an output is missing, a value waits
@@ -492,12 +429,12 @@ class WalkRun:
             value = outputs[hop.signal]
             for depth in hop.records:
                 frame.loops[depth].record(hop.signal, value)
-            if hop.kind == _PUSH:
+            if hop.kind == PUSH:
                 inputs[hop.signal] = value
-            elif hop.kind == _OUTPUT:
+            elif hop.kind == OUTPUT:
                 self.outputs[hop.signal] = value
             elif self.emitting_nodes is None or name in self.emitting_nodes:
-                (self.on_stream if hop.kind == _STREAM else self.on_emit)(hop.signal, value)
+                (self.on_stream if hop.kind == STREAM else self.on_emit)(hop.signal, value)
         loop.current = {}
         loop.iteration += 1
         call = NodeCall(run=self, node=name, inputs=inputs, iteration=loop.iteration)
@@ -553,6 +490,9 @@ class WalkRun:
         for signal in frame.node.inputs:
             if not inbox.get((name, signal)):
                 return False
+        for signal in frame.node.until_end:  # (an empty tuple for most nodes)
+            if not inbox.get((name, signal)) and (name, signal) not in self._ended:
+                return False
         for before in frame.waits_on:
             if not before.done:
                 return False
@@ -561,10 +501,11 @@ class WalkRun:
     def _issue(self, frame: _NodeFrame) -> None:
         node = frame.node
         inputs = {signal: self._inbox[(node.name, signal)].pop(0)[1] for signal in node.inputs}
-        for signal in node.optional_inputs:
-            queue = self._inbox.get((node.name, signal))
-            if queue:
-                inputs[signal] = queue.pop(0)[1]
+        for signals in (node.optional_inputs, node.until_end):
+            for signal in signals:
+                queue = self._inbox.get((node.name, signal))
+                if queue:
+                    inputs[signal] = queue.pop(0)[1]
         frame.state = "running"
         iteration = frame.loops[-1].iteration if frame.loops else 0
         call = NodeCall(run=self, node=node.name, inputs=inputs, iteration=iteration)
@@ -577,8 +518,10 @@ class WalkRun:
         for frame in self._nodes.values():
             if frame.state != "waiting":
                 continue
-            missing = [s for s in frame.node.inputs if not self._inbox.get((frame.node.name, s))]
-            if missing and set(missing) <= set(self.streamed_inputs):
+            name = frame.node.name
+            missing = [s for s in frame.node.inputs if not self._inbox.get((name, s))]
+            live = [s for s in frame.node.until_end if not self._inbox.get((name, s)) and (name, s) not in self._ended]
+            if (missing or live) and set(missing) <= set(self.streamed_inputs):
                 return
             if missing:
                 blocked.append(self._describe_missing(frame, missing))

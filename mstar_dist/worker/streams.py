@@ -5,7 +5,9 @@ its end to the consuming rank, one ``StreamItems`` per signal (small values inli
 after it). Consumer side: received items (tensors, or transfers still in flight) wait in order, go through the
 edge's chunk policy (``graph/streaming.py``) and are delivered to the consuming walk as chunks, at most what its
 loop can queue; items may arrive before that walk starts. A ``StreamEnd`` makes the buffer emit its final chunk;
-the rank that produced the stream forwards it to the consumer after its own items. Runs on the worker's loop.
+the rank that produced the stream forwards it to the consumer after its own items; for a consumer that reads the
+stream until it ends (``GraphNode.until_end``) the end reaches its walk (``WalkRun.end_input``) once every chunk before
+it has been delivered. Runs on the worker's loop.
 """
 
 from __future__ import annotations
@@ -50,6 +52,12 @@ class Streams:
         self._chunks: dict[tuple[str, str], collections.deque] = collections.defaultdict(collections.deque)
         self._received: dict[tuple[str, str], collections.deque] = collections.defaultdict(collections.deque)
         """(request, signal) -> received stream items (tensors or transfers in flight) and ends (None), in order."""
+        read_until_end = {(n.name, signal) for section in graphs.values() for n in iter_nodes(section)
+                          for signal in n.until_end}
+        self._until_end = frozenset(e.signal for e in edges if (e.dst_node, e.signal) in read_until_end)
+        """Streamed signals whose consumer reads them until their stream ends."""
+        self._ending: set[tuple[str, str]] = set()
+        """(request, signal) of such streams that have ended: their consumer is told once its chunks are in."""
 
     def streamed_inputs(self, walk: str) -> frozenset[str]:
         """The inputs of ``walk`` that arrive on streaming edges (a node missing only these waits for them)."""
@@ -61,11 +69,11 @@ class Streams:
 
     def requests(self) -> set[str]:
         """Requests with items or chunks waiting on the consumer side."""
-        return {rid for rid, _ in (*self._buffers, *self._chunks, *self._received)}
+        return {rid for rid, _ in (*self._buffers, *self._chunks, *self._received, *self._ending)}
 
     def busy(self) -> bool:
         """Items wait for their transfers or for their consumer (the loop must come back soon)."""
-        return bool(self._chunks or self._received)
+        return bool(self._chunks or self._received or self._ending)
 
     # ---- consumer side ----
     def on_message(self, msg: m.StreamItems | m.StreamEnd, sender: str) -> None:
@@ -108,6 +116,8 @@ class Streams:
             head = pending[0]
             if head is None:
                 buffer.producer_done()
+                if key[1] in self._until_end:
+                    self._ending.add(key)
             elif isinstance(head, torch.Tensor):
                 buffer.push(head)
             else:
@@ -133,7 +143,7 @@ class Streams:
         for key in [k for k, q in self._chunks.items() if q]:
             request_id, signal = key
             edge = self.edges[signal]
-            run = next((r for r in self.runs.of(request_id) if edge.dst_node in node_names(r.section)), None)
+            run = self._consumer(request_id, edge)
             if run is None:
                 continue
             queue = self._chunks[key]
@@ -152,6 +162,25 @@ class Streams:
                 queue.popleft()
         for key in [k for k, q in self._chunks.items() if not q]:
             del self._chunks[key]
+        if self._ending:
+            self._end_inputs()
+
+    def _consumer(self, request_id: str, edge: StreamingEdge) -> WalkRun | None:
+        """The request's walk on this rank that holds the edge's consumer node (None before it starts)."""
+        return next((r for r in self.runs.of(request_id) if edge.dst_node in node_names(r.section)), None)
+
+    def _end_inputs(self) -> None:
+        """Tell consumers that read a stream until it ends that it has, once every chunk before the end is in."""
+        for key in [k for k in self._ending if not self._chunks.get(k) and not self._received.get(k)]:
+            edge = self.edges[key[1]]
+            run = self._consumer(key[0], edge)
+            if run is None:
+                continue  # its walk has not started: told when it has
+            self._ending.discard(key)
+            try:
+                run.end_input(edge.dst_node, key[1])
+            except GraphError as exc:
+                self._fail_request(key[0], f"stream {key[1]!r}: {exc}")
 
     def drop(self, request_id: str, consumer: WalkRun | None = None) -> None:
         """Forget a request's consumer-side buffers (only those feeding ``consumer`` when given; with none, its
@@ -159,6 +188,7 @@ class Streams:
         for key in [k for k in self._buffers if k[0] == request_id]:
             if consumer is None or self.edges[key[1]].dst_node in node_names(consumer.section):
                 del self._buffers[key]
+                self._ending.discard(key)
                 self._chunks.pop(key, None)
                 self.transfers.drain(t for t in self._received.pop(key, ()) if t is not None
                                      and not isinstance(t, torch.Tensor))

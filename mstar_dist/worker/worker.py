@@ -235,7 +235,7 @@ class Worker:
             span = self.spans.open(key, self.graphs[msg.walk], msg.node_ranks) if msg.node_ranks else None
             run = self._new_run(msg, received, span)
             if msg.stream_routes:
-                self.streams.routes[msg.request_id] = dict(msg.stream_routes)
+                self.streams.routes.setdefault(msg.request_id, {}).update(msg.stream_routes)  # partitions here add up
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
             log.error("%s: request %s walk %s failed: %s", self.name, msg.request_id, msg.walk, error)
