@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -124,6 +125,39 @@ def test_install_skips_pip_exactly_when_nothing_changed(tmp_path, stamp_matches)
         assert not (fake / "pip-calls").exists()
     else:
         assert "pip install" in (fake / "pip-calls").read_text()  # changed: it installs (the stub refuses)
+
+
+TORCHLESS_PYTHON = """#!/bin/sh
+# stands in for a venv's python without torch: pip calls are recorded and succeed
+case "$*" in *pip*) echo "$*" >> "$(dirname "$0")/../pip-calls"; exit 0 ;; *torch*) exit 1 ;; esac
+exit 0
+"""
+
+
+@pytest.mark.parametrize("index", ["https://mirror.example/whl/cpu", None])
+def test_install_says_each_step_and_takes_torch_from_the_index_the_user_names(tmp_path, index):
+    """The one-minute install prints what it does (not pip's warnings), and on a machine without NVIDIA GPUs the
+    user can name torch's CPU index (``MSTAR_TORCH_INDEX``) instead of pulling the multi-GB CUDA build."""
+    fake = tmp_path / "venv"
+    (fake / "bin").mkdir(parents=True)
+    (fake / "bin/python").write_text(TORCHLESS_PYTHON)
+    (fake / "bin/python").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("MSTAR_NO_INSTALL", "MSTAR_TORCH_INDEX")}
+    env |= {"MSTAR_VENV": str(fake), "PATH": "/usr/bin:/bin"} | ({"MSTAR_TORCH_INDEX": index} if index else {})
+    out = subprocess.run(["bash", str(REPO / "launch/install.sh")], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == str(fake), out.stderr
+    steps = out.stderr.strip().splitlines()
+    assert all(line.startswith("install.sh: ") for line in steps), steps
+    assert any("installing mstar_dist" in line for line in steps) and "done in" in steps[-1], steps
+    calls = (fake / "pip-calls").read_text()
+    if index:
+        assert f"installing torch 2.13.0 from {index}" in out.stderr
+        assert f"torch==2.13.0 --index-url {index}" in calls, calls
+    else:
+        assert "torch==2.13.0" in calls and "--index-url" not in calls, calls
+        if shutil.which("nvidia-smi", path=env["PATH"]) is None:  # told how to avoid the CUDA build
+            assert "MSTAR_TORCH_INDEX=https://download.pytorch.org/whl/cpu" in out.stderr
 
 
 @pytest.mark.parametrize("args,needle", [
