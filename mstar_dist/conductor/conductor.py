@@ -330,6 +330,8 @@ class Conductor(Liveness):
             self.membership.incarnation[rank] = body.incarnation
         elif isinstance(body, m.Repaired):
             self._on_repaired(body)
+        elif isinstance(body, m.Rejoin):  # a new process of a rank not found dead yet (its host was started again)
+            self._on_early_rejoin(body)
         elif isinstance(body, m.Ready):
             self.ready_ranks[body.rank] = body.load_seconds
             log.info("rank %d on %s is ready (loaded in %.1f s)", body.rank, body.host, body.load_seconds)

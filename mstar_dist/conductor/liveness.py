@@ -113,6 +113,16 @@ class Liveness:
         self.membership.supervisor_says(cmd.rank, cmd.restarting, now)
         self._check_servable()
 
+    def _on_early_rejoin(self, body: m.Rejoin) -> None:
+        """A rank's new process rejoins before its old one was declared dead (a host killed and started again
+        within ``limits.rank_timeout_s``): the old one is gone, so it is declared dead now, then the new one
+        rejoins as after any restart."""
+        log.warning("rank %d on %s started again (incarnation %d) before it was found dead", body.rank, body.host,
+                    body.incarnation)
+        self._declare_dead(body.rank, f"its process was replaced by incarnation {body.incarnation} on {body.host}",
+                           "restarted")
+        self._on_dead_rank_message(body.rank, body)
+
     def _on_dead_rank_message(self, rank: int, body: m.Message) -> None:
         """A message from a rank declared dead: its new process rejoining, or its old one (stopped, not killed)
         speaking again, which is told to restart."""

@@ -36,6 +36,7 @@ KEYS = {
     "failed": "failed/{rank}",
     "deaths": "deaths",
     "death": "death/{n}",
+    "starts": "starts/{rank}",
     "over": "over",
 }
 """Every key of the launch store this runtime writes (relative to the launch's prefix): what each holds is said where

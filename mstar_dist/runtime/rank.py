@@ -16,7 +16,8 @@ A failure anywhere exits non-zero on every rank with a message naming the rank, 
 through the launch store's failure board, then through the front end's ``Shutdown``); SIGTERM or SIGINT stops
 cleanly with exit 0. Teardown is unconditional and bounded.
 
-**Restarted in place** (incarnation > 0, run by its supervisor: ``supervisor.py``) a rank skips the world group:
+**Restarted** (incarnation > 0, counted by its supervisor: ``supervisor.py``; in place, or on a host whose
+torchrun was started again into the running deployment) a rank skips the world group:
 step 3 becomes reading the secret and re-forming its TP group with its replica's members (each restarted too), its
 data plane starts without pairs, and instead of READY it sends ``Rejoin``; the conductor then has every live rank
 form fresh pairs with it (``Repair``, ``distributed/repair.py``) and re-admits it (docs/architecture.md §10).
@@ -182,12 +183,12 @@ class Rank:
                                 backend=backend_for_device(self.device), timeout_s=self.timeout_s)
 
     def rejoin(self) -> dict[tuple[int, ...], TPGroup]:
-        """Step 3 of a rank restarted in place: no world group; the secret, the walks check, and its TP groups
-        formed anew with their members (every member of a replica restarts together)."""
+        """Step 3 of a rank restarted in place or on a host started again: no world group; the secret, the walks
+        check, and its TP groups formed anew with their members (every member of a replica restarts together)."""
         if self.store is None:
             raise RuntimeError(f"{self.where} cannot rejoin: it needs torchrun's agent store "
                                f"(TORCHELASTIC_USE_AGENT_STORE), which this launch does not have")
-        log.info("%s restarts in place (incarnation %d) and rejoins the running deployment", self.where,
+        log.info("%s starts again (incarnation %d) and rejoins the running deployment", self.where,
                  self.incarnation)
         self.share_secret()
         backend = backend_for_device(self.device)

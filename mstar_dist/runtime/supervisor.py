@@ -4,10 +4,15 @@ torchrun restarts workers only all together (``--max-restarts``: every worker of
 failed), so a rank that dies while the others serve needs a restarter of its own. The process torchrun starts for a
 rank other than 0 is that supervisor: it runs the rank as a child (``python -m mstar_dist.serve`` again, with
 ``CHILD_ENV`` set) and, when the child dies without being asked to and without the deployment being over, starts it
-again: incarnation 1, 2, ... (``INCARNATION_ENV``), within ``restart.max_restarts`` per ``restart.window_s``, after
-``restart.backoff_s`` doubling. A restarted child does not join the world group again: it rejoins the running
-deployment (``rank.py``, ``distributed/repair.py``). Rank 0 is not supervised: the front end lives beside it, and
-its loss ends the deployment.
+again, within ``restart.max_restarts`` per ``restart.window_s``, after ``restart.backoff_s`` doubling. A restarted
+child does not join the world group again: it rejoins the running deployment (``rank.py``, ``distributed/repair.py``).
+Rank 0 is not supervised: the front end lives beside it, and its loss ends the deployment.
+
+Each start of the child is an incarnation (``INCARNATION_ENV``): the launch's count of this rank's starts
+(``starts/<rank>`` in its store), so 0 for the launch's first and 1, 2, ... after, whichever supervisor starts it. A
+whole host started again into the running deployment (``serve_node.sh`` after the host came back: torchrun's agent
+rejoins the launch's store and starts its workers with their old ranks) therefore starts incarnations > 0, which
+rejoin like a restart in place instead of waiting for a world group that formed long ago.
 
 The supervisor stays small (no model, no device); it imports torch only for its client of the launch's store, where
 it writes each death (``death/<n>``, counted in ``deaths``: rank, host, incarnation, cause, whether it restarts),
@@ -56,6 +61,8 @@ STOP_WAIT_S = 6.0
 """How long a supervisor asked to stop waits for its child before killing it (the child bounds its own stop)."""
 REPORT_WAIT_S = 1.0
 """Bound on writing a death record."""
+STORE_WAIT_S = 30.0
+"""Bound on reaching the launch's store before the child's first start (its count of starts lives there)."""
 BACKOFF_CAP_S = 60.0
 """The longest wait before a restart, however many came before it."""
 _PR_SET_PDEATHSIG = 1
@@ -127,6 +134,8 @@ class Supervisor:
         self.deaths: collections.deque[float] = collections.deque()
         self._store: Any | None = None
         self._store_ready = threading.Event()
+        self._starts = 0
+        """Starts of the child counted here (only without the launch's store)."""
 
     def run(self) -> int:
         """Supervise until the rank stops for good; the exit status torchrun sees."""
@@ -135,6 +144,7 @@ class Supervisor:
         logging.getLogger("torch").setLevel(logging.WARNING)  # its exit-time statistics are not this rank's news
         threading.Thread(target=self._open_store, name="store", daemon=True).start()
         while True:
+            self.incarnation = self._count_start()
             returncode, said = self._run_child()
             if self.stop_signal is not None:  # asked to stop: said so, for a conductor that still serves
                 self._report(f"was stopped ({signal.Signals(self.stop_signal).name})", restarting=False)
@@ -154,7 +164,20 @@ class Supervisor:
                         self.host, cause, delay, len(self.deaths), self.policy.max_restarts, self.policy.window_s)
             if self._sleep(delay):
                 return 0
-            self.incarnation += 1
+
+    def _count_start(self) -> int:
+        """This start's incarnation: the launch's count of this rank's starts so far (see the module docstring), or,
+        without the launch's store, this supervisor's own count."""
+        self._store_ready.wait(STORE_WAIT_S)
+        if self._store is not None:
+            from mstar_dist.distributed.store import key
+
+            try:
+                return int(self._store.add(key("starts", rank=self.rank), 1)) - 1
+            except Exception as exc:  # noqa: BLE001 - the store's host is gone: the child's own startup says so
+                log.warning("rank %d: could not count its start in the launch's store (%s)", self.rank, exc)
+        self._starts += 1
+        return self._starts - 1
 
     def _next_delay(self, now: float) -> float | None:
         """Count this death; the wait before the restart, or None when no restart is left."""

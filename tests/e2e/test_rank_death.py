@@ -1,7 +1,7 @@
 """A host dies under load (docs/architecture.md §10): two hosts on loopback, each with a SmolLM2 prefill and a decode replica
 (host A: ranks 0, 1; host B: ranks 2, 3; a request stays on one host); host B's torchrun is killed. A failure means requests on the dead host hang
-instead of failing fast with a 5xx naming the rank, new requests still go to it, or the service does not stay up
-on the surviving replica.
+instead of failing fast with a 5xx naming the rank, new requests still go to it, the service does not stay up
+on the surviving replica, or host B, started again with the same torchrun command, does not rejoin and serve.
 """
 
 from __future__ import annotations
@@ -67,6 +67,17 @@ def test_requests_on_a_dead_host_fail_fast_and_the_survivor_serves():
             r = httpx.post(f"{server.base_url}/generate", timeout=60, json={
                 "prompt": "Hello", "model_kwargs": {"max_tokens": 8, "seed": i}})
             assert r.status_code == 200, r.text
+        # host B comes back: its torchrun, started again as before, rejoins the running deployment
+        rows_before = per_rank(server.base_url, "mstar_dist_engine_decode_rows_total").get("3", 0)
+        server.restart_node(1)
+        wait_for(lambda: all(f"rank {r} on host-b serves again" in server.log() for r in (2, 3)), 180,
+                 "host B's ranks rejoining")
+        with cf.ThreadPoolExecutor(4) as pool:
+            again = list(pool.map(lambda i: httpx.post(f"{server.base_url}/generate", timeout=120, json={
+                "prompt": f"Hello {i}", "model_kwargs": {"max_tokens": 8, "seed": i}}), range(12)))
+        assert all(r.status_code == 200 for r in again), [r.text for r in again]
+        rows = per_rank(server.base_url, "mstar_dist_engine_decode_rows_total")
+        assert rows.get("3", 0) > rows_before, f"host B's decode replica must serve again: {rows}"
     finally:
         server.stop()
 

@@ -163,6 +163,27 @@ def test_the_restart_policy_backs_off_doubling_and_gives_up_past_max_restarts_wi
     assert describe_exit(0) == "exited with status 0 (nobody asked it to stop)"
 
 
+def test_incarnations_count_a_ranks_starts_in_the_launch_store_whichever_supervisor_starts_it():
+    """A supervisor restarting its child and a new supervisor on a host started again draw from one count: only
+    the launch's first start of a rank (incarnation 0) joins the world group, every later one rejoins."""
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+
+    def supervisor() -> Supervisor:
+        sup = Supervisor(["x.yaml"], rank=1, host="h", policy=RestartConfig())
+        sup._store = store
+        sup._store_ready.set()
+        return sup
+
+    first = supervisor()
+    assert [first._count_start(), first._count_start()] == [0, 1]  # the first start, a restart in place
+    assert supervisor()._count_start() == 2  # its host started again: a new supervisor, a later incarnation
+    alone = Supervisor(["x.yaml"], rank=1, host="h", policy=RestartConfig())  # no launch store: its own count
+    alone._store_ready.set()
+    assert [alone._count_start(), alone._count_start()] == [0, 1]
+
+
 def membership(restarts: bool = True) -> tuple[Membership, list]:
     sent: list = []
     ms = Membership(world_size=4, rank_hosts=HOSTS, p2p_pairs=((0, 1), (1, 2), (2, 1), (0, 3)), restarts=restarts,
