@@ -12,7 +12,7 @@ venv="$(bash launch/install.sh | tail -n 1)"
 py="$venv/bin/python"
 mkdir -p .whl
 for pkg in fastapi starlette pydantic pydantic_core annotated-types typing-inspection opentelemetry-api uvicorn \
-           httptools pyzmq msgspec python-multipart llguidance soundfile soxr; do
+           httptools pyzmq msgspec python-multipart llguidance soundfile cffi pycparser soxr; do
   version="$("$py" -c "import importlib.metadata as m; print(m.version('$pkg'))")"
   "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_26_x86_64 \

@@ -4,7 +4,7 @@
 #                                           trace | composite | speech | image | tp | soak | ab SETTING
 # Needs, carried from the dev machine (bash scripts/gpu_prepare.sh makes both): .whl/ (wheels the GPU image lacks:
 # fastapi, starlette, pydantic(-core), annotated-types, typing-inspection, opentelemetry-api, uvicorn, httptools,
-# pyzmq, msgspec, python-multipart, llguidance, soundfile, soxr) and .ckpt/smol-shape (config + tokenizer of SmolLM2-135M; a random same-shaped checkpoint is
+# pyzmq, msgspec, python-multipart, llguidance, soundfile, cffi, pycparser, soxr) and .ckpt/smol-shape (config + tokenizer of SmolLM2-135M; a random same-shaped checkpoint is
 # generated there). Everything a step writes goes to $OUT (or bench/raw, git-ignored); the headline JSONs are copied
 # from there into bench/results by hand (bench/results/README.md names the step behind each).
 # Knobs of the steps (environment): ROUNDS, INTAKES (HTTP intake processes of the single rank, default 4), STREAMS,

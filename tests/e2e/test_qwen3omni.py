@@ -55,7 +55,9 @@ def streamed(base_url: str, body: dict) -> list[tuple[str, bytes]]:
         for line in r.iter_lines():
             item = json.loads(line)
             assert item["modality"] != "error", item
-            lines.append((item["modality"], base64.b64decode(item.get("data") or "")))
+            data = item.get("data") or ""
+            utf8 = item.get("metadata", {}).get("encoding") == "utf-8"  # text as itself, media as base64
+            lines.append((item["modality"], data.encode() if utf8 else base64.b64decode(data)))
     return lines
 
 
