@@ -66,9 +66,9 @@ class HostSpec:
         read_str(self.addr, "addr")
         if self.advertise_addr is not None:
             read_str(self.advertise_addr, "advertise_addr")
+        object.__setattr__(self, "devices", read_unique_ints(self.devices, "devices", minimum=0))
         if self.control_ports is not None:
             object.__setattr__(self, "control_ports", _read_port_range(self.control_ports, len(self.devices)))
-        object.__setattr__(self, "devices", read_unique_ints(self.devices, "devices", minimum=0))
         if self.transfer_device is not None:
             read_str(self.transfer_device, "transfer_device")
         env = read_mapping(self.env, "env")
