@@ -214,13 +214,13 @@ def main() -> None:
     args = p.parse_args()
     table = roles(args.moe_weights)
     rows = []
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     for name in args.roles:
         for fault in args.faults:
             rows.append(cell(name, table[name], fault, args.clients))
             print(json.dumps(rows[-1]), flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"rank_timeout_s": RANK_TIMEOUT_S, "clients": args.clients,
-                                          "unknown_s": UNKNOWN_S, "cells": rows}, indent=1) + "\n")
+            Path(args.out).write_text(json.dumps({"rank_timeout_s": RANK_TIMEOUT_S, "clients": args.clients,
+                                                  "unknown_s": UNKNOWN_S, "cells": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
