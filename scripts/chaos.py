@@ -3,7 +3,7 @@ users start it (torchrun, ``tests/e2e/server.py``) serves a steady load of strea
 role is hit; one JSON row per cell says how the service took it.
 
     python scripts/chaos.py [--roles prefill decode tp] [--faults kill9 sigstop sigterm] [--clients 6]
-                            [--out bench/results/chaos_cpu.json] [--moe-weights DIR]
+                            [--out bench/results/chaos_cpu.json] [--moe-weights DIR] [--rank-timeout S]
 
 Roles (every one has a second replica, so a request that was not on the hit replica has somewhere to go):
 - ``prefill``: SmolLM2, prefill on ranks 0 and 1, decode on ranks 2 and 3; rank 1 is hit;
@@ -39,11 +39,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from tests.e2e.server import REPO, Server, descendants, per_rank, wait_for  # noqa: E402
 
-RANK_TIMEOUT_S = 4.0
-"""``limits.rank_timeout_s`` of every cell: how long a stopped rank may stay silent."""
-UNKNOWN_S = {"kill9": 1.0, "sigterm": 1.0, "sigstop": RANK_TIMEOUT_S + 1.0}
-"""How long after each fault the conductor may not know of it yet: a request admitted by then may have been routed
-to the hit replica, and counts as in flight there (a stopped rank is found by its silence only)."""
+RANK_TIMEOUT_S = 10.0
+"""``limits.rank_timeout_s`` of every cell (``--rank-timeout``): how long a stopped rank may stay silent. On a
+machine with fewer cores than ranks a short one declares busy ranks dead too (a rank loading its model again starves
+the others)."""
+KNOWN_AFTER_S = 1.0
+"""How long after a kill or a SIGTERM the conductor may not know of it yet (a stopped rank is found by its silence
+only, after the rank timeout): a request admitted by then may have been routed to the hit replica, and counts as in
+flight there."""
 WARMUP_S = 5.0
 """Load before the fault."""
 AFTER_S = 10.0
@@ -145,7 +148,7 @@ def hit(server: Server, role: Role, fault: str) -> float:
         os.kill(pid, signal.SIGTERM)
     else:
         os.kill(pid, signal.SIGSTOP)
-        time.sleep(RANK_TIMEOUT_S + 2)
+        time.sleep(RANK_TIMEOUT_S + 2)  # past the timeout: the conductor declared it dead
         os.kill(pid, signal.SIGCONT)
     return t
 
@@ -190,7 +193,7 @@ def row(name: str, role: Role, fault: str, records: list[Record], t_fault: float
         t_back: float, live: dict) -> dict:
     hit_ranks = (role.rank, *role.partners)
     failed = [r for r in records if r.end and not r.ok]
-    known = t_fault + UNKNOWN_S[fault]  # until then new requests may still be routed to the hit replica
+    known = t_fault + KNOWN_AFTER_S + (RANK_TIMEOUT_S if fault == "sigstop" else 0.0)
     in_flight = [r for r in failed if r.start <= known and any(f"rank {k} " in r.error for k in hit_ranks)]
     lost = [r for r in failed if r not in in_flight]
     return {
@@ -205,13 +208,16 @@ def row(name: str, role: Role, fault: str, records: list[Record], t_fault: float
 
 
 def main() -> None:
+    global RANK_TIMEOUT_S
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--roles", nargs="+", default=["prefill", "decode", "tp"])
     p.add_argument("--faults", nargs="+", default=["kill9", "sigstop", "sigterm"])
     p.add_argument("--clients", type=int, default=6)
     p.add_argument("--moe-weights", default=os.path.expanduser("~/.cache/mstar_dist/qwen3-moe-tiny"))
     p.add_argument("--out", default="bench/results/chaos_cpu.json")
+    p.add_argument("--rank-timeout", type=float, default=RANK_TIMEOUT_S, help="limits.rank_timeout_s of every cell")
     args = p.parse_args()
+    RANK_TIMEOUT_S = args.rank_timeout
     table = roles(args.moe_weights)
     rows = []
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -219,8 +225,10 @@ def main() -> None:
         for fault in args.faults:
             rows.append(cell(name, table[name], fault, args.clients))
             print(json.dumps(rows[-1]), flush=True)
-            Path(args.out).write_text(json.dumps({"rank_timeout_s": RANK_TIMEOUT_S, "clients": args.clients,
-                                                  "unknown_s": UNKNOWN_S, "cells": rows}, indent=1) + "\n")
+            command = "python scripts/chaos.py " + " ".join(sys.argv[1:])
+            Path(args.out).write_text(json.dumps({"command": command, "reproduce": command,
+                                                  "rank_timeout_s": RANK_TIMEOUT_S, "clients": args.clients,
+                                                  "known_after_s": KNOWN_AFTER_S, "cells": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
