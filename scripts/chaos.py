@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -49,6 +50,8 @@ only, after the rank timeout): a request admitted by then may have been routed t
 flight there."""
 WARMUP_S = 5.0
 """Load before the fault."""
+LOGS = Path("bench/raw/chaos")
+"""Each cell's deployment log (git-ignored), for a row that needs explaining."""
 AFTER_S = 10.0
 """Load after the rank is back (or after the fault, for SIGTERM)."""
 
@@ -177,11 +180,13 @@ def cell(name: str, role: Role, fault: str, clients: int) -> dict:
         load.finish()
         try:
             wait_for(lambda: _all_zero(per_rank(server.base_url, "mstar_dist_live_tensors")), 30, "no live tensor")
-        except AssertionError:
-            pass
-        live = per_rank(server.base_url, "mstar_dist_live_tensors")
+            live = per_rank(server.base_url, "mstar_dist_live_tensors")
+        except (AssertionError, httpx.HTTPError) as exc:  # the deployment ended: its log says why
+            live = {"error": f"{type(exc).__name__}: {exc}"}
     finally:
         server.stop()
+        LOGS.mkdir(parents=True, exist_ok=True)
+        shutil.copy(server.log_path, LOGS / f"{name}_{fault}.log")
     return row(name, role, fault, load.records, t_fault, back, t_back, live)
 
 

@@ -30,6 +30,7 @@ import dataclasses
 import functools
 import logging
 import os
+import threading
 import time
 import traceback
 from typing import Any
@@ -275,9 +276,30 @@ class Rank:
             self.tell_leaving()
         if worker.stopping:
             reason = worker.failed_reason or "the deployment stopped"
-            (self.supervisor.leaving if worker.restart_asked else self.supervisor.over)(reason)
+            restart = worker.restart_asked
+            if worker.conductor_silent:
+                restart = self.rank0_host_up()
+                reason += ("; rank 0's host is up, so the conductor declared this rank dead (stopped or starved): it "
+                           "restarts and rejoins" if restart else "; rank 0's host is gone")
+            (self.supervisor.leaving if restart else self.supervisor.over)(reason)
             if worker.failed_reason:
-                raise StoppedByConductor(worker.failed_reason)
+                raise StoppedByConductor(reason)
+
+    def rank0_host_up(self, wait_s: float = 3.0) -> bool:
+        """Whether the launch's store (on rank 0's host) still answers within ``wait_s``, and the deployment is not
+        over."""
+        answer: list[bool] = []
+
+        def ask() -> None:
+            try:
+                answer.append(self.store is not None and not self.store.check([key("over")]))
+            except Exception:  # noqa: BLE001 - the store's host is gone
+                answer.append(False)
+
+        asking = threading.Thread(target=ask, name="store-check", daemon=True)
+        asking.start()
+        asking.join(wait_s)
+        return bool(answer and answer[0])
 
     def tell_leaving(self) -> None:
         """A rank stopped by a signal tells the conductor at once (``Leaving``), so its requests fail fast; the

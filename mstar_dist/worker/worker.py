@@ -99,6 +99,9 @@ class Worker:
         self.stopping = False
         self.restart_asked = False
         """The conductor's ``Shutdown`` asked this rank alone to go and be restarted (not the deployment's end)."""
+        self.conductor_silent = False
+        """The loop ended because the conductor went silent: rank 0's host is gone, or the conductor declared this
+        rank dead while it was stopped or starved and speaks to it no more (the rank tells which: ``rank.py``)."""
         self.incarnation = incarnation
         self.rejected_messages = 0
         """Control messages dropped: undecodable, without this launch's secret, or from a spoofed sender."""
@@ -467,8 +470,8 @@ class Worker:
         silent = time.monotonic() - self.conductor_seen
         if silent > self.conductor_timeout_s:
             self.failed_reason = (f"the conductor (rank 0) has been silent for {silent:.0f} s "
-                                  f"(limits.rank_timeout_s={self.conductor_timeout_s:g}); its host is gone")
-            log.error("%s: %s", self.name, self.failed_reason)
+                                  f"(limits.rank_timeout_s={self.conductor_timeout_s:g})")
+            self.conductor_silent = True
             self.stopping = True
 
     def _maybe_send_stats(self) -> None:

@@ -263,3 +263,33 @@ def test_torchrun_ends_in_one_line_and_says_nothing_more_for_a_mistake_rank_0_na
                                          "log lines above say why")
     rc, line = summary(failed(1, 2))  # a rank other than local rank 0 prints no config line: torchrun's line stays
     assert rc == 1 and "exited with status 2" in line
+
+
+@pytest.mark.parametrize("store_up,over,said", [(True, False, "leaving"), (False, False, "over"), (True, True, "over")])
+def test_a_rank_the_conductor_went_silent_on_restarts_only_while_rank_0s_host_is_up(store_up, over, said):
+    """A rank stopped (SIGSTOP) or starved past ``limits.rank_timeout_s`` was declared dead, and the conductor speaks
+    to it no more: when it runs again it must leave to be restarted and rejoin, not take the silence for rank 0's host
+    dying (its supervisor would then stop, and torchrun would stop the whole host with it)."""
+    import threading
+    import types
+
+    import torch.distributed as dist
+
+    from mstar_dist.runtime.rank import Rank, StoppedByConductor
+
+    store = dist.HashStore()
+    if over:
+        store.set(key("over"), "1")
+    told: list[tuple[str, str]] = []
+    worker = types.SimpleNamespace(stopping=True, restart_asked=False, conductor_silent=True,
+                                   failed_reason="the conductor (rank 0) has been silent for 13 s")
+    rank = types.SimpleNamespace(
+        lc=types.SimpleNamespace(stop=threading.Event()), worker=worker, frontend=None, frontend_gone=lambda: False,
+        store=store if store_up else None,
+        supervisor=types.SimpleNamespace(leaving=lambda r: told.append(("leaving", r)),
+                                         over=lambda r: told.append(("over", r))))
+    rank.rank0_host_up = lambda: Rank.rank0_host_up(rank)
+    with pytest.raises(StoppedByConductor):
+        Rank.check_exit(rank)
+    assert [k for k, _ in told] == [said], told
+    assert ("restarts and rejoins" in told[0][1]) == (said == "leaving"), told
