@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # GPU runs on the device machine (torch + NCCL preinstalled, no network). Usage, from the repo root there:
 #   bash scripts/gpu_run.sh STEP...   STEP: tests | gpu | engine | tpstop | serving | pd | split | edges | kernels |
-#                                           trace | composite | speech | image | tp | soak | ab SETTING
+#                                           trace | composite | speech | speech1 | image | tp |
+#                                           moe30b | soak | ab SETTING
 # Needs, carried from the dev machine (bash scripts/gpu_prepare.sh makes both): .whl/ (wheels the GPU image lacks:
 # fastapi, starlette, pydantic(-core), annotated-types, typing-inspection, opentelemetry-api, uvicorn, httptools,
 # pyzmq, msgspec, python-multipart, llguidance, soundfile, cffi, pycparser, soxr) and .ckpt/smol-shape (config + tokenizer of SmolLM2-135M; a random same-shaped checkpoint is
 # generated there). Everything a step writes goes to $OUT (or bench/raw, git-ignored); the headline JSONs are copied
 # from there into bench/results by hand (bench/results/README.md names the step behind each).
 # Knobs of the steps (environment): ROUNDS, INTAKES (HTTP intake processes of the single rank, default 4), STREAMS,
-# PAIRS, REQUESTS_PER_STREAM, NAME (a suffix for the output names), DECODE / PREFILL / POSITION (kernels).
+# PAIRS, REQUESTS_PER_STREAM, NAME (a suffix for the output names), DECODE / PREFILL / POSITION (kernels), TOKENS
+# (moe30b's timed decode steps).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 mkdir -p "${OUT:-bench/raw}"
@@ -134,12 +136,25 @@ while [ $# -gt 0 ]; do
     speech)  # two GPUs: time to first audio and real-time factor, codec beside the LLM or on the other GPU
              python3 scripts/bench_composite.py speech --make 3b --weights /tmp/orpheus-3b --streams 1 8 32 \
                --max-tokens 560 --out "$out/speech_h200x2.json" 2>&1 | tail -30 ;;
+    speech1) # one GPU, the codec beside the LLM (Orpheus-3B shape): TTFA p50/p99, RTF p50/p99 and the real-time
+             # streams at ${STREAMS:-1 8 32 64 128 256} concurrent streams, one wave each, 560 codes a stream (280 at
+             # 128 and 256: the JSON's tokens_at); waves that would start after 220 s are skipped (the JSON's
+             # skipped), and the JSON is rewritten after each wave (a run stopped by the time limit keeps them)
+             timeout -k 15 280 python3 scripts/bench_composite.py speech --make 3b --weights /tmp/orpheus-3b \
+               --placement colocated --streams ${STREAMS:-1 8 32 64 128 256} --max-tokens 560 \
+               --tokens-at 128:280 256:280 --intakes "${INTAKES:-4}" --budget-s 220 \
+               --out "$out/speech_h200_colocated${NAME:+_$NAME}.json" 2>&1 | grep -v "^W1\|^  warnings" | tail -30 ;;
     image)   # two GPUs: time per denoising step, sequential CFG on one GPU against CFG-parallel on two
              python3 scripts/bench_composite.py image --make 1b --weights /tmp/bagel-1b --size 1024 --steps 8 24 \
                --out "$out/image_h200x2.json" 2>&1 | tail -30 ;;
     tp)      # two GPUs: TP2 against TP1 of a Qwen3-MoE-shaped checkpoint (NCCL check, then serving at 1 and 32 streams)
              timeout 540 python3 scripts/bench_tp.py --make medium --weights /tmp/moe-medium --streams 1 32 \
                --max-tokens 128 --out "$out/tp_h200x2.json" 2>&1 | tail -30 ;;
+    moe30b)  # one GPU: Qwen3-MoE at the 30B-A3B shape, TP1, random bf16 weights made on the GPU (~61 GB, no
+             # checkpoint): the engine's decode steps (in process) against the CUDA-graph bare loop and the eager
+             # loop at ${STREAMS:-1 32 64} streams, and one MoE block's gathered vs per-expert expert compute
+             timeout -k 15 280 python3 scripts/bench_moe30b.py --streams ${STREAMS:-1 32 64} --tokens "${TOKENS:-64}" \
+               --out "$out/moe30b_h200${NAME:+_$NAME}.json" 2>&1 | grep -v "^W1\|^  warnings" | tail -40 ;;
     soak)    # two GPUs, detached: starts a ${SOAK_SECONDS:-600} s soak unless one is in /tmp/soak, waits up to
              # SOAK_WAIT s; collect the rest at once in the next command: bash scripts/gpu_soak.sh collect 540
              bash scripts/gpu_soak.sh auto "${SOAK_SECONDS:-600}" "${SOAK_WAIT:-480}" 2>&1 | tail -60 ;;

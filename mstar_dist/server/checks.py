@@ -72,7 +72,7 @@ def parse_json(raw: bytes | str, model: type[M], what: str = "request body", *,
     if not raw.strip():
         raise ApiError(400, f"{what} is empty: send a JSON object (Content-Type: application/json)")
     try:
-        obj = json.loads(raw, parse_constant=_no_constant)
+        obj = json.loads(raw, parse_constant=_no_constant, parse_float=_number)
     except (UnicodeDecodeError, ValueError) as exc:
         raise ApiError(400, f"{what} is not valid JSON: {exc}") from None
     if not isinstance(obj, dict):
@@ -87,6 +87,13 @@ def parse_json(raw: bytes | str, model: type[M], what: str = "request body", *,
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 """A JSON escape of a UTF-16 surrogate: only then may the parsed text hold one alone (a raw one is invalid UTF-8)."""
+
+
+def _number(text: str) -> int | float:
+    """A JSON number with a fraction or exponent: an int when it is a whole number (``4.0``, ``1e3``), as JSON Schema
+    counts it an integer and vLLM's lax parsing accepts it for an int field; a float field takes the int as it is."""
+    value = float(text)
+    return int(value) if value.is_integer() and abs(value) < 2 ** 63 else value
 
 
 def _no_constant(name: str) -> Any:

@@ -106,10 +106,12 @@ def _describe_deployment(schemas: dict[str, Any], backend: GenerationBackend) ->
     top = (tok.vocab_size if tok is not None else TOKEN_ID_MAX + 1) - 1
     ids = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0, "maximum": top}}
     if "CompletionRequest" in schemas:
+        texts = [{"type": "string", "minLength": 1}, {"type": "array", "minItems": 1, "items": {
+            "type": "string", "minLength": 1}}]
         schemas["CompletionRequest"]["properties"]["prompt"] = {
-            "anyOf": [{"type": "string", "minLength": 1}, {"type": "array", "minItems": 1, "items": {
-                "type": "string", "minLength": 1}}, ids, {"type": "array", "minItems": 1, "items": ids}],
-            "description": "a string, a list of strings, a list of token ids or a list of token-id lists"}
+            "anyOf": texts + ([ids, {"type": "array", "minItems": 1, "items": ids}] if tok is not None else []),
+            "description": "a string, a list of strings" + (", a list of token ids or a list of token-id lists"
+                                                            if tok is not None else " (this model reads no token ids)")}
     if "DetokenizeRequest" in schemas:
         schemas["DetokenizeRequest"]["properties"]["tokens"] = {**ids, "minItems": 0}
     for name in ("GenerateRequest", "TokenizeRequest"):
