@@ -21,13 +21,13 @@ def get_model_class(name: str):
             return load_object(name)
         except (ImportError, AttributeError) as exc:
             raise ValueError(f"model: cannot load {name!r} ({type(exc).__name__}: {exc})") from None
-    from models.image.family import BagelImage
     from models.llama.chat import LlamaChat, SmolLM2Chat
     from models.moe.chat import MoEChat
     from models.qwen3_omni.family import Qwen3Omni
+    from models.qwen_image.family import QwenImage
     from models.speech.orpheus import OrpheusSpeech
 
-    registry = {"llama": LlamaChat, "smollm2": SmolLM2Chat, "orpheus": OrpheusSpeech, "bagel": BagelImage,
+    registry = {"llama": LlamaChat, "smollm2": SmolLM2Chat, "orpheus": OrpheusSpeech, "qwen-image": QwenImage,
                 "qwen3_moe": MoEChat, "qwen3_omni": Qwen3Omni}
     try:
         return registry[name]

@@ -165,6 +165,10 @@ class GenerationParams:
     """Independent samples of the same prompt (seeds ``seed + i``); their events carry ``index`` i."""
     guided: GuidedSpec | None = None
     """Structured output: every generated text is a sentence of this grammar (the engine masks other tokens)."""
+    sampling_given: tuple[str, ...] | None = None
+    """The sampling knobs the client wrote, whatever their values (names as above): a knob it left out takes the
+    model family's default where the family has one (``RequestState.sampling_defaults``, e.g. a speech model's
+    temperature). None (a caller that does not say): a knob at its neutral value takes the family's default."""
 
 
 class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):

@@ -1,5 +1,6 @@
 """Composite-model benchmarks on real deployments, side by side in one run: streaming speech (Orpheus shape) with
-the codec beside the LLM or on another GPU, and CFG image generation sequential on one GPU or CFG-parallel.
+the codec beside the LLM or on another GPU, and Qwen-Image's CFG image generation sequential on one GPU or
+CFG-parallel.
 
     python scripts/bench_composite.py speech --weights DIR [--streams 1 8 32] [--max-tokens 560] --out JSON
         [--placement both|colocated|split] [--tokens-at 256:280 ...] [--intakes K] [--budget-s S]
@@ -18,7 +19,7 @@ two-rank CFG-parallel placement (main loop + conditional branch on rank 0, uncon
 per denoising step = the slope of request time between two step counts (so text encoding, VAE and HTTP cancel),
 the same pinned request's PNG bytes on both, and each rank's edge bytes and host-staging copies from /metrics.
 Weights: any directory of the family's layout (real or random; ``--make tiny|3b`` / ``--make tiny|1b`` writes a
-random one first). Device: whatever torch sees (one process per GPU).
+random one first; Qwen-Image: ``--make tiny`` only). Device: whatever torch sees (one process per GPU).
 """
 
 from __future__ import annotations
@@ -200,7 +201,7 @@ def bench_image(args) -> dict:
     lo, hi = args.steps
     for name, (config, nproc) in placements.items():
         server = Server(REPO / config, nproc=nproc, startup_timeout=600, overrides={
-            "weights": args.weights, "model_kwargs": {"max_size": args.size}})
+            "weights": args.weights, "model_kwargs": {"max_size": args.size, "default_size": "64x64"}})
         try:
             image_request(server.base_url, args.size, 2, 0)  # warm up kernels at this size
             times = {s: [] for s in (lo, hi)}
@@ -262,8 +263,10 @@ def make_checkpoint(args, device: str | None = None) -> None:
     from unittest import mock
 
     if args.what == "image":
-        from models.image.checkpoint import write_image_family
-        return write_image_family(Path(args.weights), args.make)
+        from models.qwen_image.checkpoint import make_qwen_image_checkpoint
+        if args.make != "tiny":
+            raise SystemExit(f"--make {args.make}: Qwen-Image's random checkpoint comes in one size, tiny")
+        return make_qwen_image_checkpoint(Path(args.weights), seed=0)
     import models.speech.checkpoint as speech
 
     device = device or ("cuda" if torch.cuda.is_available() else None)

@@ -1,12 +1,16 @@
 """Serving benchmark: our deployments vs HF transformers ``generate`` vs a bare batched loop, side by side in one run.
 
     python scripts/bench_serving.py [--config launch/configs/smollm2_pd.yaml:2 ...] [--streams 1 8 32 64]
-                                    [--rounds 3] [--max-tokens 64] [--device cpu|cuda] [--out FILE]
+                                    [--rounds 3] [--max-tokens 64] [--device cpu|cuda] [--route generate chat]
+                                    [--out FILE]
 
 Measures, alternating the contenders round by round so machine noise hits them alike (medians reported):
 - cold start of each deployment: torchrun launch to ``/health`` 200 (weights already prepared);
 - ours, for every ``--config PATH:NPROC`` (P/D split, single rank, ...): output tok/s and median TTFT at each
-  ``--streams`` concurrency (streaming ``/generate``, ``2 x streams`` requests, at least 4);
+  ``--streams`` concurrency (streaming ``/generate``, ``2 x streams`` requests, at least 4), on each ``--route``:
+  ``generate`` (the default; keys ``<config>_<streams>``) and/or ``chat`` (streaming ``/v1/chat/completions``, the
+  same messages and ``max_tokens`` with ``ignore_eos`` so every answer is that long, TTFT at the first content delta,
+  tokens from the usage of the last chunk; keys ``<config>_chat_<streams>``);
 - HF ``generate`` (greedy) at batch 1 and batched at 8 (left-padded) on the same weights and prompts;
 - the bare loop (our model + KV cache, no serving; ``mstar_dist/tools/bare_loop.py``) at batch = streams, eager and,
   on CUDA, replaying CUDA graphs like the engine (the yardstick of the GPU targets, timed over its decode steps
@@ -62,9 +66,18 @@ PROMPTS = [
 _local = threading.local()
 
 
-def request_body(prompt: str, max_tokens: int) -> dict:
-    return {"messages": [{"role": "user", "content": prompt}], "stream": True,
-            "model_kwargs": {"max_tokens": max_tokens, "temperature": 0}}
+ROUTES = {"generate": "/generate", "chat": "/v1/chat/completions"}
+"""``--route``: the streaming route each request goes to (native NDJSON, or OpenAI's server-sent events)."""
+
+
+def request_body(prompt: str, max_tokens: int, route: str = "generate") -> dict:
+    """The streaming request of ``route``: the same chat messages, greedy, ``max_tokens``. A chat request also asks
+    for exactly ``max_tokens`` (``ignore_eos``) and for the usage in a last chunk (``stream_options``)."""
+    messages = [{"role": "user", "content": prompt}]
+    if route == "chat":
+        return {"messages": messages, "stream": True, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                "stream_options": {"include_usage": True}}
+    return {"messages": messages, "stream": True, "model_kwargs": {"max_tokens": max_tokens, "temperature": 0}}
 
 
 class _Tally:
@@ -93,6 +106,44 @@ class _Tally:
         return self.ttft or 0.0, time.monotonic() - self.t0, self.tokens, self.rid, self.t0
 
 
+class _ChatTally(_Tally):
+    """``_Tally`` of a streamed chat completion (server-sent events): the first event with content is the first
+    token; the completion tokens are the usage of the last chunk (``stream_options.include_usage``). A stream that
+    ends without ``data: [DONE]`` or without its usage is an error, not a short count."""
+
+    def __init__(self, rid: str) -> None:
+        super().__init__(rid)
+        self.done = self.usage_seen = False
+
+    def line(self, line: bytes | str) -> None:
+        line = line.strip()
+        if not line:
+            return
+        if isinstance(line, bytes):
+            line = line.decode()
+        if not line.startswith("data:"):
+            raise RuntimeError(f"not a server-sent event line: {line[:200]!r}")
+        data = line[len("data:"):].strip()
+        if data == "[DONE]":
+            self.done = True
+            return
+        item = json.loads(data)
+        if "error" in item:
+            raise RuntimeError(item["error"])
+        if self.ttft is None and any(c.get("delta", {}).get("content") for c in item.get("choices", ())):
+            self.ttft = time.monotonic() - self.t0
+        if item.get("usage"):
+            self.tokens, self.usage_seen = item["usage"]["completion_tokens"], True
+
+    def result(self) -> tuple[float, float, int, str, float]:
+        if not (self.done and self.usage_seen):
+            raise RuntimeError(f"chat stream {self.rid} ended without " + ("its usage" if self.done else "[DONE]"))
+        return super().result()
+
+
+TALLIES = {"generate": _Tally, "chat": _ChatTally}
+
+
 _request_ids = itertools.count()
 
 
@@ -101,11 +152,12 @@ def request_id() -> str:
     return f"bench-{os.getpid()}-{next(_request_ids)}"
 
 
-def stream_one(base_url: str, prompt: str, max_tokens: int) -> tuple[float, float, int, str, float]:
-    """One streaming /generate request on this thread's httpx client: ``_Tally.result``."""
+def stream_one(base_url: str, prompt: str, max_tokens: int,
+               route: str = "generate") -> tuple[float, float, int, str, float]:
+    """One streaming request to ``route`` on this thread's httpx client: ``_Tally.result``."""
     client = _local.client  # made before the clock starts: a new httpx client costs ~25 ms (its TLS context)
-    tally = _Tally(request_id())
-    with client.stream("POST", f"{base_url}/generate", json=request_body(prompt, max_tokens),
+    tally = TALLIES[route](request_id())
+    with client.stream("POST", f"{base_url}{ROUTES[route]}", json=request_body(prompt, max_tokens, route),
                        headers={"X-Request-Id": tally.rid}) as r:
         r.raise_for_status()
         for line in r.iter_lines():
@@ -113,7 +165,8 @@ def stream_one(base_url: str, prompt: str, max_tokens: int) -> tuple[float, floa
     return tally.result()
 
 
-def _thread_client(base_url: str, prompts: list[str], streams: int, max_tokens: int) -> tuple[list, float, float]:
+def _thread_client(base_url: str, prompts: list[str], streams: int, max_tokens: int,
+                   route: str = "generate") -> tuple[list, float, float]:
     """``streams`` client threads in one process working through ``prompts`` (they share its GIL, and a thread
     woken by its first chunk can wait out another's switch interval): (per-request results, wall-clock start,
     end). Each thread's HTTP client exists before the clock starts."""
@@ -128,7 +181,7 @@ def _thread_client(base_url: str, prompts: list[str], streams: int, max_tokens: 
             pool.submit(setup)
         ready.wait()
         start = time.time()
-        results = list(pool.map(lambda p: stream_one(base_url, p, max_tokens), prompts))
+        results = list(pool.map(lambda p: stream_one(base_url, p, max_tokens, route), prompts))
         return results, start, time.time()
 
 
@@ -147,12 +200,13 @@ class _Connection:
         writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return cls(reader, writer, url.netloc)
 
-    async def generate(self, prompt: str, max_tokens: int) -> tuple[float, float, int, str, float]:
-        body = json.dumps(request_body(prompt, max_tokens)).encode()
+    async def generate(self, prompt: str, max_tokens: int,
+                       route: str = "generate") -> tuple[float, float, int, str, float]:
+        body = json.dumps(request_body(prompt, max_tokens, route)).encode()
         rid = request_id()
-        head = (f"POST /generate HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
+        head = (f"POST {ROUTES[route]} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
                 f"X-Request-Id: {rid}\r\nContent-Length: {len(body)}\r\n\r\n").encode()
-        tally = _Tally(rid)
+        tally = TALLIES[route](rid)
         self.writer.write(head + body)
         status = await self.reader.readline()
         headers = {}
@@ -161,7 +215,7 @@ class _Connection:
             headers[key.strip().lower()] = value.strip().lower()
         if headers.get("transfer-encoding") != "chunked":
             text = await self.reader.readexactly(int(headers.get("content-length", 0)))
-            raise RuntimeError(f"/generate answered {status.decode().strip()!r}, not a stream: {text[:300]!r}")
+            raise RuntimeError(f"{ROUTES[route]} answered {status.decode().strip()!r}, not a stream: {text[:300]!r}")
         pending = b""
         while size := int((await self.reader.readline()).split(b";")[0], 16):
             pending += (await self.reader.readexactly(size + 2))[:-2]
@@ -171,11 +225,12 @@ class _Connection:
         await self.reader.readline()  # the CRLF after the last (empty) chunk
         tally.line(pending)
         if not status.startswith(b"HTTP/1.1 200"):
-            raise RuntimeError(f"/generate answered {status.decode().strip()!r}")
+            raise RuntimeError(f"{ROUTES[route]} answered {status.decode().strip()!r}")
         return tally.result()
 
 
-def _async_client(base_url: str, prompts: list[str], streams: int, max_tokens: int) -> tuple[list, float, float]:
+def _async_client(base_url: str, prompts: list[str], streams: int, max_tokens: int,
+                  route: str = "generate") -> tuple[list, float, float]:
     """``streams`` concurrent clients on one asyncio loop in this process, each on its own keep-alive connection
     (opened before the clock starts), working through ``prompts``: (per-request results in prompt order,
     wall-clock start, end)."""
@@ -188,7 +243,7 @@ def _async_client(base_url: str, prompts: list[str], streams: int, max_tokens: i
         async def worker(conn: _Connection) -> None:
             while queue:
                 i, prompt = queue.popleft()
-                results[i] = await conn.generate(prompt, max_tokens)
+                results[i] = await conn.generate(prompt, max_tokens, route)
 
         start = time.time()
         try:
@@ -244,28 +299,30 @@ def client_processes(streams: int) -> cf.ProcessPoolExecutor:
 
 
 def run_streams(base_url: str, prompts: list[str], streams: int, max_tokens: int,
-                pool: cf.ProcessPoolExecutor | None, client: str = "async") -> tuple[list, float, float]:
+                pool: cf.ProcessPoolExecutor | None, client: str = "async",
+                route: str = "generate") -> tuple[list, float, float]:
     """``streams`` concurrent streaming clients (``CLIENTS[client]``) working through ``prompts``, in this process
     or, above ``CLIENT_STREAMS_PER_PROCESS`` streams, spread over ``pool``: (per-request ``_Tally.result``,
     wall-clock start, end)."""
     run = CLIENTS[client]
     procs = -(-streams // CLIENT_STREAMS_PER_PROCESS)
     if (procs == 1 and not CLIENT_CPUS) or pool is None:
-        return run(base_url, prompts, streams, max_tokens)
+        return run(base_url, prompts, streams, max_tokens, route)
     share = [prompts[i::procs] for i in range(procs)]
-    parts = [f.result() for f in [pool.submit(run, base_url, part, -(-streams // procs), max_tokens)
+    parts = [f.result() for f in [pool.submit(run, base_url, part, -(-streams // procs), max_tokens, route)
                                   for part in share]]
     return [r for part in parts for r in part[0]], min(part[1] for part in parts), max(part[2] for part in parts)
 
 
-def ours(base_url: str, streams: int, max_tokens: int, n_requests: int, client: str = "async") -> dict:
+def ours(base_url: str, streams: int, max_tokens: int, n_requests: int, client: str = "async",
+         route: str = "generate") -> dict:
     global _clients
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(n_requests)]
     before = _server_ttft(base_url)
     engine_before = _engine_counts(base_url)
     if (streams > CLIENT_STREAMS_PER_PROCESS or CLIENT_CPUS) and _clients is None:
         _clients = client_processes(64)
-    results, start, end = run_streams(base_url, prompts, streams, max_tokens, _clients, client)
+    results, start, end = run_streams(base_url, prompts, streams, max_tokens, _clients, client, route)
     server_ttft = _server_ttft(base_url) if before is not None else None
     wall = end - start
     tokens = sum(r[2] for r in results)
@@ -374,6 +431,12 @@ def bare(model, cfg, ids_list: list[list[int]], batch: int, max_tokens: int, dev
             "decode_tok_s": decode_tok_s, "tokens": tokens, "seconds": wall, "decode_seconds": decode_wall}
 
 
+def series(name: str, route: str) -> str:
+    """The results' key of deployment ``name`` on ``route`` (``<key>_<streams>``): the config's name for
+    ``/generate`` (the keys of every earlier result), ``<name>_chat`` for the chat route."""
+    return name if route == "generate" else f"{name}_{route}"
+
+
 def main() -> None:
     global CLIENT_STREAMS_PER_PROCESS, CLIENT_CPUS
     p = argparse.ArgumentParser()
@@ -399,6 +462,10 @@ def main() -> None:
                    help="requests per client stream at each concurrency (at least 4 in all): each stream sends its "
                         "next request when the last one ends, so at 32 streams the first wave starts at once and the "
                         "later ones as the earlier ones end; more of them measure the steady state more than the burst")
+    p.add_argument("--route", choices=sorted(ROUTES), nargs="+", default=["generate"],
+                   help="the streaming route(s) to load, each at every --streams value: generate (native NDJSON; "
+                        "results keyed <config>_<streams>) and/or chat (/v1/chat/completions, ignore_eos, the usage "
+                        "of the last chunk; keyed <config>_chat_<streams>)")
     p.add_argument("--no-eager-bare", action="store_true",
                    help="on CUDA, skip the eager bare loop (the yardstick there is the CUDA-graph one)")
     p.add_argument("--no-packed-bare", action="store_true",
@@ -467,9 +534,16 @@ def main() -> None:
                 # warm the path with every prompt once: a prompt length's first prefill on a GPU pays for new
                 # kernel shapes, which would otherwise land in the 1-stream TTFT (its requests come first)
                 ours(server.base_url, 1, 8, len(PROMPTS), args.client)
+                for route in args.route:
+                    if route != "generate":  # the route's own first requests (the prompts' shapes are warm)
+                        ours(server.base_url, 1, 8, 2, args.client, route)
+                # the routes side by side at each concurrency, their order swapped every round (noise hits both)
+                routes = args.route if r % 2 == 0 else args.route[::-1]
                 for n in args.streams:
-                    rows[f"{name}_{n}"].append(ours(server.base_url, n, args.max_tokens,
-                                                    max(4, args.requests_per_stream * n), args.client))
+                    for route in routes:
+                        rows[f"{series(name, route)}_{n}"].append(ours(
+                            server.base_url, n, args.max_tokens, max(4, args.requests_per_stream * n), args.client,
+                            route))
             finally:
                 server.stop()
         with torch.inference_mode():
@@ -498,7 +572,7 @@ def main() -> None:
     yard = "bare_graphs" if cuda else "bare"
     ratios, targets = {}, {}
     names = [Path(path).stem for path, _ in configs]
-    for name in names:
+    for name in [series(name, route) for name in names for route in args.route]:
         for n in args.streams:
             ratios[f"{name}_{n}_over_{yard}_{n}"] = med[f"{name}_{n}"] / med[f"{yard}_{n}"]
         if 1 in args.streams and 32 in args.streams:
@@ -525,7 +599,7 @@ def main() -> None:
                 targets[f"{name}: 8 streams >= 0.85 x bare batched loop"] = ratios[f"{name}_8_over_{yard}_8"] >= 0.85
     # end-to-end request latency, p50 over every request of every round (the same prompts for every deployment)
     e2e = {k: statistics.median(t for x in v for t in x["e2e_s"]) for k, v in rows.items() if "e2e_s" in v[0]}
-    if len(names) == 2:  # split vs colocated, e.g. P/D against single rank
+    if len(names) == 2 and "generate" in args.route:  # split vs colocated, e.g. P/D against single rank
         a, b = names
         for n in args.streams:
             ratios[f"{a}_{n}_over_{b}_{n}"] = med[f"{a}_{n}"] / med[f"{b}_{n}"]
@@ -545,6 +619,7 @@ def main() -> None:
         "max_batch": max_batch,
         "requests_per_stream": args.requests_per_stream,
         "client": args.client,
+        "routes": {route: ROUTES[route] for route in args.route},
         "client_cpus": sorted(CLIENT_CPUS) if CLIENT_CPUS else None,
         "bare_loop": {"yardstick": "decode steps alone (CUDA graphs)" if cuda else "prefill and decode",
                       "fused_pointwise": bool(getattr(our_model, "fused", False)),

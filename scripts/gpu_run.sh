@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU runs on the device machine (torch + NCCL preinstalled, no network). Usage, from the repo root there:
-#   bash scripts/gpu_run.sh STEP...   STEP: tests | gpu | engine | tpstop | serving | pd | split | edges | kernels |
-#                                           trace | composite | speech | speech1 | image | tp |
+#   bash scripts/gpu_run.sh STEP...   STEP: tests | gpu | engine | tpstop | serving | chat | pd | split | edges |
+#                                           kernels | trace | composite | speech | speech1 | image | tp |
 #                                           moe30b | soak | ab SETTING
 # Needs, carried from the dev machine (bash scripts/gpu_prepare.sh makes both): .whl/ (wheels the GPU image lacks:
 # fastapi, starlette, pydantic(-core), annotated-types, typing-inspection, opentelemetry-api, uvicorn, httptools,
@@ -105,6 +105,15 @@ while [ $# -gt 0 ]; do
              timeout 500 python3 scripts/bench_serving.py --device cuda --model llama --rounds "${ROUNDS:-3}" --max-tokens 256 \
                --no-eager-bare $hf --streams 1 8 32 64 --config /tmp/smollm2_single_intakes.yaml:1 \
                --out "$out/serving_h200_single.json" 2>&1 | grep -A20 '"median_tok_s"' | head -60 ;;
+    chat)    # both streaming routes on the single rank with ${INTAKES:-4} intakes, side by side at 1, 8, 32 and 64
+             # streams: /generate and /v1/chat/completions (ignore_eos: 256 tokens each), 256 tokens, ${ROUNDS:-3}
+             # rounds, ${REQUESTS_PER_STREAM:-8} requests per stream, against the CUDA-graph bare loop's decode steps
+             intakes_config "${INTAKES:-4}"
+             timeout 540 python3 scripts/bench_serving.py --device cuda --model llama --rounds "${ROUNDS:-3}" \
+               --max-tokens 256 --no-hf --no-eager-bare --route generate chat --streams 1 8 32 64 \
+               --requests-per-stream "$(( ${REQUESTS_PER_STREAM:-8} < 8 ? 8 : ${REQUESTS_PER_STREAM:-8} ))" \
+               --config /tmp/smollm2_single_intakes.yaml:1 --out "$out/serving_h200_routes${NAME:+_$NAME}.json" 2>&1 \
+               | grep -A30 '"median_tok_s"' | head -80 ;;
     pd)      # two GPUs: the single rank and P/D (prefill on GPU 0, decode on GPU 1) side by side, 1 to 64 streams
              timeout 300 python3 scripts/bench_serving.py --device cuda --model llama --rounds "${ROUNDS:-1}" \
                --max-tokens 256 --no-hf --no-eager-bare --streams 1 8 32 64 --config launch/configs/smollm2_single.yaml:1 \
@@ -145,7 +154,7 @@ while [ $# -gt 0 ]; do
                --tokens-at 128:280 256:280 --intakes "${INTAKES:-4}" --budget-s 220 \
                --out "$out/speech_h200_colocated${NAME:+_$NAME}.json" 2>&1 | grep -v "^W1\|^  warnings" | tail -30 ;;
     image)   # two GPUs: time per denoising step, sequential CFG on one GPU against CFG-parallel on two
-             python3 scripts/bench_composite.py image --make 1b --weights /tmp/bagel-1b --size 1024 --steps 8 24 \
+             python3 scripts/bench_composite.py image --make tiny --weights /tmp/qwen-image-tiny --size 1024 --steps 8 24 \
                --out "$out/image_h200x2.json" 2>&1 | tail -30 ;;
     tp)      # two GPUs: TP2 against TP1 of a Qwen3-MoE-shaped checkpoint (NCCL check, then serving at 1 and 32 streams)
              timeout 540 python3 scripts/bench_tp.py --make medium --weights /tmp/moe-medium --streams 1 32 \

@@ -11,9 +11,14 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import sys
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from mstar_dist.random_weights import write_marker  # noqa: E402
 
 
 def main() -> None:
@@ -34,6 +39,7 @@ def main() -> None:
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "config.json"):
         if (src / name).exists():
             shutil.copy(src / name, out / name)
+    write_marker(out, args.seed, "scripts/make_random_checkpoint.py")
     print(f"random {config.num_hidden_layers}-layer checkpoint written to {out}")
 
 

@@ -18,6 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from models.snac import SNAC_24KHZ, SNAC_TINY, SnacDecoder, save_snac  # noqa: E402
+from mstar_dist.random_weights import write_marker  # noqa: E402
 
 SIZES = {"tiny": SNAC_TINY, "24khz": SNAC_24KHZ}
 
@@ -31,6 +32,7 @@ def main() -> None:
     torch.manual_seed(args.seed)
     model = SnacDecoder(SIZES[args.size])
     out = save_snac(model, args.out)
+    write_marker(out, args.seed, "scripts/make_snac_checkpoint.py")
     n_params = sum(t.numel() for t in model.parameters())
     print(f"random SNAC {args.size} decoder ({n_params / 1e6:.2f} M parameters) written to {out}")
 

@@ -1,7 +1,7 @@
 """Write a random Orpheus-layout speech checkpoint (LLM + tokenizer, optionally the SNAC codec): see
 models/speech/checkpoint.py.
 
-    python scripts/make_speech_checkpoint.py --out DIR [--size tiny|3b] [--seed 0] [--codebook-size N] [--with-codec]
+    python scripts/make_speech_checkpoint.py --out DIR [--size tiny|small|3b] [--seed 0] [--codebook-size N] [--with-codec]
 """
 
 import sys

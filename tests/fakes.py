@@ -109,7 +109,8 @@ KNOBS: dict[str, dict[str, Callable[[Any], str | None]]] = {
     "audio": {"voice": _check_voice},
     "image": {"width": lambda v: _check_side("width", v), "height": lambda v: _check_side("height", v),
               "steps": _check_range("steps", int, 1, 50),
-              "guidance_scale": _check_range("guidance_scale", float, 0, 20)},
+              "guidance_scale": _check_range("guidance_scale", float, 0, 20),
+              "negative_prompt": lambda v: None if isinstance(v, str) else "negative_prompt must be a string"},
 }
 """The knobs each fake family takes, with their checks (a message for the client, or None when valid)."""
 

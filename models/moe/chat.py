@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from mstar_dist.distributed.tp import TPGroup
+from mstar_dist.random_weights import mark_prepared
 from models.llama.chat import LLM, LlamaChat
 from models.moe.routers import parse_router_spec, resolve_router
 
@@ -51,6 +52,8 @@ class MoEChat(LlamaChat):
 
         out = Path(self.weights_dir)
         if (out / "config.json").is_file():
+            if out == Path(DEFAULT_MOE_DIR).expanduser():
+                mark_prepared(out, 0, "scripts/make_moe_checkpoint.py")
             return
         if out != Path(DEFAULT_MOE_DIR).expanduser():
             raise FileNotFoundError(f"weights: {out} is not a checkpoint directory (only the default "

@@ -28,6 +28,7 @@ from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from models.moe.config import MoEConfig
+from mstar_dist.random_weights import write_marker
 
 CORPUS = """\
 The river runs past the old mill and under the stone bridge. In spring the water is high and fast; in late
@@ -162,6 +163,7 @@ def make_moe_checkpoint(out: str | Path, *, seed: int = 0, writer: str = "auto",
         "pad_token": "<|endoftext|>", "chat_template": CHAT_TEMPLATE, "model_max_length": 2048,
         "clean_up_tokenization_spaces": False})
     _write_json(out / "generation_config.json", {"eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]]})
+    write_marker(out, seed, "scripts/make_moe_checkpoint.py")
     return config
 
 

@@ -35,6 +35,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalize
 
 from models.qwen3_omni.config import ARCHITECTURE, MODEL_TYPE, Qwen3OmniConfig
 from models.qwen3_omni.weights import Shapes, tensor_shapes
+from mstar_dist.random_weights import write_marker
 
 DEFAULT_QWEN3OMNI_DIR = "~/.cache/mstar_dist/qwen3omni-tiny"
 """Where serving prepares the default checkpoint (seed 0, float32) on first start."""
@@ -400,6 +401,7 @@ def make_qwen3omni_checkpoint(out: str | Path, *, seed: int = 0, dtype: str = "f
     _write_json(out / "preprocessor_config.json", preprocessor_config(parsed))
     _write_json(out / "generation_config.json", GENERATION_CONFIG)
     write_weights(out, parsed, seed=seed, max_shard_bytes=max_shard_bytes)
+    write_marker(out, seed, "scripts/make_qwen3omni_checkpoint.py")
     return parsed
 
 

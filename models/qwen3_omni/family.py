@@ -44,6 +44,7 @@ from mstar_dist.graph.model import CompositeModel, RequestState, WalkStep
 from mstar_dist.graph.nodes import EMIT_TO_CLIENT, Edge, GraphNode, Loop, Section, Sequential
 from mstar_dist.graph.partitions import Partition, StreamingEdge
 from mstar_dist.graph.streaming import Fixed, LeftContext
+from mstar_dist.random_weights import mark_prepared
 
 if TYPE_CHECKING:
     from mstar_dist.distributed.tp import TPGroup
@@ -123,6 +124,8 @@ class Qwen3Omni(CompositeModel):
 
         path = Path(self.weights_dir)
         if (path / "config.json").is_file():
+            if path == Path(DEFAULT_QWEN3OMNI_DIR).expanduser():  # prepared before makers wrote the marker
+                mark_prepared(path, 0, "scripts/make_qwen3omni_checkpoint.py")
             return
         if path != Path(DEFAULT_QWEN3OMNI_DIR).expanduser():
             raise FileNotFoundError(f"weights: {path} is not a Qwen3-Omni checkpoint directory (only the default "

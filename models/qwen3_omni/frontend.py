@@ -1,9 +1,10 @@
 """The conductor's half of the Qwen3-Omni family: a request's knobs, media and prompt -> what its walks take.
 
 - **Knobs** (`read_knobs`): ``voice`` (a speaker of the checkpoint; an unknown one is a ValueError listing them) and
-  the talker's own sampling, ``talker_temperature``, ``talker_top_k``, ``talker_top_p``,
-  ``talker_repetition_penalty``, ``talker_max_new_tokens`` (defaults: the checkpoint's generation_config.json, else
-  HF ``generate``'s). The thinker samples with the request's own knobs.
+  the talker's own sampling, ``talker_temperature``, ``talker_top_k``, ``talker_top_p``, ``talker_min_p``,
+  ``talker_repetition_penalty``, ``talker_presence_penalty``, ``talker_frequency_penalty``, ``talker_max_new_tokens``
+  (defaults: the checkpoint's generation_config.json, else HF ``generate``'s). The thinker samples with the
+  request's own knobs (every route's temperature, top_p, top_k, min_p and penalties, through its KV engine).
 - **Media** (`decode_media`): each image or clip decoded by mstar_dist.media within the request's limits, in prompt
   order; a bad item or a breached limit is a ValueError naming the item (``messages[0].content[1]``) and, for a
   limit, its config key and value (``media.max_image_pixels = 16777216``).
@@ -47,8 +48,10 @@ LIMIT_KEYS = {"max_pixels": "media.max_image_pixels", "max_seconds": "media.max_
 IMAGE_TYPES = {"image/png": "png", "image/jpeg": "jpeg", "image/jpg": "jpeg", "image/webp": "webp"}
 """Declared image MIME types the model reads -> the container they name."""
 TALKER_DEFAULTS = {"talker_temperature": 0.9, "talker_top_k": 50, "talker_top_p": 1.0,
-                   "talker_repetition_penalty": 1.05, "talker_max_new_tokens": 4096}
-"""HF ``generate``'s talker defaults, for a checkpoint whose generation_config.json leaves one out."""
+                   "talker_repetition_penalty": 1.05, "talker_max_new_tokens": 4096, "talker_min_p": 0.0,
+                   "talker_presence_penalty": 0.0, "talker_frequency_penalty": 0.0}
+"""HF ``generate``'s talker defaults, for a checkpoint whose generation_config.json leaves one out (HF's talker has
+no min-p, presence or frequency penalty: off)."""
 DEFAULT_VOICE = "ethan"
 """HF ``generate``'s default speaker (when the checkpoint has it; else its first voice)."""
 
@@ -85,10 +88,12 @@ def read_knobs(knobs: dict[str, Any], config: Qwen3OmniConfig, defaults: dict[st
         raise ValueError(f"talker_top_k must be an int >= 0, got {top_k!r}")
     try:
         sampling = TalkerSampling(temperature=value["talker_temperature"], top_k=top_k,
-                                  top_p=value["talker_top_p"], repetition_penalty=value["talker_repetition_penalty"])
+                                  top_p=value["talker_top_p"], repetition_penalty=value["talker_repetition_penalty"],
+                                  min_p=value["talker_min_p"], presence_penalty=value["talker_presence_penalty"],
+                                  frequency_penalty=value["talker_frequency_penalty"])
     except ValueError as exc:  # "talker sampling: SamplingParams.temperature must be ..."
-        raise ValueError(f"{exc} (knobs talker_temperature, talker_top_k, talker_top_p, "
-                         f"talker_repetition_penalty)") from None
+        raise ValueError(f"{exc} (knobs talker_temperature, talker_top_k, talker_top_p, talker_min_p, "
+                         f"talker_repetition_penalty, talker_presence_penalty, talker_frequency_penalty)") from None
     return SpeechKnobs(speaker_id=config.speaker_id(voice), sampling=sampling, max_frames=frames)
 
 
@@ -266,7 +271,8 @@ class Frontend:
             inputs["talker_positions"] = torch.from_numpy(positions)
         s = knobs.sampling
         inputs["talker_meta"] = torch.tensor([user.numel(), A, knobs.speaker_id, delta, s.top_k])
-        inputs["talker_sampling"] = torch.tensor([s.temperature, s.top_p, s.repetition_penalty], dtype=torch.float64)
+        inputs["talker_sampling"] = torch.tensor([s.temperature, s.top_p, s.repetition_penalty, s.min_p,
+                                                  s.presence_penalty, s.frequency_penalty], dtype=torch.float64)
         return rows, inputs
 
     def talker_prompt_length(self, p: OmniPrompt) -> int:

@@ -9,14 +9,14 @@ back: the next call's input) and ``codes`` (streamed to CODE2WAV); codebook 0's 
   thinker's text has not ended without a word, is the first text row (the embedding of the first generated token).
   The first four of [header rows, text] close the prompt (talker_io ``prefill_embeds``), the rest go to the text
   feed. Conductor-made inputs: ``talker_meta`` int64 [U, A, speaker id, rope delta, top_k], ``talker_sampling``
-  float64 [temperature, top_p, repetition_penalty], ``user_mm`` (U,) bool, and for a prompt with media
+  float64 [temperature, top_p, repetition_penalty, min_p, presence_penalty, frequency_penalty], ``user_mm`` (U,) bool, and for a prompt with media
   ``talker_positions`` (3, U + 9) (M-RoPE positions of the talker's prompt, rope.py).
 - Later iterations: ``talker_in`` is the previous frame; ``text`` the next text row, or absent once the thinker's text
   has ended (the ``until_end`` input, mstar_dist/graph/nodes.py): the feed then gives ``tts_eos`` once and ``tts_pad``
   after (talker_io ``TextFeed``). The step's input is the frame's codec embeddings summed plus the feed's entry.
 
 Each frame: codebook 0 from the logits after the request's `CodecLogitsProcessor` (repetition penalty over the codes
-it made, special codes suppressed), drawn with the request's `TalkerSampling` (engine/sampling.py ``sample``: greedy or
+it made, frequency and presence penalties over them, special codes suppressed), drawn with the request's `TalkerSampling` (engine/sampling.py ``sample``: greedy or
 seeded, one generator per request); the code predictor fills codebooks 1..G-1 for every row of the batch at once,
 drawn with ``TalkerSampling.residual``. A request's codes depend only on its own inputs and seed.
 """
@@ -53,7 +53,7 @@ class Speaker:
     """Its M-RoPE decode offset (a step at cache position p rotates by p + delta)."""
     feed: TextFeed
     seen: torch.Tensor
-    """(1, V) bool: the codebook-0 codes it has made (the repetition penalty's history)."""
+    """(1, V) float: how often it has made each codebook-0 code (the penalties' history)."""
     sampling: TalkerSampling
     processor: CodecLogitsProcessor
     generator: torch.Generator
@@ -96,7 +96,8 @@ class TalkerEngine(Component):
     def _prefill(self, call: NodeCall):
         inputs = call.inputs
         U, A, speaker_id, delta, top_k = (int(x) for x in inputs["talker_meta"].reshape(-1).tolist())
-        temperature, top_p, penalty = (float(x) for x in inputs["talker_sampling"].reshape(-1).tolist())
+        temperature, top_p, penalty, min_p, presence, frequency = \
+            (float(x) for x in inputs["talker_sampling"].reshape(-1).tolist())
         rows = inputs["talker_in"].reshape(-1, self.config.thinker_hidden_size).to(self.device)  # (U + A, Dt)
         text = inputs.get("text")
         head = torch.cat([rows[U:U + A]] + ([text.reshape(1, -1).to(rows)] if text is not None else []))
@@ -104,7 +105,8 @@ class TalkerEngine(Component):
             return NodeResult({}, stop=True)
         if self.cache.num_free == 0:
             return NO_FREE_SLOT
-        sampling = TalkerSampling(temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=penalty)
+        sampling = TalkerSampling(temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=penalty,
+                                  min_p=min_p, presence_penalty=presence, frequency_penalty=frequency)
         feed = TextFeed(self.tts)
         if head.shape[0] > HEADER_ROWS:
             feed.push(self.talker.text_projection(head[HEADER_ROWS:]))
@@ -121,9 +123,8 @@ class TalkerEngine(Component):
         slot = self.cache.alloc()
         V = self.config.text.vocab_size
         speaker = self._speakers[call.request_id] = Speaker(
-            slot=slot, length=T, delta=delta, feed=feed, seen=torch.zeros((1, V), dtype=torch.bool,
-                                                                          device=self.device),
-            sampling=sampling, processor=CodecLogitsProcessor(V, self.config.suppress_tokens, penalty),
+            slot=slot, length=T, delta=delta, feed=feed, seen=torch.zeros((1, V), device=self.device),
+            sampling=sampling, processor=sampling.processor(V, self.config.suppress_tokens),
             generator=seeded(call.ctx.seed, "cpu"))
         self.cache.bind([slot], [0], T)
         logits, hidden = self.talker(prompt[None].to(self.talker.codec_head.weight.dtype), positions, self.cache,

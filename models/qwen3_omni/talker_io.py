@@ -183,19 +183,34 @@ class TalkerSampling:
     """Nucleus mass; 1 = off."""
     repetition_penalty: float = 1.05
     """Divides (multiplies, when negative) the logit of every codebook-0 code generated so far; 1 = off."""
+    min_p: float = 0.0
+    """Codebook 0 keeps only codes at least min_p x as likely as the most likely one (after temperature); 0 = off
+    (HF's talker has none)."""
+    presence_penalty: float = 0.0
+    """Subtracted once from the logit of every codebook-0 code generated so far (vLLM's); 0 = off."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a codebook-0 code's logit once per time it was generated (vLLM's); 0 = off."""
 
     def __post_init__(self) -> None:
         p = self.repetition_penalty
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not math.isfinite(p) or p <= 0:
             raise ValueError(f"talker repetition_penalty must be a finite number > 0, got {p!r}")
-        self.params(None)  # the engine's checks of temperature, top_p, top_k
-
-    def params(self, seed: int | None) -> SamplingParams:
-        """The engine's sampling parameters of codebook 0 (after `CodecLogitsProcessor`)."""
-        try:
-            return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=seed)
+        try:  # the engine's checks of temperature, top_p, top_k, min_p and the penalties' ranges
+            SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                           presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty)
         except ValueError as exc:
             raise ValueError(f"talker sampling: {exc}") from None
+
+    def params(self, seed: int | None) -> SamplingParams:
+        """The engine's sampling parameters of codebook 0 (after `CodecLogitsProcessor`, which applies the
+        penalties)."""
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                              seed=seed)
+
+    def processor(self, vocab_size: int, suppress_tokens: tuple[int, ...] | list[int]) -> CodecLogitsProcessor:
+        """The logits processing of codebook 0 with these penalties."""
+        return CodecLogitsProcessor(vocab_size, suppress_tokens, self.repetition_penalty,
+                                    presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty)
 
     def residual(self, seed: int | None) -> SamplingParams:
         """The residual codebooks' parameters: HF's fixed top-k 50 and top-p 0.8 at temperature 1, greedy when
@@ -205,15 +220,17 @@ class TalkerSampling:
 
 class CodecLogitsProcessor:
     """The talker's own logits processing before sampling codebook 0: HF's ``RepetitionPenaltyLogitsProcessor``
-    (over the codes generated so far, not the prompt) then ``SuppressTokensLogitsProcessor``.
+    (over the codes generated so far, not the prompt), vLLM's frequency and presence penalties (over the same codes),
+    then ``SuppressTokensLogitsProcessor``.
 
-    The history is a (B, V) bool mask of the codes each row has generated (`record` adds a step's codes), so rows
-    of different lengths share one call."""
+    The history is a (B, V) count of the codes each row has generated (`record` adds a step's codes; a bool mask
+    serves a processor without frequency and presence penalties), so rows of different lengths share one call."""
 
-    def __init__(self, vocab_size: int, suppress_tokens: tuple[int, ...] | list[int], repetition_penalty: float
-                 ) -> None:
+    def __init__(self, vocab_size: int, suppress_tokens: tuple[int, ...] | list[int], repetition_penalty: float,
+                 *, presence_penalty: float = 0.0, frequency_penalty: float = 0.0) -> None:
         self.vocab_size = vocab_size
         self.penalty = float(repetition_penalty)
+        self.presence, self.frequency = float(presence_penalty), float(frequency_penalty)
         self.suppress = torch.zeros(vocab_size, dtype=torch.bool)
         self.suppress[list(suppress_tokens)] = True
 
@@ -223,19 +240,26 @@ class CodecLogitsProcessor:
         return torch.zeros(self.vocab_size).masked_fill(self.suppress, float("-inf"))
 
     def history(self, rows: int, device: torch.device | str = "cpu") -> torch.Tensor:
-        """An empty history (rows, V)."""
-        return torch.zeros((rows, self.vocab_size), dtype=torch.bool, device=device)
+        """An empty history (rows, V) of counts."""
+        return torch.zeros((rows, self.vocab_size), dtype=torch.float32, device=device)
 
     @staticmethod
     def record(seen: torch.Tensor, codes: torch.Tensor) -> None:
         """Add codes (B,) to the history (B, V), in place."""
-        seen.scatter_(1, codes.view(-1, 1), True)
+        if seen.dtype == torch.bool:
+            seen.scatter_(1, codes.view(-1, 1), True)
+        else:
+            seen.scatter_add_(1, codes.view(-1, 1), torch.ones((codes.numel(), 1), dtype=seen.dtype,
+                                                               device=seen.device))
 
     def __call__(self, logits: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
-        """logits (B, V) fp32, seen (B, V) bool -> processed logits (B, V) (a new tensor)."""
+        """logits (B, V) fp32, seen (B, V) counts (or bool) -> processed logits (B, V) (a new tensor)."""
+        made = seen if seen.dtype == torch.bool else seen > 0
         if self.penalty != 1.0:
             penalised = torch.where(logits < 0, logits * self.penalty, logits / self.penalty)
-            logits = torch.where(seen, penalised, logits)
+            logits = torch.where(made, penalised, logits)
+        if self.presence or self.frequency:
+            logits = logits - self.frequency * seen.to(logits.dtype) - self.presence * made.to(logits.dtype)
         return logits.masked_fill(self.suppress.to(logits.device), float("-inf"))
 
 
@@ -263,7 +287,7 @@ def generate_codes(talker: Talker, prompt: torch.Tensor, feed: TextFeed, *, max_
     cache.bind([slot], [0], T)
     logits, hidden = talker(prompt[None], torch.arange(T, device=prompt.device)[None], cache, last_only=True,
                             return_hidden=True)
-    seen = torch.zeros((1, t.vocab_size), dtype=torch.bool, device=prompt.device)
+    seen = torch.zeros((1, t.vocab_size), dtype=torch.float32, device=prompt.device)
     frames: list[torch.Tensor] = []
     while True:
         code0 = pick_code0(logits[:, -1], seen)  # (1,)

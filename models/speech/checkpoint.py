@@ -1,6 +1,6 @@
 """Write a random Orpheus-TTS-layout speech LLM checkpoint (Llama-3.2 shape + speech tokenizer) from a seed.
 
-    python scripts/make_speech_checkpoint.py --out DIR [--size tiny|3b] [--seed 0] [--codebook-size N] [--with-codec]
+    python scripts/make_speech_checkpoint.py --out DIR [--size tiny|small|3b] [--seed 0] [--codebook-size N] [--with-codec]
 
 DIR gets what an Orpheus-style speech family loads, in HF layout: config.json (Llama, llama3 rope_scaling,
 rope_theta 500000, tied embeddings), model.safetensors (N(0, 0.02) weights, norms 1; fp32 for tiny, bf16 for
@@ -12,14 +12,16 @@ Llama-3 (<|begin_of_text|> at +0, <|end_of_text|> +1, <|eot_id|> +9, the rest re
 <custom_token_0> .. <custom_token_{9 + 7 * N}>. `3b` pads the BPE part to 128000 ids with unused tokens and
 the end to Orpheus's vocab of 156940 with further custom tokens, so the special ids Orpheus-TTS's code uses
 (<|begin_of_text|> 128000, <|eot_id|> 128009, start_of_speech 128257 .. start_of_ai 128261, audio codes from
-128266) and every tensor shape equal canopylabs/orpheus-3b-0.1-ft's; text ids do not. `tiny` (hidden 64,
-2 layers, codebook 64 like our tiny SNAC codec) has the same layout without the padding.
+128266) and every tensor shape equal canopylabs/orpheus-3b-0.1-ft's; text ids do not. `small` is the same layout
+(every id, vocabulary 156940, codebook 4096, llama3 rope scaling) at hidden 48 and 2 layers, in float32. `tiny`
+(hidden 64, 2 layers, codebook 64 like our tiny SNAC codec) has the same token names without the padding.
 The same arguments give byte-identical files.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import struct
@@ -32,6 +34,9 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 
 from models.llama.config import Llama3RopeScaling, LlamaConfig
 from models.llama.speech_tokens import AUDIO_TOKEN_BASE, CODES_PER_FRAME, SpeechTokens, custom_token
+from mstar_dist.random_weights import write_marker
+
+MADE_BY = "scripts/make_speech_checkpoint.py"
 
 CORPUS = """\
 The lighthouse keeper climbed the spiral stairs every evening at dusk. He wound the clockwork, trimmed the
@@ -65,10 +70,15 @@ ROPE_SCALING = Llama3RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_fac
 SIZES = {
     "tiny": dict(hidden_size=64, intermediate_size=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
                  max_position_embeddings=16384),
+    "small": dict(hidden_size=48, intermediate_size=128, n_layers=2, n_heads=6, n_kv_heads=2, head_dim=8,
+                  max_position_embeddings=131072),
     "3b": dict(hidden_size=3072, intermediate_size=8192, n_layers=28, n_heads=24, n_kv_heads=8, head_dim=128,
                max_position_embeddings=131072),
 }
+"""``small``: canopylabs/orpheus-3b-0.1-ft's config (Llama-3.2-3B: llama3 rope scaling, rope_theta 500000, 3 query heads
+per KV head, tied embeddings, 131072 positions) shrunk in width and depth only."""
 LAYOUT = {"tiny": dict(codebook_size=64, text_vocab=None, vocab=None, dtype=torch.float32),
+          "small": dict(codebook_size=4096, text_vocab=128000, vocab=156940, dtype=torch.float32),
           "3b": dict(codebook_size=4096, text_vocab=128000, vocab=156940, dtype=torch.bfloat16)}
 """text_vocab: ids before the special block (None: the BPE's own size); vocab: total (None: no padding)."""
 _CHUNK_ELEMS = 1 << 24
@@ -190,18 +200,21 @@ def make_speech_checkpoint(out: Path, size: str, seed: int, codebook_size: int |
                                                  "eos_token_id": tokens.end_of_speech})
     _write_json(out / "speech.json", tokens.ids())
     write_random_safetensors(out / "model.safetensors", hf_tensor_shapes(config), layout["dtype"], seed)
+    write_marker(out, seed, MADE_BY)
     return tokens
 
 
 def write_speech_family(out: Path, size: str = "tiny", seed: int = 0) -> Path:
     """The directory the speech family (models/speech/orpheus.py) serves from: the LLM checkpoint of ``size`` in
-    ``out`` and a SNAC decoder of the matching size in ``out/snac`` (tiny: codebook 64; 3b: the 24 kHz codec)."""
+    ``out`` and a SNAC decoder of the matching size in ``out/snac`` (tiny: codebook 64; small: the tiny codec with
+    Orpheus's 4096 codes; 3b: the 24 kHz codec)."""
     from models.snac import SNAC_24KHZ, SNAC_TINY, SnacDecoder, save_snac
 
-    snac_config = SNAC_TINY if size == "tiny" else SNAC_24KHZ
+    snac_config = {"tiny": SNAC_TINY, "small": dataclasses.replace(SNAC_TINY, codebook_size=4096)}.get(size, SNAC_24KHZ)
     make_speech_checkpoint(Path(out), size, seed, snac_config.codebook_size)
     torch.manual_seed(seed)
     save_snac(SnacDecoder(snac_config), Path(out) / "snac")
+    write_marker(Path(out) / "snac", seed, MADE_BY)
     return Path(out)
 
 
@@ -226,7 +239,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--size", default="tiny", choices=sorted(SIZES))
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--codebook-size", type=int, default=None, help="default: 64 for tiny, 4096 for 3b")
+    p.add_argument("--codebook-size", type=int, default=None, help="default: 64 for tiny, 4096 for small and 3b")
     p.add_argument("--with-codec", action="store_true", help="also write the matching SNAC decoder to OUT/snac")
     args = p.parse_args(argv)
     start = time.perf_counter()

@@ -39,6 +39,7 @@ from mstar_dist.graph.nodes import EMIT_TO_CLIENT, Edge, GraphNode, Loop, Sectio
 from mstar_dist.graph.partitions import Partition, StreamingEdge
 from mstar_dist.graph.streaming import SlidingWindow
 from mstar_dist.graph.walk import NodeCall, NodeResult
+from mstar_dist.random_weights import mark_prepared
 from models.llama.chat import DECODE_LOOP, LLM, MAX_DECODE_ITERS, LlamaChat
 
 CODEC = "CODEC"
@@ -52,9 +53,13 @@ STRIDE = 7
 CONTEXT_FRAMES = 3
 """Earlier frames decoded with the new ones (their samples are not emitted again)."""
 DEFAULT_SPEECH_DIR = "~/.cache/mstar_dist/orpheus-tiny"
-REPETITION_PENALTY = 1.1
-"""Orpheus's published inference samples with a repetition penalty of 1.1 (its README: at least 1.1 for stable
-speech), over the prompt and the codes so far."""
+SAMPLING_DEFAULTS = {"temperature": 0.6, "top_p": 0.95, "repetition_penalty": 1.1}
+"""The sampling of canopylabs/orpheus-3b-0.1-ft's model card (its inference example), for every knob a request
+leaves out: the repetition penalty (over the prompt and the codes so far) keeps the speech stable (Orpheus-TTS's
+README: at least 1.1), and greedy decoding falls into a loop of a few frames."""
+MAX_TOKENS = 1200
+"""The model card's ``max_new_tokens``: the most codes (about 14 s of audio) a request gets when it names no
+budget of its own."""
 
 
 class SpeechCodec(Component):
@@ -141,9 +146,9 @@ class SpeechCodec(Component):
 
 
 class OrpheusSpeech(LlamaChat):
-    """``model_kwargs``: those of :class:`LlamaChat` plus ``codec_weights`` (the SNAC directory). Request knobs:
-    ``voice`` (one of :data:`VOICES`, default ``tara``) and ``repetition_penalty`` (default
-    :data:`REPETITION_PENALTY`; a request's own ``repetition_penalty`` other than 1 wins)."""
+    """``model_kwargs``: those of :class:`LlamaChat` plus ``codec_weights`` (the SNAC directory). Request knob:
+    ``voice`` (one of :data:`VOICES`, default ``tara``). Sampling knobs a request leaves out take
+    :data:`SAMPLING_DEFAULTS`, and a request without ``max_tokens`` gets at most :data:`MAX_TOKENS` codes."""
 
     name = "orpheus"
     output_modality = "audio"
@@ -173,8 +178,14 @@ class OrpheusSpeech(LlamaChat):
     def streaming_edges(self) -> list[StreamingEdge]:
         return [StreamingEdge("token", "speech", "audio", CODEC, SlidingWindow(WINDOW, STRIDE))]
 
+    def weights_dirs(self) -> list[str]:
+        return [self.weights_dir, self.codec_dir]
+
     def prepare_weights(self) -> None:
         if Path(self.weights_dir).is_dir():
+            if Path(self.weights_dir) == Path(DEFAULT_SPEECH_DIR).expanduser():
+                for directory in (self.weights_dir, self.codec_dir):
+                    mark_prepared(directory, 0, "scripts/make_speech_checkpoint.py")
             return
         if Path(self.weights_dir) != Path(DEFAULT_SPEECH_DIR).expanduser():
             raise FileNotFoundError(f"weights: {self.weights_dir} does not exist (only the default "
@@ -224,15 +235,13 @@ class OrpheusSpeech(LlamaChat):
     def preprocess(self, state: RequestState, prompt: str | None, messages: list[dict] | None) -> None:
         knobs = dict(state.knobs)
         voice = knobs.pop("voice", "tara")
-        penalty = knobs.pop("repetition_penalty", REPETITION_PENALTY)
         if unknown := sorted(knobs):
-            raise ValueError(f"model_kwargs: unknown knob(s) {unknown} for a speech model (known: voice, "
-                             f"repetition_penalty)")
+            raise ValueError(f"model_kwargs: unknown knob(s) {unknown} for a speech model (known: voice)")
         if voice not in VOICES:
             raise ValueError(f"voice {voice!r} is not one of this model's voices: {', '.join(VOICES)}")
-        if isinstance(penalty, bool) or not isinstance(penalty, (int, float)) or not 0 < penalty < float("inf"):
-            raise ValueError(f"model_kwargs.repetition_penalty must be a number > 0, got {penalty!r}")
-        state.sampling_defaults["repetition_penalty"] = float(penalty)
+        state.sampling_defaults.update(SAMPLING_DEFAULTS)
+        if not state.max_tokens_given:
+            state.max_tokens = min(state.max_tokens, MAX_TOKENS)
         text = prompt if prompt is not None else "\n".join(m["content"] for m in messages or [] if m["role"] == "user")
         if not text.strip():
             raise ValueError("input is empty: send the text to speak")

@@ -22,14 +22,16 @@ from typing import Any
 import httpx
 
 SAMPLING_KEYS = frozenset({
-    "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "min_p", "repetition_penalty", "ignore_eos",
+    "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "min_p", "repetition_penalty", "presence_penalty",
+    "frequency_penalty", "ignore_eos",
     "min_tokens", "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens",
     "spaces_between_special_tokens", "response_format", "guided_json", "guided_regex", "guided_choice",
     "guided_grammar",
 })
 """Sampling arguments of ``chat``, ``complete``, ``generate`` and their streaming forms (the server's meaning, which
 is vLLM's for its extra parameters)."""
-SPEECH_KEYS = frozenset({"model", "temperature", "top_p", "top_k", "speed"})
+SPEECH_KEYS = frozenset({"model", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                         "frequency_penalty", "speed"})
 """Optional ``speech`` / ``speech_stream`` arguments beyond input, voice, response_format and seed."""
 WAV_HEADER_BYTES = 44
 
@@ -281,7 +283,7 @@ class MStarClient:
                **kw: Any) -> bytes:
         """``POST /v1/audio/speech``: the whole audio as a WAV file (``response_format="wav"``) or raw PCM16
         (``"pcm"``; the server sends its rate in the ``X-Sample-Rate`` header). ``voice=None``: the model's default
-        voice. ``kw``: some of ``SPEECH_KEYS`` (model, temperature, top_p, top_k, speed)."""
+        voice. ``kw``: some of ``SPEECH_KEYS`` (model, the sampling knobs, speed)."""
         body = _speech_body(input, voice, response_format, seed, kw, stream=False)
         return self._request("POST", "/v1/audio/speech", json=body).content
 

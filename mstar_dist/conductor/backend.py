@@ -29,8 +29,10 @@ if TYPE_CHECKING:
 class ConductorBackend:
     def __init__(self, conductor: Conductor, *, model_name: str, max_context_tokens: int, max_tokens_limit: int,
                  output_modality: str = "text", output_modalities: list[str] | None = None,
-                 input_modalities: list[str] | None = None, tokenizer: object = None):
+                 input_modalities: list[str] | None = None, tokenizer: object = None, weights: str = "checkpoint"):
         self.conductor = conductor
+        self.weights = weights
+        """"random-test" for random test weights, else "checkpoint" (``/v1/models``; ``runtime.deployment.served``)."""
         self.tokenizer = tokenizer
         """The family's prompt encoder for ``/tokenize`` and token-id prompts (``server/tokenizer.py``), or None."""
         self.output_modality = output_modality

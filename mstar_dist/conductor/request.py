@@ -67,7 +67,7 @@ def wire_sampling(params: GenerationParams, defaults: dict[str, Any], made: int)
     from the walk's first token."""
     knobs = {name: getattr(params, name) for name in KNOBS}
     for name, value in defaults.items():
-        if knobs[name] == getattr(NEUTRAL, name):
+        if takes_default(params, name):
             knobs[name] = value
     knobs["min_tokens"] = max(0, params.min_tokens - made)
     return m.Sampling(**knobs)
@@ -75,6 +75,14 @@ def wire_sampling(params: GenerationParams, defaults: dict[str, Any], made: int)
 
 NEUTRAL = SamplingParams()
 """Every knob at the value that changes nothing."""
+
+
+def takes_default(params: GenerationParams, name: str) -> bool:
+    """Whether the request's knob ``name`` takes the family's default: the client did not write it
+    (``GenerationParams.sampling_given``), or, where that is not known, left it at its neutral value."""
+    if params.sampling_given is not None:
+        return name not in params.sampling_given
+    return getattr(params, name) == getattr(NEUTRAL, name)
 
 
 @dataclass

@@ -95,9 +95,12 @@ class RequestState:
     def penalized(self) -> bool:
         """Some penalty is on for the request's walks (its own knobs, else the family's ``sampling_defaults``): a
         decode rank that imports its KV needs the prompt's ids too (the KV engine's ``prompt_ids``)."""
+        given = getattr(self.params, "sampling_given", None)
         for name, off in PENALTIES.items():
             value = getattr(self.params, name, off)
-            if (value if value != off else self.sampling_defaults.get(name, off)) != off:
+            if name in self.sampling_defaults and ((name not in given) if given is not None else value == off):
+                value = self.sampling_defaults[name]
+            if value != off:
                 return True
         return False
 
@@ -165,6 +168,12 @@ class CompositeModel(ABC):
 
     def prepare_weights(self) -> None:
         """Make ``weights_dir`` exist (called once per host before loading). Default: nothing to do."""
+
+    def weights_dirs(self) -> list[str]:
+        """Every directory this family reads weights from: the server says the model's weights are random (and its
+        output noise) when any of them carries the random-weights marker (``mstar_dist.random_weights``). Default:
+        ``weights_dir``."""
+        return [self.weights_dir] if self.weights_dir else []
 
     @abstractmethod
     def build_component(self, node: str, *, device: str, walks: set[str], engine: EngineConfig | None = None) -> Any:

@@ -20,6 +20,7 @@ from mstar_dist.config.deployment import DeploymentConfig, load_config
 from mstar_dist.config.schema import ConfigError
 from mstar_dist.graph.model import CompositeModel, Layout
 from mstar_dist.graph.nodes import iter_nodes, node_names
+from mstar_dist.random_weights import weights_label
 from mstar_dist.runtime.registry import model_class
 from mstar_dist.topology.cuts import cut_signals, describe_cross_host, describe_cuts, flows
 from mstar_dist.topology.placement import Placement
@@ -180,8 +181,10 @@ def check_same_walks(store: Any, rank: int, world_size: int, digest: str, timeou
 
 
 def served(dep: Deployment) -> dict[str, Any]:
-    """What the HTTP app tells clients about the model and its limits (the backend's attributes)."""
+    """What the HTTP app tells clients about the model and its limits (the backend's attributes); ``weights``:
+    "random-test" for a checkpoint with the random-weights marker, else "checkpoint" (read once the weights exist)."""
     return {"model_name": dep.config.model, "max_context_tokens": dep.model.max_context_tokens,
+            "weights": weights_label(dep.model.weights_dirs()),
             "max_tokens_limit": min(dep.config.limits.max_tokens, dep.model.max_context_tokens - 1),
             "output_modality": dep.model.output_modality,
             "output_modalities": sorted(dep.model.output_modalities or {dep.model.output_modality}),

@@ -47,6 +47,7 @@ from mstar_dist.control.channel import ControlChannel
 from mstar_dist.control.envelope import CONDUCTOR, rank_name
 from mstar_dist.distributed.store import key, launch_store, read_json
 from mstar_dist.logs import announce
+from mstar_dist.random_weights import announcement
 from mstar_dist.runtime.children import (
     HTTP_FD_ENV, ParentGone, ParentPipe, quick_hand_offs, start_watching_parent, stop_all, where_from_env,
 )
@@ -240,6 +241,8 @@ def start_conductor(dep: Deployment, channel: ControlChannel, timeout_s: float, 
     )
     conductor.wait_ready(timeout_s)
     announce(dep.describe())
+    if line := announcement(cfg.model, dep.model.weights_dirs()):  # every rank has prepared its weights by now
+        log.warning(line)
     conductor.start()
     return conductor
 

@@ -138,6 +138,7 @@ class Intake:
                                 output_modality=handover["output_modality"],
                                 output_modalities=handover["output_modalities"],
                                 input_modalities=handover["input_modalities"],
+                                weights=handover.get("weights", "checkpoint"),
                                 encoder=load_prompt_encoder(handover.get("prompt_encoder")))
         self.link.backend = backend
         self.link.thread.start()

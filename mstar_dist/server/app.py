@@ -117,7 +117,8 @@ def _add_ops_routes(app: FastAPI, backend: GenerationBackend, stats: HttpStats) 
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        card = ModelCard(id=backend.model_name, created=created, max_model_len=backend.max_context_tokens)
+        card = ModelCard(id=backend.model_name, created=created, max_model_len=backend.max_context_tokens,
+                         weights=getattr(backend, "weights", "checkpoint"))
         return JSONResponse(ModelList(data=[card]).model_dump())
 
 

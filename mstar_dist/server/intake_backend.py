@@ -186,7 +186,8 @@ class IntakeBackend:
 
     def __init__(self, link: ConductorLink, stats, *, model_name: str, max_context_tokens: int,
                  max_tokens_limit: int, output_modality: str, encoder: Any = None,
-                 output_modalities: list[str] | None = None, input_modalities: list[str] | None = None) -> None:
+                 output_modalities: list[str] | None = None, input_modalities: list[str] | None = None,
+                 weights: str = "checkpoint") -> None:
         """``encoder``: the family's prompt encoder (``CompositeModel.prompt_encoder``), or None: the conductor
         tokenizes. The rest: ``runtime.deployment.served``."""
         self.link, self.stats = link, stats
@@ -200,6 +201,7 @@ class IntakeBackend:
         self.output_modality = output_modality
         self.output_modalities = tuple(output_modalities or (output_modality,))
         self.input_modalities = tuple(input_modalities or ("text",))
+        self.weights = weights
         self.loop: asyncio.AbstractEventLoop | None = None
         """uvicorn's loop, where ``deliver`` hands items from another thread; taken by the first request that needs it
         (``generate``, ``metrics_text``), so nothing is delivered to a loop no request runs on."""

@@ -38,7 +38,8 @@ DEFAULT_SAMPLE_RATE = 24000
 it from, and with no samples it changes nothing audible (24 kHz is OpenAI's PCM rate)."""
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 SPEECH_FIELDS = {"voice": "voice"}
-IMAGE_FIELDS = {"width": "size", "height": "size", "steps": "steps", "guidance_scale": "guidance_scale"}
+IMAGE_FIELDS = {"width": "size", "height": "size", "steps": "steps", "guidance_scale": "guidance_scale",
+                "negative_prompt": "negative_prompt"}
 """The family's knobs -> the request fields they come from (a family's 400 about a knob names the field)."""
 
 
@@ -143,13 +144,14 @@ def add_media_routes(app: FastAPI, backend: GenerationBackend, stats: HttpStats)
 
 
 def _speech_params(req: SpeechRequest, request_id: str, backend: GenerationBackend) -> GenerationParams:
-    """The text to speak as the prompt; ``voice`` as the family's knob; the token budget is the service's limit
+    """The text to speak as the prompt; ``voice`` as the family's knob; the sampling knobs as on the text routes
+    (those left out take the family's defaults, e.g. its model card's); the token budget is the service's limit
     (``max_tokens_given=False``: the family bounds the audio length itself)."""
     return GenerationParams(
         request_id=request_id, prompt=req.input, messages=None,
-        max_tokens=backend.max_tokens_limit, max_tokens_given=False,
-        temperature=req.temperature_value(), top_p=req.top_p, top_k=req.top_k_value(), seed=req.seed, stream=req.stream,
+        max_tokens=backend.max_tokens_limit, max_tokens_given=False, stream=req.stream,
         model_kwargs={"voice": req.voice} if req.voice is not None else {}, output_modalities=["audio"],
+        **req.knob_fields(),
     )
 
 

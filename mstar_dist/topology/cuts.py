@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mstar_dist.graph.nodes import EMIT_TO_CLIENT, Section, iter_nodes
+from mstar_dist.graph.nodes import EMIT_TO_CLIENT, Loop, Parallel, Section, Sequential, iter_nodes
 from mstar_dist.graph.partitions import Partition, StreamingEdge
 from mstar_dist.topology.placement import Flow, Placement
 
@@ -28,6 +28,8 @@ class CutSignal:
     """Global ranks that may consume it."""
     streaming: bool = False
     """A streaming edge into another partition's walk (``walk`` is the producing walk)."""
+    loop: str | None = None
+    """The loop both ends run in, when they do: the value crosses ranks on every iteration (a per-step edge)."""
     dst_walk: str = ""
     """The consumer's walk when it is not ``walk``: a streaming edge's, or a later walk consuming a kept output."""
 
@@ -44,6 +46,7 @@ def cut_signals(graphs: dict[str, Section], streams: list[StreamingEdge], placem
     cuts = set()
     consumer_walk = {e.signal: _walk_of(graphs, e.dst_node) for e in streams}
     for walk, section in graphs.items():
+        loops = _loops_of(section)
         for node in iter_nodes(section):
             for edge in node.outputs:
                 if edge.dst in (None, EMIT_TO_CLIENT):
@@ -51,8 +54,9 @@ def cut_signals(graphs: dict[str, Section], streams: list[StreamingEdge], placem
                 dst_walk = consumer_walk.get(edge.signal, walk) if edge.stream else walk
                 if placement.replicas(walk, node.name) == placement.replicas(dst_walk, edge.dst):
                     continue  # the same replicas: a request keeps both ends on one rank (replica choice prefers it)
+                loop = loops.get(node.name) if not edge.stream and loops.get(node.name) == loops.get(edge.dst) else None
                 cuts.add(CutSignal(walk, edge.signal, node.name, edge.dst, _ranks(placement, walk, node.name),
-                                   _ranks(placement, dst_walk, edge.dst), edge.stream,
+                                   _ranks(placement, dst_walk, edge.dst), edge.stream, loop,
                                    dst_walk if dst_walk != walk else ""))
     cuts.update(_kept_cuts(graphs, partitions, placement))
     return sorted(cuts, key=lambda c: (c.walk, c.signal, c.src_node, c.dst_walk, c.dst_node))
@@ -108,8 +112,9 @@ def flows(graphs: dict[str, Section], partitions: list[Partition], streams: list
 def describe_cuts(cuts: list[CutSignal]) -> str:
     lines = [f"cut edges: {len(cuts)} (values that go straight from the producing rank to the consuming rank)"]
     for c in cuts:
+        every = f"  every step of loop {c.loop}" if c.loop else ""
         lines.append(f"  {c.walk}: {c.signal}{_kind(c)}  {c.src_node}@{_ranks_text(c.src_ranks)} -> "
-                     f"{_consumer(c)}@{_ranks_text(c.dst_ranks)}")
+                     f"{_consumer(c)}@{_ranks_text(c.dst_ranks)}{every}")
     return "\n".join(lines)
 
 
@@ -139,6 +144,15 @@ def _consumer(c: CutSignal) -> str:
 
 def _ranks(placement: Placement, walk: str, node: str) -> tuple[int, ...]:
     return tuple(sorted(r for rep in placement.replicas(walk, node) for r in rep.ranks))
+
+
+def _loops_of(section: Section, loop: str | None = None) -> dict[str, str | None]:
+    """Node name -> the name of the innermost loop it runs in (None outside loops; unnamed loops as "?")."""
+    if isinstance(section, Loop):
+        return _loops_of(section.section, section.name or "?")
+    if isinstance(section, (Sequential, Parallel)):
+        return {k: v for member in section.members for k, v in _loops_of(member, loop).items()}
+    return {section.name: loop}
 
 
 def _walk_of(graphs: dict[str, Section], node: str) -> str:

@@ -37,6 +37,13 @@ def test_chat_answers_paris_over_http(pd):
     assert body["choices"][0]["finish_reason"] in ("stop", "length")
 
 
+def test_real_weights_are_not_called_random(pd):
+    """SmolLM2's weights come from its published GGUF: no random-weights marker, no noise warning."""
+    (card,) = httpx.get(f"{pd.base_url}/v1/models", timeout=10).json()["data"]
+    assert card["weights"] == "checkpoint"
+    assert "noise by design" not in pd.log()
+
+
 def test_openai_client_stream_and_not(pd):
     from openai import OpenAI
 

@@ -23,12 +23,12 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory):
-    from models.image.checkpoint import write_tiny_image_family
+    from models.qwen_image.checkpoint import make_qwen_image_checkpoint
     from models.speech.checkpoint import write_tiny_speech_checkpoint
 
     root = tmp_path_factory.mktemp("weights")
     return {"speech": str(write_tiny_speech_checkpoint(root / "orpheus")),
-            "image": str(write_tiny_image_family(root / "bagel"))}
+            "image": str(make_qwen_image_checkpoint(root / "qwen-image"))}
 
 
 def media(base_url: str, body: dict, modality: str) -> list[bytes]:
@@ -78,7 +78,7 @@ def test_cfg_parallel_over_nccl_equals_one_gpu_and_moves_latents_device_to_devic
     single, _ = run_image("launch/configs/image_single.yaml", 1, weights["image"])
     parallel, stats = run_image("launch/configs/image_cfg_parallel_2gpu.yaml", 2, weights["image"])
     assert parallel == single
-    # every step: latents 0 -> 1 (4 x 32 x 32 fp32 = 16 KB) and the unconditional velocity 1 -> 0
+    # every step: latents 0 -> 1 (16 x 16 x 16 fp32 = 16 KB) and the unconditional prediction 1 -> 0
     assert stats["edge_bytes_sent_total"]["0"] >= 2 * 6 * 16384 and stats["edge_bytes_sent_total"]["1"] >= 2 * 6 * 16384
     assert not any(stats["host_staging_copies_total"].values()), stats
     assert not any(stats["live_tensors"].values()), stats

@@ -78,7 +78,7 @@ def _keys(route: str) -> list[str]:
                                      "max_tokens", "temperature", "top_p", "guided_json", "modalities", "audio"],
             "/v1/completions": ["prompt", "n", "best_of", "echo", "logprobs", "stream", "suffix", "max_tokens"],
             "/v1/audio/speech": ["input", "voice", "response_format", "stream", "speed"],
-            "/v1/images/generations": ["prompt", "n", "size", "steps", "guidance_scale", "seed"],
+            "/v1/images/generations": ["prompt", "n", "size", "steps", "guidance_scale", "seed", "negative_prompt"],
             "/tokenize": ["prompt", "messages"], "/detokenize": ["tokens"]}[route]
 
 

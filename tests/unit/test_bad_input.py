@@ -119,6 +119,27 @@ def test_a_family_that_lists_no_knobs_gets_what_is_not_a_typo():
         assert resp.status_code == 400 and "unknown model_kwargs key 'colour'" in resp.json()["error"]
 
 
+def test_known_model_kwargs_are_not_compared_for_typos(monkeypatch):
+    """The typo hint of a family that lists no knobs (an intake's backend, the front end's) compares only keys that
+    are no sampling field, each once: difflib on every key of every request was most of an intake's request cost."""
+    from mstar_dist.server.protocol import native
+
+    calls = []
+    real = native.difflib.get_close_matches
+    monkeypatch.setattr(native.difflib, "get_close_matches", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
+    native.typo_of.cache_clear()
+    fake = FakeBackend(output_modality="audio", lists_knobs=False)
+    with app_client(fake) as client:
+        body = {"prompt": "x", "model_kwargs": {"max_tokens": 3, "temperature": 0, "ignore_eos": True}}
+        for _ in range(3):
+            assert client.post("/generate", json=body).status_code == 200
+        assert calls == []
+        for _ in range(2):
+            resp = client.post("/generate", json={"prompt": "x", "model_kwargs": {"max_tokns": 3, "voice": "bob"}})
+            assert resp.status_code == 400 and "did you mean 'max_tokens'?" in resp.json()["error"]
+    assert calls == ["max_tokns"]
+
+
 def test_the_openapi_document_lists_ignored_and_unsupported_keys():
     with app_client(FakeBackend()) as client:
         doc = client.get("/openapi.json").json()

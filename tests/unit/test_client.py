@@ -113,6 +113,14 @@ def test_chat_and_models(client):
         client.chat("hi", max_tokenz=3)
 
 
+def test_every_sampling_knob_reaches_the_backend(client, fake):
+    knobs = {"min_p": 0.1, "repetition_penalty": 1.2, "presence_penalty": 0.5, "frequency_penalty": -0.5}
+    client.chat("hi", max_tokens=3, **knobs)
+    client.generate(prompt="hi", max_tokens=3, **knobs)
+    for call in fake.calls:
+        assert {k: getattr(call, k) for k in knobs} == knobs
+
+
 def test_generate(client, fake):
     result = client.generate(prompt="one two three", request_id="pinned-1", max_tokens=3, seed=5)
     assert result.request_id == "pinned-1" and result.text == "".join(UNICODE_DELTAS[:3])
@@ -189,6 +197,9 @@ def test_speech_returns_wav_or_pcm(client, fake):
     assert parse_wav(client.speech("hello", "alice", seed=4, temperature=0.3)) == (SAMPLE_RATE, 1, AUDIO_PCM)
     assert (fake.calls[0].seed, fake.calls[0].temperature, fake.calls[0].model_kwargs) == (4, 0.3, {"voice": "alice"})
     assert client.speech("hello", None, response_format="pcm") == AUDIO_PCM
+    client.speech("hello", "alice", repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.25, min_p=0.1)
+    last = fake.calls[-1]
+    assert (last.repetition_penalty, last.presence_penalty, last.frequency_penalty, last.min_p) == (1.3, 0.5, 0.25, 0.1)
     with pytest.raises(TypeError, match="speeed"):
         client.speech("hello", "alice", speeed=1.0)
 

@@ -1,7 +1,7 @@
-"""The speech (Orpheus shape) and image (BAGEL shape) families on tiny random checkpoints, conductor and workers
+"""The speech (Orpheus shape) and image (Qwen-Image) families on tiny random checkpoints, conductor and workers
 in one process (tests/inproc.py), colocated and split over ranks.
 
-A failure here points at the families (models/speech/orpheus.py, models/image/family.py: the walks, the codec's
+A failure here points at the families (models/speech/orpheus.py, models/qwen_image/family.py: the walks, the codec's
 frame accounting, the denoising plan) or at walks across ranks carrying their values (mstar_dist/worker/spans.py)
 rather than at sockets: the e2e tests drive the same deployments through the real launcher.
 """
@@ -14,8 +14,8 @@ import torch
 from mstar_dist.config.deployment import parse_config
 from mstar_dist.events import BackendError, Finished, GenerationParams, MediaDelta
 from mstar_dist.graph.model import Layout
-from models.image.checkpoint import write_tiny_image_family
-from models.image.family import BagelImage
+from models.qwen_image.checkpoint import make_qwen_image_checkpoint
+from models.qwen_image.family import QwenImage
 from models.speech.checkpoint import write_tiny_speech_checkpoint
 from models.speech.orpheus import STRIDE, WINDOW, OrpheusSpeech
 from tests.inproc import InProcDeployment
@@ -35,20 +35,23 @@ IMAGE = {
                       {"node_names": ["GUIDE", "VAE"], "ranks": [0], "graph_walks": ["generate"]},
                       {"node_names": ["DENOISE_COND"], "ranks": [1], "graph_walks": ["generate"]},
                       {"node_names": ["DENOISE_UNCOND"], "ranks": [2], "graph_walks": ["generate"]}], 3),
+    "split": ([{"node_names": ["TEXT"], "ranks": [0], "graph_walks": ["encode"]},
+               {"node_names": ["DENOISER", "VAE"], "ranks": [1], "graph_walks": ["generate"]}], 2),
 }
+IMAGE_KWARGS = {"default_size": "32x32", "max_size": 256}
 
 
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory):
     root = tmp_path_factory.mktemp("families")
     return {"speech": str(write_tiny_speech_checkpoint(root / "orpheus")),
-            "image": str(write_tiny_image_family(root / "bagel"))}
+            "image": str(make_qwen_image_checkpoint(root / "qwen-image"))}
 
 
-def deployment(cls, weights_dir: str, placement: tuple[list[dict], int]) -> InProcDeployment:
+def deployment(cls, weights_dir: str, placement: tuple[list[dict], int], **model_kwargs) -> InProcDeployment:
     groups, world = placement
     cfg = {"model": "x", "weights": weights_dir, "node_groups": groups, "transport": {"inline_max_bytes": 1024}}
-    model = cls(weights_dir)
+    model = cls(weights_dir, **model_kwargs)
     model.configure(Layout.from_node_groups(parse_config(cfg, "test").node_groups))
     model.load_frontend()
     return InProcDeployment(model, cfg, world)
@@ -114,27 +117,30 @@ def image(rid: str, **knobs) -> GenerationParams:
                             model_kwargs={"steps": 3, **knobs})
 
 
-def test_cfg_parallel_gives_the_same_png_bytes_as_one_rank(weights):
+def test_cfg_parallel_and_split_give_the_same_png_bytes_as_one_rank(weights):
     from PIL import Image
     import io
 
     pngs = {}
     for name, placement in IMAGE.items():
-        dep = deployment(BagelImage, weights["image"], placement)
-        events = dep.run([image("a"), image("b", width=32, height=48, guidance_scale=7.5)])
+        dep = deployment(QwenImage, weights["image"], placement, **IMAGE_KWARGS)
+        events = dep.run([image("a"), image("b", width=24, height=40, guidance_scale=7.5, negative_prompt="blur"),
+                          image("c", guidance_scale=1.0)])
         pngs[name] = [[e for e in ev if isinstance(e, MediaDelta)] for ev in events]
         assert all(isinstance(ev[-1], Finished) and ev[-1].finish_reason == "stop" for ev in events)
         for worker in dep.workers:
             assert worker.held_requests() == set() and worker.store.live_tensors == 0
-    assert [[d.data for d in ds] for ds in pngs["single"]] == [[d.data for d in ds] for ds in pngs["cfg_parallel"]]
+    single = [[d.data for d in ds] for ds in pngs["single"]]
+    assert single == [[d.data for d in ds] for ds in pngs["cfg_parallel"]]
+    assert single == [[d.data for d in ds] for ds in pngs["split"]]
     first, second = pngs["single"][0][0], pngs["single"][1][0]
-    assert Image.open(io.BytesIO(first.data)).size == (64, 64) and first.metadata["width"] == 64
-    assert Image.open(io.BytesIO(second.data)).size == (32, 48)
-    assert first.data != second.data
+    assert Image.open(io.BytesIO(first.data)).size == (32, 32) and first.metadata["width"] == 32
+    assert Image.open(io.BytesIO(second.data)).size == (24, 40)
+    assert len({first.data, second.data, pngs["single"][2][0].data}) == 3  # guidance changes the picture
 
 
 def test_cfg_parallel_moves_each_steps_latents_between_the_ranks(weights):
-    dep = deployment(BagelImage, weights["image"], IMAGE["cfg_parallel"])
+    dep = deployment(QwenImage, weights["image"], IMAGE["cfg_parallel"], **IMAGE_KWARGS)
     sent = []
     for worker in dep.workers:
         plane = worker.transport.transports["p2p"]
@@ -144,17 +150,37 @@ def test_cfg_parallel_moves_each_steps_latents_between_the_ranks(weights):
     assert isinstance(events[-1], Finished)
     # per step: v_cond 1 -> 0, v_uncond 2 -> 0, the next latents 0 -> 1 and 0 -> 2 (4 KB each: above
     # inline_max_bytes; the first latents come with the walk, and GUIDE's last ones go out before the loop ends);
-    # plus, once, the prompt's hidden states 0 -> 1 for the conditional branch
+    # plus, once, the prompt embeddings 0 -> 1 for the conditional branch (the negative prompt " " is short
+    # enough to ride inline to rank 2)
     assert sorted(set(sent)) == [(0, 1), (0, 2), (1, 0), (2, 0)]
     assert sent.count((1, 0)) == sent.count((2, 0)) == sent.count((0, 2)) == 4 and sent.count((0, 1)) == 5
 
 
 @pytest.mark.parametrize("knobs, words", [
-    ({"steps": 0}, "steps must be an integer in [1, 100]"), ({"width": 63}, "width must be a multiple of 4"),
+    ({"steps": 1}, "steps must be an integer in [2, 100]"), ({"width": 60}, "width must be a multiple of 8"),
     ({"guidance_scale": 99}, "guidance_scale must be a number in [0.0, 30.0]"), ({"height": 4096}, "height"),
-    ({"style": "noir"}, "unknown knob(s) ['style']"),
+    ({"style": "noir"}, "unknown knob(s) ['style']"), ({"negative_prompt": 3}, "negative_prompt must be a string"),
 ])
 def test_image_knobs_are_checked(weights, knobs, words):
-    dep = deployment(BagelImage, weights["image"], IMAGE["single"])
+    dep = deployment(QwenImage, weights["image"], IMAGE["single"], **IMAGE_KWARGS)
     (events,) = dep.run([image("x", **knobs)])
     assert isinstance(events[-1], BackendError) and events[-1].status == 400 and words in events[-1].message
+
+
+def test_the_served_png_is_the_diffusers_pipelines_picture(weights):
+    """The family's nodes (template, both prompts, packing, norm-rescaled CFG, the schedule for the image's token
+    count, Euler, VAE, PNG) against diffusers' QwenImagePipeline on the same checkpoint and the same initial noise."""
+    diffusers = pytest.importorskip("diffusers")
+    from models.qwen_image.pipeline import pack
+    from models.qwen_image.png import encode_png
+
+    dep = deployment(QwenImage, weights["image"], IMAGE["split"], **IMAGE_KWARGS)
+    (events,) = dep.run([image("d", width=40, height=24, steps=3, guidance_scale=3.0, negative_prompt="blur")])
+    served = next(e for e in events if isinstance(e, MediaDelta)).data
+    pipe = diffusers.QwenImagePipeline.from_pretrained(weights["image"])
+    pipe.set_progress_bar_config(disable=True)
+    noise = torch.randn((1, 1, 16, 6, 10), generator=torch.Generator().manual_seed(5))[:, 0]  # the request's seed
+    with torch.no_grad():
+        rgb = pipe(prompt="a red fox in the snow", negative_prompt="blur", true_cfg_scale=3.0, height=24, width=40,
+                   num_inference_steps=3, latents=pack(noise), output_type="pt").images[0]
+    assert served == encode_png((rgb * 255).round().to(torch.uint8).permute(1, 2, 0).contiguous())

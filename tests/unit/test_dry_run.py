@@ -37,6 +37,8 @@ CASES = {
     "smollm2_dp": ("launch/configs/smollm2_dp.yaml", []),
     "speech_split": ("launch/configs/speech_split.yaml", []),
     "image_cfg_parallel": ("launch/configs/image_cfg_parallel.yaml", []),
+    "image_split": ("launch/configs/image_split.yaml", []),
+    "image_cfg_parallel_2host": ("launch/configs/image_cfg_parallel_2host.yaml", []),
     "qwen3omni": ("launch/configs/qwen3omni.yaml", []),
     "mixed_two_hosts": ("mixed.yaml", []),
 }

@@ -136,6 +136,66 @@ def test_min_p_is_hf_s_min_p_warper() -> None:
     assert torch.equal(sample(x, params, [make_generator(p) for p in params]), x.argmax(-1))
 
 
+def vllm_penalties(logits: torch.Tensor, prompt: list[int], output: list[int], repetition: float, presence: float,
+                   frequency: float) -> torch.Tensor:
+    """vLLM's ``apply_penalties`` for one row, written from its definition: the repetition penalty over the tokens
+    of the prompt and the output (divide a positive logit, multiply a negative one), then the frequency penalty
+    times each token's count in the output and the presence penalty once for each token the output holds."""
+    vocab = logits.shape[-1]
+    seen = torch.zeros(vocab, dtype=torch.bool)
+    seen[torch.tensor(prompt + output, dtype=torch.long)] = True
+    x = torch.where(seen, torch.where(logits > 0, logits / repetition, logits * repetition), logits)
+    counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=vocab).to(x.dtype)
+    return x - frequency * counts - presence * (counts > 0).to(x.dtype)
+
+
+def test_the_penalties_and_min_p_of_a_batch_are_each_row_s_references() -> None:
+    """One batched call of the engine's penalties (``RowExtras``) on the same logits as HF's
+    ``RepetitionPenaltyLogitsProcessor`` and vLLM's definition of presence and frequency penalties, every row with
+    its own knobs, prompt and output (of other lengths); then min-p after temperature as HF's ``TemperatureLogitsWarper``
+    and ``MinPLogitsWarper`` (vLLM's order)."""
+    from transformers.generation.logits_process import (
+        MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
+    )
+
+    from mstar_dist.engine.logits import RowExtras
+    from mstar_dist.engine.sampling import min_p_filtered
+
+    vocab, gen = 257, torch.Generator().manual_seed(11)
+    rows = [  # (repetition, presence, frequency, prompt length, output length, temperature, min_p)
+        (1.3, 0.0, 0.0, 7, 5, 0.7, 0.05), (1.0, 0.6, 0.0, 4, 9, 1.0, 0.0), (1.0, 0.0, -0.8, 10, 3, 1.3, 0.2),
+        (0.8, 1.5, 0.9, 3, 12, 0.5, 0.1), (1.0, 0.0, 0.0, 5, 4, 1.0, 0.0), (2.0, -0.5, 1.7, 6, 0, 0.9, 0.5)]
+    extras = RowExtras(torch.device("cpu"), max_slots=8, max_seq_len=32, grammar_tokenizer=None, engine="test")
+    ctxs, slots, positions, seqs = [], [], [], []
+    for b, (rep, pres, freq, n_prompt, n_out, temp, min_p) in enumerate(rows):
+        seq = torch.randint(40, (n_prompt + n_out,), generator=gen)  # a small alphabet: tokens repeat
+        params = SamplingParams(temperature=temp, min_p=min_p, repetition_penalty=rep, presence_penalty=pres,
+                                frequency_penalty=freq)
+        slot = 7 - b  # slots in another order than the rows
+        extras.admit(f"r{b}", params, slot, seq[:n_prompt], n_prompt)
+        ctxs.append(SimpleNamespace(sampling=params, request_id=f"r{b}", stop_token_ids=frozenset()))
+        slots.append(slot)
+        seqs.append(seq)
+    for k in range(max(r[4] for r in rows)):  # decode steps: each writes its input token where its KV goes
+        positions = [r[3] - 1 + min(k + 1, r[4]) for r in rows]  # a row done with its output repeats its last
+        inputs = torch.stack([seqs[b][p] for b, p in enumerate(positions)])
+        prep = extras.prepare(ctxs, slots, positions, done=[0] * len(rows), inputs=inputs, given=list(inputs))
+    logits = torch.randn(len(rows), vocab, generator=gen) * 4
+    assert prep.penalized == [b for b, r in enumerate(rows) if r[:3] != (1.0, 0.0, 0.0)]
+    ours = extras.adjust(logits.clone(), prep)
+    for b, (rep, pres, freq, n_prompt, n_out, temp, min_p) in enumerate(rows):
+        seq = seqs[b]
+        want = vllm_penalties(logits[b], seq[:n_prompt].tolist(), seq[n_prompt:].tolist(), rep, pres, freq)
+        torch.testing.assert_close(ours[b], want, atol=1e-6, rtol=0)
+        hf = RepetitionPenaltyLogitsProcessor(rep)(seq[None], logits[b:b + 1].clone())[0]  # over prompt + output
+        if pres == freq == 0:
+            torch.testing.assert_close(ours[b], hf, atol=1e-6, rtol=0)
+        warped = MinPLogitsWarper(min_p)(None, TemperatureLogitsWarper(temp)(None, ours[b:b + 1].clone())) \
+            if min_p > 0 else ours[b:b + 1]
+        kept = min_p_filtered(ours[b:b + 1] / temp, [min_p])
+        assert torch.equal(kept.isinf(), warped.isinf()), b
+
+
 def test_a_tiny_top_p_at_temperature_1_is_greedy() -> None:
     x = torch.randn(3, 49152, generator=torch.Generator().manual_seed(1))
     params = [SamplingParams(temperature=1.0, top_p=5e-324, seed=i) for i in range(3)]

@@ -115,6 +115,19 @@ def test_speech_wav_holds_exactly_the_models_pcm(client, fake):
     assert (params.seed, params.temperature, params.request_id) == (3, 0.5, "tts-1")
 
 
+def test_speech_takes_the_penalties_and_min_p_and_says_which_knobs_were_written(client, fake):
+    """The four knobs beyond temperature/top-p/top-k, as top-level keys (what the openai client's ``extra_body``
+    sends); ``sampling_given`` names the knobs written, so the family's defaults fill only the others."""
+    knobs = {"min_p": 0.05, "repetition_penalty": 1.3, "presence_penalty": 0.5, "frequency_penalty": -0.25,
+             "temperature": 1.0}
+    assert client.post(SPEECH, json={**SAY, **knobs}).status_code == 200
+    assert client.post(SPEECH, json=SAY).status_code == 200
+    written, bare = fake.calls
+    assert {k: getattr(written, k) for k in knobs} == knobs
+    assert set(written.sampling_given) == set(knobs) and bare.sampling_given == ()
+    assert (bare.min_p, bare.repetition_penalty, bare.presence_penalty, bare.frequency_penalty) == (0, 1, 0, 0)
+
+
 def test_speech_pcm_is_the_raw_samples_and_voice_is_optional(client, fake):
     resp = client.post(SPEECH, json={"input": "hi", "response_format": "pcm"})
     assert resp.status_code == 200
@@ -173,6 +186,12 @@ SPEECH_BAD = [
     ({**SAY, "quality": "hd"}, "unknown field 'quality'"),
     ({**SAY, "stream": "yes"}, "stream"),
     ({**SAY, "temperature": 3}, "temperature"),
+    ({**SAY, "repetition_penalty": 0}, "repetition_penalty: Input should be greater than 0"),
+    ({**SAY, "presence_penalty": 2.5}, "presence_penalty: Input should be less than or equal to 2"),
+    ({**SAY, "frequency_penalty": -3}, "frequency_penalty: Input should be greater than or equal to -2"),
+    ({**SAY, "min_p": 1.5}, "min_p: Input should be less than or equal to 1"),
+    ({**SAY, "repetition_penalty": "1.1"}, "repetition_penalty: Input should be a valid number"),
+    ({**SAY, "repetiton_penalty": 1.1}, "did you mean 'repetition_penalty'?"),
     ({**SAY, "input": " ".join(["w"] * 65)}, "prompt is 65 tokens, context is 64"),
 ]
 
@@ -258,6 +277,13 @@ def test_images_n2_gives_two_pngs_with_their_own_seeds(client, fake):
     assert sorted((p.request_id, p.seed) for p in fake.calls) == [("img-0", 5), ("img-1", 6)]
     assert all(p.model_kwargs == {"width": 32, "height": 32, "steps": 4, "guidance_scale": 1.5} for p in fake.calls)
     assert all(p.prompt == "a red square" for p in fake.calls)
+
+
+def test_images_negative_prompt_reaches_the_family_as_a_knob(client, fake):
+    fake.__init__(output_modality="image")
+    resp = client.post(IMAGES, json={**DRAW, "negative_prompt": "blurry"})
+    assert resp.status_code == 200, resp.text
+    assert [p.model_kwargs for p in fake.calls] == [{"negative_prompt": "blurry"}]
 
 
 def test_images_without_seed_or_size_leave_them_to_the_family(client, fake):

@@ -170,6 +170,35 @@ def test_the_thinkers_greedy_tokens_for_an_image_and_an_audio_clip_equal_transfo
     assert model.tokens["mm-text"] == expect and len(set(expect)) > 2
 
 
+def test_the_thinkers_penalized_greedy_tokens_equal_transformers(deployments, hf):
+    """The request's repetition penalty on the thinker (its KV engine, over the prompt and the answer) is
+    transformers' ``generate(repetition_penalty=...)``; min-p leaves a greedy pick alone."""
+    model, dep, _ = deployments("colocated")
+    p = params("penalized", "Hello there", audio=False, max_tokens=12, repetition_penalty=1.8, min_p=0.1)
+    [events] = dep.run([p])
+    assert isinstance(events[-1], Finished), events
+    kw = hf_inputs(model, p)
+    with torch.inference_mode():
+        out = hf[0].thinker.generate(**kw, max_new_tokens=12, do_sample=False, eos_token_id=IM_END,
+                                     repetition_penalty=1.8)
+        plain = hf[0].thinker.generate(**kw, max_new_tokens=12, do_sample=False, eos_token_id=IM_END)
+    n = kw["input_ids"].shape[1]
+    assert model.tokens["penalized"] == out[0, n:].tolist() != plain[0, n:].tolist()
+
+
+def test_the_talkers_penalties_reach_its_codes(deployments):
+    """``talker_presence_penalty`` / ``talker_frequency_penalty`` / ``talker_min_p`` travel to the TALKER node
+    (``talker_sampling``) and change the codes of a greedy talker; the same knobs give the same codes (the processor
+    itself is checked against HF's and vLLM's definitions in test_qwen3omni_talker.py)."""
+    _, dep, frames = deployments("colocated")
+    knobs = {**GREEDY, "talker_presence_penalty": 2.0, "talker_frequency_penalty": 2.0, "talker_min_p": 0.05}
+    runs = [params("t-plain", knobs=GREEDY), params("t-pen", knobs=knobs), params("t-pen2", knobs=knobs)]
+    for events in dep.run(runs):
+        assert isinstance(events[-1], Finished), events
+    plain, pen, again = (torch.cat(frames[p.request_id]) for p in runs)
+    assert torch.equal(pen, again) and not torch.equal(pen, plain)
+
+
 @pytest.mark.parametrize("media", ["text", "image"])
 def test_the_talkers_codes_and_the_waveform_equal_transformers(deployments, hf, media):
     """Greedy thinker and talker. transformers 5.25 cannot speak for a prompt holding an image and an audio clip
@@ -325,6 +354,8 @@ def test_bad_media_is_refused_naming_the_item_and_what_to_fix(deployments, case)
     ({"talker_temperature": -1}, "talker_temperature"),
     ({"talker_top_k": 2.5}, "talker_top_k"),
     ({"talker_max_new_tokens": 0}, "talker_max_new_tokens"),
+    ({"talker_min_p": 1.5}, "talker_min_p"), ({"talker_presence_penalty": 2.5}, "talker_presence_penalty"),
+    ({"talker_frequency_penalty": -3}, "talker_frequency_penalty"),
     ({"speed": 2}, "unknown knob"),
 ])
 def test_voice_and_talker_knobs_are_checked(deployments, knobs, words):

@@ -359,6 +359,16 @@ def test_the_codec_logits_processor_equals_hfs_penalty_and_suppression():
     assert torch.equal(proc(logits, seen), ref)
     assert torch.equal(proc(logits, proc.history(3)), SuppressTokensLogitsProcessor(suppress)(history, logits))
     assert torch.equal(logits + proc.logit_bias(), proc(logits, proc.history(3)))  # the engine's logit_bias form
+    # vLLM's frequency and presence penalties over the same codes (no prompt), after HF's repetition penalty
+    both = TalkerSampling(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.75).processor(40, suppress)
+    counts = torch.stack([torch.bincount(row, minlength=40) for row in history]).float()
+    want = SuppressTokensLogitsProcessor(suppress)(history, RepetitionPenaltyLogitsProcessor(1.3)(
+        history, logits.clone()) - 0.75 * counts - 0.5 * (counts > 0).float())
+    torch.testing.assert_close(both(logits, seen), want, atol=1e-6, rtol=0)
+    bools = torch.zeros(3, 40, dtype=torch.bool)
+    for step in history.T:  # a bool history serves the repetition penalty alone
+        CodecLogitsProcessor.record(bools, step)
+    assert torch.equal(proc(logits, bools), ref)
 
 
 def test_routers_are_probed_after_loading(models):
@@ -383,6 +393,11 @@ def test_talker_sampling_defaults_and_checks():
         TalkerSampling(repetition_penalty=0)
     with pytest.raises(ValueError, match="talker sampling.*top_p"):
         TalkerSampling(top_p=1.5)
+    assert (s.min_p, s.presence_penalty, s.frequency_penalty) == (0.0, 0.0, 0.0)  # HF's talker has none
+    assert TalkerSampling(min_p=0.3).params(None).min_p == 0.3
+    for bad in ({"min_p": 1.5}, {"presence_penalty": 3.0}, {"frequency_penalty": -2.5}):
+        with pytest.raises(ValueError, match=f"talker sampling.*{next(iter(bad))}"):
+            TalkerSampling(**bad)
 
 
 def test_a_feed_that_runs_dry_stops_the_reference_loop(models):

@@ -82,15 +82,33 @@ class Body(BaseModel):
     def _screen_keys(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
-        reject_unknown(data, cls.field_keys() | cls.IGNORED, cls.UNSUPPORTED)
-        dropped = cls.IGNORED | cls.UNSUPPORTED.keys()
+        known, dropped = _screen_sets(cls)
+        reject_unknown(data, known, cls.UNSUPPORTED)
         return {k: v for k, v in data.items()
                 if k not in dropped and not (cls.NULL_MEANS_DEFAULT and v is None)}
 
     @classmethod
-    def field_keys(cls) -> set[str]:
+    def field_keys(cls) -> frozenset[str]:
         """The keys of this object's fields as clients write them (a field's alias where it has one)."""
-        return {field.alias or name for name, field in cls.model_fields.items()}
+        keys = _FIELD_KEYS.get(cls)
+        if keys is None:  # a class's fields are fixed once pydantic built it: computed once, not per request
+            keys = _FIELD_KEYS[cls] = frozenset(field.alias or name for name, field in cls.model_fields.items())
+        return keys
+
+
+_FIELD_KEYS: dict[type, frozenset[str]] = {}
+"""``Body.field_keys`` of each class that was asked."""
+_SCREEN_SETS: dict[type, tuple[frozenset[str], frozenset[str]]] = {}
+""":func:`_screen_sets` of each class that was asked."""
+
+
+def _screen_sets(cls: type[Body]) -> tuple[frozenset[str], frozenset[str]]:
+    """(the keys ``cls`` knows, those it accepts and drops), built once per class: every request object of every
+    request is screened, so rebuilding them per object is per-request work for nothing."""
+    sets = _SCREEN_SETS.get(cls)
+    if sets is None:
+        sets = _SCREEN_SETS[cls] = (cls.field_keys() | cls.IGNORED, frozenset(cls.IGNORED | cls.UNSUPPORTED.keys()))
+    return sets
 
 
 class Usage(BaseModel):

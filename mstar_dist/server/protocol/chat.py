@@ -222,6 +222,9 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "mstar_dist"
     max_model_len: int
+    weights: str = "checkpoint"
+    """What the weights are: "random-test" for a random checkpoint made by scripts/ (its output is noise by design),
+    "checkpoint" otherwise."""
 
 
 class ModelList(BaseModel):

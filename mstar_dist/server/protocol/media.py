@@ -24,7 +24,9 @@ def _one_of(value: Any, allowed: tuple[str, ...]) -> Any:
 
 
 class SpeechRequest(SamplingKnobs):
-    """``POST /v1/audio/speech``: OpenAI's fields, plus ``stream``, ``seed`` and the sampling knobs.
+    """``POST /v1/audio/speech``: OpenAI's fields, plus ``stream``, ``seed`` and the sampling knobs (temperature,
+    top_p, top_k, min_p, repetition_penalty, presence_penalty, frequency_penalty: top-level keys, as OpenAI-compatible
+    speech servers take extra parameters; a knob left out takes the model family's default).
 
     ``voice`` goes to the model family (``model_kwargs["voice"]``), which rejects an unknown voice with a 400
     listing its voices; left out, the family's default voice speaks. ``instructions`` is rejected when non-empty
@@ -73,7 +75,8 @@ class SpeechRequest(SamplingKnobs):
 
 
 class ImageGenerationRequest(Body):
-    """``POST /v1/images/generations``: OpenAI's fields plus ``seed``, ``steps`` and ``guidance_scale``.
+    """``POST /v1/images/generations``: OpenAI's fields plus ``negative_prompt``, ``seed``, ``steps`` and
+    ``guidance_scale``.
 
     ``size`` "WIDTHxHEIGHT" becomes the family's ``width`` / ``height`` knobs ("auto" or left out: the family's
     default); the family checks which sizes, step counts and guidance scales it supports (a 400 naming the field).
@@ -93,6 +96,8 @@ class ImageGenerationRequest(Body):
 
     model: str | None = None
     prompt: str = Field(min_length=1)
+    negative_prompt: str | None = Field(None, description="what the picture should not show (classifier-free "
+                                                          "guidance's unconditional branch)")
     n: int = Field(1, ge=1, le=4, description="images to generate, 1 to 4")
     size: str | None = None
     response_format: str = "b64_json"
@@ -130,7 +135,8 @@ class ImageGenerationRequest(Body):
         return value
 
     def family_knobs(self) -> dict[str, Any]:
-        """``width``, ``height``, ``steps``, ``guidance_scale`` as far as the request gives them."""
+        """``width``, ``height``, ``steps``, ``guidance_scale``, ``negative_prompt`` as far as the request gives
+        them."""
         knobs: dict[str, Any] = {}
         match = SIZE_PATTERN.match(self.size or "")
         if match:
@@ -139,6 +145,8 @@ class ImageGenerationRequest(Body):
             knobs["steps"] = self.steps
         if self.guidance_scale is not None:
             knobs["guidance_scale"] = self.guidance_scale
+        if self.negative_prompt is not None:
+            knobs["negative_prompt"] = self.negative_prompt
         return knobs
 
 

@@ -20,6 +20,7 @@ response (``stream: false``) has the same ``outputs`` entries. Media metadata is
 from __future__ import annotations
 
 import difflib
+import functools
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -35,6 +36,8 @@ TYPO_CUTOFF = 0.8
 """How close (difflib's ratio) an unknown ``model_kwargs`` key must be to a sampling field to be taken for a typo of
 it when the family does not list its knobs (0.8 takes ``max_token`` for ``max_tokens`` but not ``steps`` for
 ``stop``)."""
+TYPO_CACHE = 1024
+"""How many ``model_kwargs`` keys :func:`typo_of` remembers (a client may send any key: bounded)."""
 
 NATIVE_UNSUPPORTED = {
     **SAMPLING_UNSUPPORTED,
@@ -70,14 +73,23 @@ class ModelKwargs(ExtraSampling):
             reject_unknown({k: v for k, v in data.items() if k in fields or k in cls.UNSUPPORTED}, fields,
                            cls.UNSUPPORTED)
             for key in data:
-                close = difflib.get_close_matches(str(key), sorted(fields), n=1, cutoff=TYPO_CUTOFF)
-                if key not in fields and key not in cls.UNSUPPORTED and close:
-                    raise key_error(str(key), f"unknown field {key!r} (did you mean {close[0]!r}?)")
+                close = None if key in fields or key in cls.UNSUPPORTED else typo_of(str(key), fields)
+                if close is not None:
+                    raise key_error(str(key), f"unknown field {key!r} (did you mean {close!r}?)")
         return {k: v for k, v in data.items() if v is not None and k not in cls.UNSUPPORTED}
 
     def family_knobs(self) -> dict[str, Any]:
         """The keys beyond sampling, as sent (JSON values; a null value counts as not sent)."""
         return dict(self.model_extra or {})
+
+
+@functools.lru_cache(maxsize=TYPO_CACHE)
+def typo_of(key: str, fields: frozenset[str]) -> str | None:
+    """The field ``key`` is a typo of (within :data:`TYPO_CUTOFF`), or None. Asked only for a key that is no field,
+    and remembered: difflib's comparisons cost far more than the rest of a request's validation, and a family's
+    knobs come back with every request."""
+    close = difflib.get_close_matches(key, sorted(fields), n=1, cutoff=TYPO_CUTOFF)
+    return close[0] if close else None
 
 
 class GenerateRequest(Body):

@@ -36,8 +36,15 @@ SAMPLING_UNSUPPORTED = {
 """OpenAI's sampling fields this server does not implement: only their "off" values are accepted."""
 
 
+KNOB_NAMES = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+              "frequency_penalty", "min_tokens")
+"""The request fields that are sampling knobs a model family may give defaults to (``GenerationParams``' names)."""
+
+
 class SamplingKnobs(Body):
-    """Token sampling fields shared by every route (validated the same way)."""
+    """Token sampling fields shared by every route that samples (validated the same way): OpenAI's temperature,
+    top_p, presence and frequency penalties, vLLM's top_k, min_p and repetition_penalty (on the speech route as on
+    vLLM's text routes: top-level keys, which the openai client sends with ``extra_body``)."""
 
     NULL_MEANS_DEFAULT = True
 
@@ -45,6 +52,18 @@ class SamplingKnobs(Body):
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus mass in (0, 1]")
     top_k: int = Field(0, ge=-1, description="0 or -1 disables")
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX, description="fixes sampling (a 64-bit integer)")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="drop tokens below min_p x the top token's probability")
+    repetition_penalty: float = Field(1.0, gt=0.0, le=REPETITION_PENALTY_MAX, description="vLLM's; 1 disables")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="OpenAI's; 0 disables")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="OpenAI's; 0 disables")
+
+    def knob_fields(self) -> dict[str, Any]:
+        """These knobs as :class:`GenerationParams` keywords, with ``sampling_given``: the knobs the client wrote
+        (whatever their value), so that only those it left out take the model family's defaults."""
+        return {"temperature": self.temperature_value(), "top_p": self.top_p, "top_k": self.top_k_value(),
+                "seed": self.seed, "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
+                "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+                "sampling_given": tuple(name for name in KNOB_NAMES if name in self.model_fields_set)}
 
     def temperature_value(self) -> float:
         """The temperature the engine samples with: 0 (greedy) below :data:`GREEDY_BELOW`, as vLLM does."""
@@ -120,10 +139,6 @@ class ExtraSampling(Sampling):
 
     UNSUPPORTED = SAMPLING_UNSUPPORTED
 
-    min_p: float = Field(0.0, ge=0.0, le=1.0, description="drop tokens below min_p x the top token's probability")
-    repetition_penalty: float = Field(1.0, gt=0.0, le=REPETITION_PENALTY_MAX, description="vLLM's; 1 disables")
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="OpenAI's; 0 disables")
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="OpenAI's; 0 disables")
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0, description="no end of sequence before this many tokens")
     stop_token_ids: list[int] | None = Field(None, description="token ids that end the answer")
@@ -175,11 +190,7 @@ class ExtraSampling(Sampling):
 
     def generation_fields(self) -> dict[str, Any]:
         """These fields as :class:`GenerationParams` keywords (beyond max_tokens, which each route bounds)."""
-        return {"temperature": self.temperature_value(), "top_p": self.top_p, "top_k": self.top_k_value(),
-                "seed": self.seed, "stop": self.stop_list(), "min_p": self.min_p,
-                "repetition_penalty": self.repetition_penalty,
-                "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
-                "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens,
+        return {**self.knob_fields(), "stop": self.stop_list(), "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens,
                 "stop_token_ids": list(self.stop_token_ids or ()),
                 "include_stop_str_in_output": self.include_stop_str_in_output,
                 "skip_special_tokens": self.skip_special_tokens,

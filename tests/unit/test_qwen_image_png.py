@@ -1,6 +1,6 @@
 """to_uint8 against diffusers' image post-processing, and encode_png read back by Pillow.
 
-A failure here points to models/image/png.py: the [-1, 1] -> [0, 255] mapping or its rounding (half to
+A failure here points to models/qwen_image/png.py: the [-1, 1] -> [0, 255] mapping or its rounding (half to
 even, as numpy), the channel order, or the PNG chunk layout / CRCs / row filter bytes.
 """
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from models.image.png import encode_png, to_uint8
+from models.qwen_image.png import encode_png, to_uint8
 
 diffusers = pytest.importorskip("diffusers")
 Image = pytest.importorskip("PIL.Image")
