@@ -10,6 +10,8 @@ from disk; any other module's parameter is replicated (the parts are read whole 
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
@@ -20,6 +22,27 @@ from safetensors import safe_open
 from torch import nn
 
 from mstar_dist.logs import progress_bar
+
+
+def prepare_once(out: str | Path, complete: str, make: Callable[[Path], Any]) -> Path:
+    """``out`` made by ``make(directory)`` unless it already holds the file ``complete``: written into a temporary
+    sibling and renamed, so a crash never leaves a half-written ``out`` (how a family prepares its default checkpoint
+    on first start). Another process on this host that renamed its copy first wins; ``out`` is returned."""
+    out = Path(out).expanduser()
+    if (out / complete).is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
+    try:
+        make(tmp)
+        try:
+            tmp.rename(out)
+        except OSError:  # another process on this host renamed its copy first
+            if not (out / complete).is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
 
 
 def read_hf_config(weights_dir: str | Path, from_hf: Callable[[dict], Any], prepare_hint: str) -> Any:

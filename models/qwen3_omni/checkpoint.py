@@ -23,8 +23,6 @@ import copy
 import hashlib
 import json
 import math
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -33,6 +31,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
+from models.common.checkpoint import prepare_once
 from models.qwen3_omni.config import ARCHITECTURE, MODEL_TYPE, Qwen3OmniConfig
 from models.qwen3_omni.weights import Shapes, tensor_shapes
 from mstar_dist.random_weights import write_marker
@@ -406,23 +405,8 @@ def make_qwen3omni_checkpoint(out: str | Path, *, seed: int = 0, dtype: str = "f
 
 
 def write_default_checkpoint(out: str | Path = DEFAULT_QWEN3OMNI_DIR) -> Path:
-    """The checkpoint serving prepares on first start (TINY, seed 0, float32), written into a temporary sibling
-    and renamed, so that a crash never leaves a half-written `out`; a complete `out` is left alone."""
-    out = Path(out).expanduser()
-    if (out / "model.safetensors.index.json").is_file():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
-    try:
-        make_qwen3omni_checkpoint(tmp, seed=0)
-        try:
-            tmp.rename(out)
-        except OSError:  # another process on this host renamed its copy first
-            if not (out / "model.safetensors.index.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    """The checkpoint serving prepares on first start (TINY, seed 0, float32), written once (``prepare_once``)."""
+    return prepare_once(out, "model.safetensors.index.json", lambda tmp: make_qwen3omni_checkpoint(tmp, seed=0))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +28,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from mstar_dist.random_weights import MARKER, write_marker
+from models.common.checkpoint import prepare_once
 from models.qwen_image.transformer import QwenImageTransformer, TransformerConfig
 from models.qwen_image.vae import CausalConv3d, ChannelRMSNorm, MidBlock, ResidualBlock, VaeConfig, VaeDecoder
 
@@ -276,20 +275,5 @@ def make_qwen_image_checkpoint(out: str | Path, *, seed: int = 0) -> Path:
 
 
 def write_default_checkpoint(out: str | Path = DEFAULT_QWEN_IMAGE_DIR) -> Path:
-    """The checkpoint serving prepares on first start (seed 0), written into a temporary sibling and renamed, so a
-    crash never leaves a half-written ``out``; a complete ``out`` is left alone."""
-    out = Path(out).expanduser()
-    if (out / "model_index.json").is_file():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
-    try:
-        make_qwen_image_checkpoint(tmp, seed=0)
-        try:
-            tmp.rename(out)
-        except OSError:  # another process on this host renamed its copy first
-            if not (out / "model_index.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    """The checkpoint serving prepares on first start (seed 0), written once (``prepare_once``)."""
+    return prepare_once(out, "model_index.json", lambda tmp: make_qwen_image_checkpoint(tmp, seed=0))

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from models.common.checkpoint import prepare_once
 from models.llama.config import Llama3RopeScaling, LlamaConfig
 from models.llama.speech_tokens import AUDIO_TOKEN_BASE, CODES_PER_FRAME, SpeechTokens, custom_token
 from mstar_dist.random_weights import write_marker
@@ -219,19 +220,8 @@ def write_speech_family(out: Path, size: str = "tiny", seed: int = 0) -> Path:
 
 
 def write_tiny_speech_checkpoint(out: Path) -> Path:
-    """The default speech weights prepared on first start (tiny, seed 0), written atomically."""
-    import shutil
-    import tempfile
-
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
-    try:
-        write_speech_family(tmp, "tiny", 0)
-        tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    """The default speech weights prepared on first start (tiny, seed 0), written once (``prepare_once``)."""
+    return prepare_once(out, "config.json", lambda tmp: write_speech_family(tmp, "tiny", 0))
 
 
 def main(argv: list[str] | None = None) -> None:
