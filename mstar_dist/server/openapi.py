@@ -25,7 +25,7 @@ from mstar_dist.config.deployment import MediaConfig
 from mstar_dist.events import INPUT_MEDIA
 from mstar_dist.server.backend import GenerationBackend
 from mstar_dist.server.checks import REQUEST_ID_HEADER, inputs_of, outputs_of
-from mstar_dist.server.protocol import TOKEN_ID_MAX, Body
+from mstar_dist.server.protocol import GUIDED_FIELDS, TOKEN_ID_MAX, Body
 from mstar_dist.server.tokenizer import tokenizer_of
 
 _REF = "#/components/schemas/{model}"
@@ -80,6 +80,8 @@ def install_openapi(app: FastAPI, backend: GenerationBackend, bodies: list[type[
             _describe_keys(schemas, backend)
             _describe_deployment(schemas, backend)
             _describe_media(schemas, backend, media or MediaConfig())
+            _describe_messages(schemas)
+            _describe_guided(schemas)
             if api_key:
                 _add_bearer(doc)
             app.openapi_schema = doc
@@ -99,6 +101,9 @@ def _describe_deployment(schemas: dict[str, Any], backend: GenerationBackend) ->
             if key in props:
                 props[key] = {"anyOf": [{"type": "integer", "minimum": 1, "maximum": limit}, {"type": "null"}],
                               "description": f"at most {limit} (this server's limit)"}
+        if "stop_token_ids" in props:
+            ids = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": TOKEN_ID_MAX}}
+            props["stop_token_ids"] = {"anyOf": [ids, {"type": "null"}], "description": "token ids that end the answer"}
         if "stop" in props:
             text = {"type": "string", "minLength": 1}
             props["stop"] = {"anyOf": [text, {"type": "array", "items": text}, {"type": "null"}]}
@@ -180,6 +185,42 @@ def _describe_media(schemas: dict[str, Any], backend: GenerationBackend, media: 
         item = {"type": "string", "enum": list(outputs)}
         schemas["GenerateRequest"]["properties"]["modalities"] = {
             "anyOf": [{"type": "array", "items": item, "minItems": 1, "uniqueItems": True}, {"type": "null"}]}
+
+
+def _describe_guided(schemas: dict[str, Any]) -> None:
+    """At most one structured-output constraint a request, and ``json_schema`` with its type (the validators' rules,
+    which a schema of the fields cannot say)."""
+    pairs = [[a, b] for i, a in enumerate(GUIDED_FIELDS) for b in GUIDED_FIELDS[i + 1:]]
+    for schema in schemas.values():
+        if "guided_json" in schema.get("properties", {}):
+            schema["not"] = {"anyOf": [{"required": pair} for pair in pairs]}
+    if "ResponseFormat" in schemas:
+        schemas["ResponseFormat"]["anyOf"] = [
+            {"properties": {"type": {"enum": ["text", "json_object"]}}},
+            {"required": ["type", "json_schema"], "properties": {"json_schema": {"type": "object"}}}]
+
+
+_VALUE = r'("[a-z0-9 ]{0,12}"|-?(0|[1-9][0-9]{0,5})|true|false|null)'
+_ARGUMENTS = rf'^\{{("[a-z_]{{1,12}}": ?{_VALUE}(, ?"[a-z_]{{1,12}}": ?{_VALUE}){{0,4}})?\}}$'
+"""Flat JSON objects as text: the form of tool-call arguments the document describes (the server takes any object)."""
+
+
+def _describe_messages(schemas: dict[str, Any]) -> None:
+    """A chat message as ``ChatMessage`` accepts it: content (not null) unless it is an assistant turn, and tool calls
+    only in an assistant turn (the class says so in its validators, which a schema of its fields cannot)."""
+    msg = schemas.get("ChatMessage")
+    if msg is None:
+        return
+    content = msg["properties"].get("content", {})
+    content["anyOf"] = [branch for branch in content.get("anyOf", []) if branch.get("type") != "null"]
+    msg["required"] = [key for key in msg.get("required", []) if key != "content"]
+    called = schemas.get("CalledFunction", {}).get("properties", {})
+    if "arguments" in called:  # any JSON object as text is taken; the pattern shows fuzzers the flat form
+        called["arguments"] = {"type": "string", "pattern": _ARGUMENTS,
+                               "description": "the call's arguments: a JSON object as text"}
+    msg["anyOf"] = [{"required": ["content"], "not": {"required": ["tool_calls"]}},
+                    {"required": ["role", "tool_calls"], "properties": {
+                        "role": {"const": "assistant"}, "tool_calls": {"type": "array", "minItems": 1}}}]
 
 
 def _add_bearer(doc: dict[str, Any]) -> None:
