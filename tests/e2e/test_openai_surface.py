@@ -109,3 +109,68 @@ def test_a_short_guidellm_benchmark_runs_clean_with_the_lengths_asked(served, tm
     requests = bench["requests"]
     assert (len(requests["successful"]), requests["errored"], requests["incomplete"]) == (4, [], []), requests
     assert [r["output_tokens"] for r in requests["successful"]] == [12] * 4
+
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                           "size": {"enum": ["small", "large"]}},
+          "required": ["city", "size"], "additionalProperties": False}
+
+
+def test_json_schema_answers_validate_for_twenty_seeds(served):
+    """The openai client's ``response_format: json_schema``, sampled (temperature 1) under 20 seeds: every answer is
+    an object of exactly the schema's keys and types, however the tiny model would have rambled unconstrained."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from openai import OpenAI
+
+    if served.http_processes != 1:
+        pytest.skip("the constraint runs in the engine: one HTTP process shows it")
+    client = OpenAI(base_url=f"{served.base_url}/v1", api_key="unused", timeout=300)
+    fmt = {"type": "json_schema", "json_schema": {"name": "place", "schema": SCHEMA, "strict": True}}
+
+    def ask(seed: int):
+        return client.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": "Name a city and its size as JSON."}],
+            response_format=fmt, temperature=1.0, seed=seed, max_tokens=40).choices[0]
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(ask, range(20)))
+    for choice in answers:
+        assert choice.finish_reason == "stop", choice
+        value = json.loads(choice.message.content)
+        assert set(value) == {"city", "size"} and value["size"] in ("small", "large"), value
+        assert isinstance(value["city"], str) and len(value["city"]) <= 10, value
+
+
+def test_logprobs_are_the_models_log_softmax_and_n_gives_two_choices(served):
+    """Greedy chat with ``logprobs``: each token's value is transformers' log-softmax of the same weights at that
+    position (to fp32 rounding), the top alternatives are sorted and the chosen token is the first; ``n=2`` sampled
+    gives two choices, indexes 0 and 1."""
+    import torch
+    from openai import OpenAI
+    from transformers import AutoModelForCausalLM
+
+    if served.http_processes != 1:
+        pytest.skip("the values come from the rank: one HTTP process shows them")
+    client = OpenAI(base_url=f"{served.base_url}/v1", api_key="unused", timeout=120)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    out = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=4, temperature=0,
+                                         logprobs=True, top_logprobs=3)
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens == 4
+    for entry in content:
+        tops = [t.logprob for t in entry.top_logprobs]
+        assert tops == sorted(tops, reverse=True) and entry.token == entry.top_logprobs[0].token
+        assert entry.logprob == pytest.approx(tops[0], abs=1e-6)
+    prompt = post(served, "/tokenize", {"messages": messages}).json()["tokens"]
+    model = AutoModelForCausalLM.from_pretrained(WEIGHTS, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        for entry in content:
+            logprobs = torch.log_softmax(model(ids).logits[0, -1].float(), dim=-1)
+            best = int(logprobs.argmax())
+            assert entry.logprob == pytest.approx(float(logprobs[best]), abs=2e-3), (entry, best)
+            ids = torch.cat([ids, torch.tensor([[best]])], dim=1)
+    two = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=4, n=2, seed=3,
+                                         temperature=1.0)
+    assert sorted(c.index for c in two.choices) == [0, 1] and 2 <= two.usage.completion_tokens <= 8
