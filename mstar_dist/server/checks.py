@@ -77,8 +77,11 @@ def parse_json(raw: bytes | str, model: type[M], what: str = "request body", *,
         raise ApiError(400, f"{what} is not valid JSON: {exc}") from None
     if not isinstance(obj, dict):
         raise ApiError(400, f"{what} must be a JSON object, got {_json_type(obj)}")
-    if _SURROGATE_ESCAPE.search(raw if isinstance(raw, bytes) else raw.encode("utf-8", "surrogatepass")):
+    data = raw if isinstance(raw, bytes) else raw.encode("utf-8", "surrogatepass")
+    if _SURROGATE_ESCAPE.search(data):
         check_unicode(obj)
+    if _LONG_NUMBER.search(data):
+        check_integers(obj)
     try:
         return model.model_validate(obj, context=context)
     except ValidationError as exc:
@@ -94,6 +97,26 @@ def _number(text: str) -> int | float:
     counts it an integer and vLLM's lax parsing accepts it for an int field; a float field takes the int as it is."""
     value = float(text)
     return int(value) if value.is_integer() and abs(value) < 2 ** 63 else value
+
+
+_LONG_NUMBER = re.compile(rb"[0-9]{19}")
+"""A run of 19 digits: only then may the parsed body hold an integer beyond 64 bits."""
+INT_RANGE = (-(2 ** 63), 2 ** 64 - 1)
+"""The integers a request may hold anywhere: what travels on the wire (msgspec) and fits the engine's types."""
+
+
+def check_integers(obj: Any, where: str = "") -> None:
+    """A 400 naming the first integer of ``obj`` outside :data:`INT_RANGE` (no field means anything with one)."""
+    if isinstance(obj, int) and not isinstance(obj, bool):
+        if not INT_RANGE[0] <= obj <= INT_RANGE[1]:
+            raise ApiError(400, f"{where or 'the body'}: {obj} is out of range (integers here are 64-bit)",
+                           where or None)
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            check_integers(value, f"{where}.{key}" if where else str(key))
+    elif isinstance(obj, list):
+        for i, value in enumerate(obj):
+            check_integers(value, f"{where}[{i}]")
 
 
 def _no_constant(name: str) -> Any:

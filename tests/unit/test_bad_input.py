@@ -260,3 +260,18 @@ def test_extreme_but_valid_numbers_are_served_and_tiny_ones_are_greedy(knobs, gr
     assert len(fake.drawn) == 3 * 5
     if greedy:
         assert set(fake.drawn) == {GREEDY_TOKEN}, fake.drawn
+
+
+@pytest.mark.parametrize("path,body,where", [
+    ("/v1/chat/completions", {"messages": MSGS, "min_tokens": 10 ** 30}, "min_tokens"),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": [1, -(10 ** 20)]}, "stop_token_ids[1]"),
+    ("/generate", {"prompt": "x", "model_kwargs": {"max_tokens": 2 ** 64}}, "model_kwargs.max_tokens"),
+])
+def test_an_integer_beyond_64_bits_is_a_400_naming_where(path, body, where):
+    """Such a number has no wire form: it was a 500 from the conductor's encoder where no field bounded it."""
+    fake = FakeBackend()
+    with app_client(fake) as client:
+        resp = client.post(path, json=body)
+        assert resp.status_code == 400, resp.text
+        got, param = message(resp)
+        assert f"{where}:" in got and "out of range" in got and param in (where, None) and fake.calls == [], got
