@@ -20,11 +20,12 @@ fi
 [ -f "$config" ] || { echo "serve.sh: error: $config: no such file; $usage" >&2; exit 2; }
 venv="$(bash "$repo/launch/install.sh" | tail -n 1)"
 cd "$repo"
-# Check the config (and flags) once, before torchrun starts ranks: a mistake is one line, not one per rank.
-"$venv/bin/python" -m mstar_dist.serve "$config" --dry-run "$@" >/dev/null || exit 2
+# Check the config (and flags) and the HTTP port once, before torchrun starts ranks: a mistake is one line, not one
+# per rank.
+"$venv/bin/python" -m mstar_dist.serve "$config" --dry-run --check-port "$@" >/dev/null || exit 2
 nproc="${NPROC:-$("$venv/bin/python" -c 'import sys
 from mstar_dist.config.deployment import load_config
 cfg = load_config(sys.argv[1])
 print(cfg.cluster.world_size if cfg.cluster else 1 + max(r for g in cfg.node_groups for r in g.ranks))' "$config")}"
-exec "$venv/bin/torchrun" --standalone --nproc-per-node "$nproc" --master-port "${MASTER_PORT:-29500}" \
+exec "$venv/bin/python" -m mstar_dist.runtime.torchrun --standalone --nproc-per-node "$nproc" --master-port "${MASTER_PORT:-29500}" \
   -m mstar_dist.serve "$config" "$@"

@@ -7,7 +7,9 @@
 # its rendezvous without saying for whom). Then torchrun with static rendezvous on MASTER_ADDR:MASTER_PORT.
 # Env: NODE_RANK, MASTER_ADDR (required); MASTER_PORT (default 29500; the join check uses MASTER_PORT+1);
 #      STARTUP_TIMEOUT (default 300 s: the join check, and every rank's --startup-timeout);
-#      PYTHON (default <repo>/.venv/bin/python when present, else python3).
+#      PYTHON (default <repo>/.venv/bin/python when present, else python3);
+#      MSTAR_REJOIN=1: this host comes back into a deployment that still serves (rank 0's host never left): no join
+#      check (the other hosts passed it long ago); its ranks rejoin the running deployment (docs/architecture.md §10).
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 config="$1"
@@ -31,8 +33,10 @@ print(len(hosts), devices if isinstance(devices, int) else len(devices))
 PY
 )
 cd "$repo"
-"$py" -m mstar_dist.distributed.join "$config" --node-rank "$NODE_RANK" --master-addr "$MASTER_ADDR" \
-  --port "$((port + 1))" --timeout "$timeout"
-exec "$py" -m torch.distributed.run --nnodes "$nnodes" --node-rank "$NODE_RANK" --nproc-per-node "$nproc" \
+if [ -z "${MSTAR_REJOIN:-}" ]; then
+  "$py" -m mstar_dist.distributed.join "$config" --node-rank "$NODE_RANK" --master-addr "$MASTER_ADDR" \
+    --port "$((port + 1))" --timeout "$timeout"
+fi
+exec "$py" -m mstar_dist.runtime.torchrun --nnodes "$nnodes" --node-rank "$NODE_RANK" --nproc-per-node "$nproc" \
   --master-addr "$MASTER_ADDR" --master-port "$port" \
   -m mstar_dist.serve "$config" --startup-timeout "$timeout" "$@"

@@ -36,4 +36,19 @@ class Abort:
     sink: Sink | None = None
 
 
-Command = Union[Submit, Abort]
+@dataclass(frozen=True)
+class RankDied:
+    """A rank's supervisor saw it die (its record in the launch's store, handed over by the front end's watcher:
+    docs/architecture.md §10)."""
+
+    rank: int
+    host: str
+    incarnation: int
+    """Which process of the rank died (0: its first)."""
+    cause: str
+    """In words: ``killed by SIGKILL``, ``exited with status 1``, ..."""
+    restarting: bool
+    """Whether its supervisor starts it again (else no restart is left)."""
+
+
+Command = Union[Submit, Abort, RankDied]

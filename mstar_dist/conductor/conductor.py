@@ -21,8 +21,10 @@ import torch
 
 from mstar_dist import trace
 from mstar_dist.conductor.admission import Admission
-from mstar_dist.conductor.commands import Command, Sink, Submit
+from mstar_dist.conductor.commands import Command, RankDied, Sink, Submit
 from mstar_dist.conductor.intake_hub import IntakeHub
+from mstar_dist.conductor.liveness import Liveness
+from mstar_dist.conductor.membership import Membership
 from mstar_dist.conductor.metrics import Metrics
 from mstar_dist.conductor.fanout import Fanout
 from mstar_dist.conductor.request import Request, check_knobs, request_seed, request_state, walk_seed
@@ -42,8 +44,9 @@ __all__ = ["Conductor"]
 log = logging.getLogger(__name__)
 
 
-class Conductor:
-    """Every request of the deployment, on one thread (see the module docstring)."""
+class Conductor(Liveness):
+    """Every request of the deployment, on one thread (see the module docstring); rank failures, restarts and
+    rejoins are its :class:`~mstar_dist.conductor.liveness.Liveness` part."""
 
     def __init__(
         self,
@@ -60,24 +63,28 @@ class Conductor:
         rank_timeout_s: float = 30.0,
         log_stats_s: float | None = None,
         intakes: tuple[str, ...] = (),
+        p2p_pairs: tuple[tuple[int, int], ...] = (),
+        restarts: bool = False,
+        rejoin_timeout_s: float = 300.0,
+        retry_in_flight: bool = False,
     ):
         """``intakes``: names of the HTTP intake processes whose control sockets ``channel`` is connected to (none:
-        the in-process ``ConductorBackend`` is the only way in)."""
+        the in-process ``ConductorBackend`` is the only way in). ``p2p_pairs``: the data plane's pair groups (a
+        rejoining rank forms its own again); ``restarts``: dead ranks may come back (``restart.max_restarts`` > 0),
+        each within ``rejoin_timeout_s``; ``retry_in_flight``: ``restart.retry_in_flight``."""
         self.model, self.placement, self.channel, self.token = model, placement, channel, token
         self.world_size, self.rank_hosts = world_size, rank_hosts
         self.request_timeout_s = request_timeout_s
         self.rank_timeout_s = rank_timeout_s
         self.log_stats_s = log_stats_s
         self.last_seen: dict[int, float] = {}
-        self.dead_ranks: dict[int, str] = {}
-        self.graphs = model.graphs()
-        self.stop_ids = model.stop_token_ids()
-        self._id_signals = model.id_signals
-        self.partitions = list(check_partitions(model.partitions(), self.graphs).values())
-        self.streams = model.streaming_edges()
-        for edge in self.streams:
-            edge.check({p.name: p for p in self.partitions}, self.graphs)
-        self._partition_index = {p.name: i for i, p in enumerate(self.partitions)}
+        self.retry_in_flight = retry_in_flight
+        self.membership = Membership(world_size=world_size, rank_hosts=rank_hosts, p2p_pairs=p2p_pairs,
+                                     restarts=restarts, rejoin_timeout_s=rejoin_timeout_s,
+                                     repair_timeout_s=60.0, send=self._send,
+                                     reconnect=lambda name, ep: self.channel.reconnect(name, ep))
+        self.dead_ranks = self.membership.dead
+        self._read_model(model)
         self.routes = Routes(graphs=self.graphs, partitions=self.partitions, streams=self.streams,
                              placement=placement, world_size=world_size, rank_hosts=rank_hosts)
         self.metrics = Metrics(world_size)
@@ -99,6 +106,17 @@ class Conductor:
         """What ``health`` answers once serving, published by the thread that owns the requests when a rank dies."""
         self.intakes = IntakeHub(intakes, send=self._send_to, health=self.health, execute=self.execute,
                                  metrics_text=self.metrics.render)
+
+    def _read_model(self, model: CompositeModel) -> None:
+        """The model's walks, partitions and streaming edges, checked against each other, and its stop ids."""
+        self.graphs = model.graphs()
+        self.stop_ids = model.stop_token_ids()
+        self._id_signals = model.id_signals
+        self.partitions = list(check_partitions(model.partitions(), self.graphs).values())
+        self.streams = model.streaming_edges()
+        for edge in self.streams:
+            edge.check({p.name: p for p in self.partitions}, self.graphs)
+        self._partition_index = {p.name: i for i, p in enumerate(self.partitions)}
 
     # ---- thread side ----
     def wait_ready(self, timeout_s: float) -> None:
@@ -160,7 +178,7 @@ class Conductor:
             if now - last_beat > 1.0:
                 last_beat = now
                 for rank in range(self.world_size):
-                    if rank not in self.dead_ranks:
+                    if rank not in self.dead_ranks or rank in self.membership.rejoining:
                         self._send(rank, m.Heartbeat(sent_at=now))
             self.intakes.flush()
         self._fail_all(503, "the server is shutting down")
@@ -197,6 +215,8 @@ class Conductor:
         exception out of here."""
         if isinstance(cmd, Submit):
             self.submit(cmd.params, cmd.sink, cmd.pinned_id)
+        elif isinstance(cmd, RankDied):
+            self._guarded(self._on_rank_died, cmd)
         else:
             self.abort(cmd.request_id, cmd.sink)
 
@@ -247,14 +267,6 @@ class Conductor:
             return False, "shutting down"
         return self._health
 
-    def _publish_health(self) -> None:
-        down = self.unservable_walks()
-        if down:
-            dead = ", ".join(f"rank {r} ({why})" for r, why in sorted(self.dead_ranks.items()))
-            self._health = (False, f"no live replica for walks {down}; dead: {dead}")
-        else:
-            self._health = (True, "ok")
-
     def running(self, request_id: str) -> Request | None:
         """The running request of client id ``request_id``, if any (conductor thread)."""
         return self._active.get(request_id)
@@ -293,8 +305,10 @@ class Conductor:
             return
         rank = parse_rank(sender)
         self.last_seen[rank] = time.monotonic()
-        if rank not in self.dead_ranks:  # else its requests were failed: it must not come back half-way
+        if rank not in self.dead_ranks:
             self._on_rank_message(rank, env.body)
+        else:  # its requests were failed: only its new process may come back, by rejoining
+            self._on_dead_rank_message(rank, env.body)
 
     def _on_rank_message(self, rank: int, body: m.Message) -> None:
         if isinstance(body, m.Emits):
@@ -313,6 +327,11 @@ class Conductor:
             self._on_walk_done(body)
         elif isinstance(body, m.Stats):
             self.metrics.rank_stats[body.rank] = body
+            self.membership.incarnation[rank] = body.incarnation
+        elif isinstance(body, m.Repaired):
+            self._on_repaired(body)
+        elif isinstance(body, m.Rejoin):  # a new process of a rank not found dead yet (its host was started again)
+            self._on_early_rejoin(body)
         elif isinstance(body, m.Ready):
             self.ready_ranks[body.rank] = body.load_seconds
             log.info("rank %d on %s is ready (loaded in %.1f s)", body.rank, body.host, body.load_seconds)
@@ -353,7 +372,7 @@ class Conductor:
             return
         self._incarnation += 1
         req = Request(state=state, params=params, sink=sink, choice=choice, arrived=arrived,
-                      wire_id=f"{params.request_id}#{self._incarnation}")
+                      wire_id=f"{params.request_id}#{self._incarnation}", pinned_id=pinned_id)
         self._active[params.request_id] = req
         self._by_wire[req.wire_id] = req
         if trace.ON:  # joins the front end's events (client id) with the ranks' (wire id)
@@ -552,37 +571,6 @@ class Conductor:
         for req in list(self._active.values()):
             if now - req.arrived > limit:
                 self._finish_error(req, 504, f"request timed out after {limit:g} s (limits.request_timeout_s)")
-
-    def check_ranks(self, now: float) -> None:
-        """Declare ranks that went silent dead (docs/architecture.md §10) and fail every request that touches them.
-        Conductor thread, a few times a second."""
-        if not self.serving:
-            return
-        for rank in range(self.world_size):
-            seen = self.last_seen.get(rank, now)
-            if self.placement.is_conductor(rank):
-                continue  # our own process: if it were dead, so would we be; silence is only a long step
-            if rank in self.dead_ranks or now - seen <= self.rank_timeout_s:
-                continue
-            why = f"silent for {now - seen:.0f} s on host {self.rank_hosts.get(rank, '?')}"
-            log.error("rank %d declared dead: %s (limits.rank_timeout_s=%g)", rank, why, self.rank_timeout_s)
-            self._declare_dead(rank, why, "died")
-
-    def _declare_dead(self, rank: int, why: str, verb: str) -> None:
-        """``rank`` serves no more: new requests avoid it, and every request touching it fails with a 503."""
-        host = self.rank_hosts.get(rank, "?")
-        self.dead_ranks[rank] = why
-        self._publish_health()
-        for peer in range(self.world_size):  # their data planes give up on it: pending transfers end
-            if peer not in self.dead_ranks:
-                self._send(peer, m.RankDown(rank=rank, reason=why))
-        for req in list(self._active.values()):
-            if rank in req.touched or rank in req.choice.ranks():
-                self._finish_error(req, 503, f"rank {rank} on host {host} {verb} ({why}); retry the request")
-
-    def unservable_walks(self) -> list[str]:
-        """Walks with no live replica left (the service is down for them)."""
-        return self.routes.unservable_walks(self.dead_ranks)
 
     def log_stats(self, now: float) -> None:
         """Log the throughput since the last call, the load, the leak canary and the edges (``Metrics.log_stats``)."""

@@ -104,6 +104,8 @@ class Request:
     """Its sampling knobs on the wire (``wire_sampling``), for walks that follow no generated token."""
     stop_ids: list[int] = field(init=False)
     """The token ids that end its generation (``RequestState.stop_ids``), as every ``RunWalk`` carries them."""
+    pinned_id: bool = False
+    """The client chose the id (it seeds sampling): a retry on another replica keeps it."""
     first_token_at: float | None = None
     last_token_at: float | None = None
     touched: set[int] = field(default_factory=set)

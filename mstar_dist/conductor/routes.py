@@ -90,15 +90,16 @@ class Routes:
             for e in streams
         }
         self._rng = random.Random(0)
-        self._fixed: tuple[int, Choice | None] | None = None
-        """(dead ranks counted, the choice) when every node has one replica: shared by every request (with its
-        routes) until a rank dies."""
+        self._fixed: tuple[frozenset[int], Choice | None] | None = None
+        """(the dead ranks, the choice) when every node has one replica: shared by every request (with its routes)
+        until a rank dies or comes back."""
 
     def choose(self, dead_ranks: dict[int, str]) -> Choice | None:
         """One live replica per (walk, node) for a new request (see the module docstring); None when some node has
         none."""
         fixed = self._fixed
-        if fixed is not None and fixed[0] == len(dead_ranks):  # ranks are only ever added to dead_ranks
+        dead = frozenset(dead_ranks)
+        if fixed is not None and fixed[0] == dead:  # a rank re-admitted after a restart leaves dead_ranks again
             return fixed[1]
         chosen: dict[tuple[str, str], tuple[int, ...]] | None = {}
         for walk, node in self.walk_nodes:
@@ -118,7 +119,7 @@ class Routes:
         if all(len(self.placement.replicas(walk, node)) == 1 for walk, node in self.walk_nodes):
             # one replica per node: every request gets the same answer until a rank dies (and no random tie-break
             # is drawn), and so the same routes
-            self._fixed = (len(dead_ranks), choice)
+            self._fixed = (dead, choice)
         return choice
 
     def unservable_walks(self, dead_ranks: dict[int, str]) -> list[str]:

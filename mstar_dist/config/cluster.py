@@ -12,6 +12,7 @@ Everything here is pure: it reads plain values and an env mapping, never the pro
 from __future__ import annotations
 
 import ipaddress
+import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,11 +54,21 @@ class HostSpec:
     """NIC for the data plane (e.g. ``mlx5_0``) where the transport needs one; None = transport default."""
     env: Mapping[str, str] = field(default_factory=dict, hash=False)
     """Environment variables set for this host's ranks (e.g. ``NCCL_SOCKET_IFNAME``)."""
+    advertise_addr: str | None = None
+    """The address other hosts reach this host's control sockets at, when it is not ``addr`` (a host behind NAT, or
+    one that binds every interface: ``addr: 0.0.0.0``). None: ``addr``."""
+    control_ports: tuple[int, int] | None = None
+    """``[lo, hi]`` (inclusive): the ports this host's control sockets (its ranks', and the front end's on rank 0's
+    host) bind, for a firewall that opens only those; None: ephemeral ports. It needs a port per process."""
 
     def __post_init__(self) -> None:
         read_str(self.name, "name")
         read_str(self.addr, "addr")
+        if self.advertise_addr is not None:
+            read_str(self.advertise_addr, "advertise_addr")
         object.__setattr__(self, "devices", read_unique_ints(self.devices, "devices", minimum=0))
+        if self.control_ports is not None:
+            object.__setattr__(self, "control_ports", _read_port_range(self.control_ports, len(self.devices)))
         if self.transfer_device is not None:
             read_str(self.transfer_device, "transfer_device")
         env = read_mapping(self.env, "env")
@@ -73,7 +84,30 @@ class HostSpec:
             out["transfer_device"] = self.transfer_device
         if self.env:
             out["env"] = dict(self.env)
+        if self.advertise_addr is not None:
+            out["advertise_addr"] = self.advertise_addr
+        if self.control_ports is not None:
+            out["control_ports"] = list(self.control_ports)
         return out
+
+    @property
+    def reached_at(self) -> str:
+        """The address other hosts reach this host at (``advertise_addr``, else ``addr``)."""
+        return self.advertise_addr or self.addr
+
+
+def _read_port_range(value: Any, processes: int) -> tuple[int, int]:
+    """``[lo, hi]`` with 1 <= lo <= hi <= 65535 and room for ``processes`` ranks plus a front end."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)) or len(value) != 2:
+        raise fail("control_ports", value, "must be [lo, hi], two port numbers (inclusive)")
+    lo = read_int(value[0], "control_ports[0]", minimum=1, maximum=65535)
+    hi = read_int(value[1], "control_ports[1]", minimum=1, maximum=65535)
+    if hi < lo:
+        raise fail("control_ports", list(value), "the first port must not be above the second")
+    if hi - lo + 1 < processes + 1:
+        raise fail("control_ports", list(value), f"holds {hi - lo + 1} port(s); this host runs {processes} rank(s) "
+                   f"and maybe the front end: give at least {processes + 1}")
+    return (lo, hi)
 
 
 @dataclass(frozen=True)
@@ -87,7 +121,7 @@ class RankInfo:
     host_name: str
     """`HostSpec.name` of the host."""
     addr: str
-    """`HostSpec.addr` of the host."""
+    """`HostSpec.addr` of the host: where its control sockets bind."""
     local_rank: int
     """Index of this process within its host: 0..len(devices)-1. Not a global rank."""
     device_index: int
@@ -186,12 +220,14 @@ def parse_cluster(data: Any, source: str | None = None, key: str = "cluster") ->
 
 
 def _parse_host(data: Any, key: str) -> HostSpec:
-    h = check_keys(data, key, required=("name", "addr", "devices"), optional=("transfer_device", "env"))
+    h = check_keys(data, key, required=("name", "addr", "devices"),
+                   optional=("transfer_device", "env", "advertise_addr", "control_ports"))
     devices = h["devices"]
     if isinstance(devices, int) and not isinstance(devices, bool):
         devices = tuple(range(read_int(devices, join(key, "devices"), minimum=1)))
     try:
-        return HostSpec(h["name"], h["addr"], devices, h.get("transfer_device"), h.get("env", {}))
+        return HostSpec(h["name"], h["addr"], devices, h.get("transfer_device"), h.get("env", {}),
+                        h.get("advertise_addr"), h.get("control_ports"))
     except ConfigError as e:
         raise e.under(key) from None
 
@@ -210,6 +246,16 @@ def default_cluster(world_size: int, local_world_size: int | None = None) -> Clu
             f"every host and its devices"
         )
     return ClusterSpec((HostSpec("localhost", "127.0.0.1", tuple(range(world_size))),))
+
+
+def machine_names() -> set[str]:
+    """This machine's host names and addresses: what `identify` matches against the spec's hosts."""
+    names = {socket.gethostname(), socket.getfqdn()}
+    try:
+        names.update(info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None))
+    except OSError:
+        pass
+    return names
 
 
 def device_for(rank_info: RankInfo, cuda_available: bool) -> str:

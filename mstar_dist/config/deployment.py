@@ -192,6 +192,35 @@ class ServerConfig:
         read_int(self.http_processes, "http_processes", minimum=1, maximum=64)
 
 
+@dataclass(frozen=True)
+class RestartConfig:
+    """What happens when a rank dies while serving (docs/architecture.md §10): it is restarted in place, on its
+    host, and rejoins the running deployment; the conductor's rank (rank 0: the front end lives beside it) is not,
+    its loss ends the deployment. torchrun's own ``--max-restarts`` is another thing: it restarts every worker of a
+    host (on one host, the whole world) once the deployment has exited non-zero."""
+
+    max_restarts: int = 3
+    """Restarts of one rank within ``window_s``; one more death and the rank stays down (0: never restart). A
+    deployment with a walk no live rank can serve and no restart left exits non-zero."""
+    backoff_s: float = 1.0
+    """Seconds before the first restart within the window; each further one waits twice as long."""
+    window_s: float = 300.0
+    """The window over which ``max_restarts`` is counted (deaths longer ago are forgiven)."""
+    retry_in_flight: bool = False
+    """A request the failed replica had in flight that has streamed nothing yet runs again on another replica
+    instead of failing with a 503 (a streaming client would otherwise see the start of one answer twice)."""
+
+    def __post_init__(self) -> None:
+        read_int(self.max_restarts, "max_restarts", minimum=0, maximum=1000)
+        if isinstance(self.backoff_s, bool) or not isinstance(self.backoff_s, (int, float)) or \
+                not 0 <= self.backoff_s <= 3600:
+            raise fail("backoff_s", self.backoff_s, "must be a number of seconds in 0..3600")
+        object.__setattr__(self, "backoff_s", float(self.backoff_s))
+        object.__setattr__(self, "window_s", read_positive_float(self.window_s, "window_s"))
+        if not isinstance(self.retry_in_flight, bool):
+            raise fail("retry_in_flight", self.retry_in_flight, "must be true or false")
+
+
 _LABEL = r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?"
 MEDIA_DOMAIN = re.compile(rf"^(?=.{{1,253}}$){_LABEL}(?:\.{_LABEL})*$")
 """A host name as ``media.allowed_domains`` lists it: lower-case labels of letters, digits and hyphens (no scheme,
@@ -271,6 +300,8 @@ class DeploymentConfig:
     """HTTP bind address of rank 0."""
     media: MediaConfig = field(default_factory=MediaConfig)
     """Limits on the images and audio clips requests carry, and the hosts image URLs may name."""
+    restart: RestartConfig = field(default_factory=RestartConfig)
+    """Restarting a rank that dies while serving, and what becomes of its requests."""
     source: str = field(default="<config>", compare=False)
     """Where the config came from (file path), named in error messages; not part of equality."""
 
@@ -295,7 +326,7 @@ class DeploymentConfig:
             ("cluster", self.cluster, ClusterSpec), ("engine", self.engine, EngineConfig),
             ("transport", self.transport, TransportConfig),
             ("limits", self.limits, Limits), ("server", self.server, ServerConfig),
-            ("media", self.media, MediaConfig),
+            ("media", self.media, MediaConfig), ("restart", self.restart, RestartConfig),
         ):
             if not (isinstance(value, cls) or (key == "cluster" and value is None)):
                 raise fail(key, value, f"must be a {cls.__name__}, got {type(value).__name__}")
@@ -346,6 +377,7 @@ class DeploymentConfig:
         intra_host: str | None = None,
         inter_host: str | None = None,
         allowed_media_domains: list[str] | None = None,
+        max_restarts: int | None = None,
     ) -> DeploymentConfig:
         """A copy with CLI flag values in place of the file's; None keeps the file's value."""
         server = {k: v for k, v in (("host", host), ("port", port), ("max_body_bytes", max_body_bytes),
@@ -373,8 +405,13 @@ class DeploymentConfig:
                          else dataclasses.replace(self.media, allowed_domains=tuple(allowed_media_domains)))
         except ConfigError as e:
             raise e.under("media", "command line (--allowed-media-domains)") from None
+        try:
+            new_restart = (self.restart if max_restarts is None
+                           else dataclasses.replace(self.restart, max_restarts=max_restarts))
+        except ConfigError as e:
+            raise e.under("restart", "command line (--max-rank-restarts)") from None
         return dataclasses.replace(self, server=new_server, limits=new_limits, transport=new_transport,
-                                   media=new_media)
+                                   media=new_media, restart=new_restart)
 
     def to_dict(self) -> dict[str, Any]:
         """The YAML form; ``parse_config(cfg.to_dict(), ...) == cfg``."""
@@ -391,11 +428,12 @@ class DeploymentConfig:
         out["limits"] = dataclasses.asdict(self.limits)
         out["server"] = dataclasses.asdict(self.server)
         out["media"] = self.media.to_dict()
+        out["restart"] = dataclasses.asdict(self.restart)
         return out
 
 
 _SECTIONS: dict[str, type] = {"engine": EngineConfig, "transport": TransportConfig, "limits": Limits,
-                              "server": ServerConfig, "media": MediaConfig}
+                              "server": ServerConfig, "media": MediaConfig, "restart": RestartConfig}
 
 
 def parse_config(data: Any, source: str) -> DeploymentConfig:

@@ -76,35 +76,29 @@ class ControlChannel:
         sndhwm: int = 100_000,
         rcvhwm: int = 100_000,
         local: bool = True,
+        advertise_addr: str | None = None,
+        port_range: tuple[int, int] | None = None,
     ) -> None:
-        """Bind a ROUTER on `tcp://{bind_addr}:<ephemeral port>` (e.g. bind_addr "127.0.0.1" or "10.0.0.1") and,
-        with `local`, listen for local links.
+        """Bind a ROUTER on `tcp://{bind_addr}:<port>` (e.g. bind_addr "127.0.0.1" or "10.0.0.1") and, with `local`,
+        listen for local links.
 
+        `advertise_addr`: the address peers connect to when it is not `bind_addr` (a host behind NAT, or one bound on
+        every interface: then `bind_addr` may be a wildcard); `port_range` (lo, hi), inclusive: bind a port in it
+        (a firewall opens only those), else an ephemeral port. OSError naming the range when none is free.
         `ctx`: a zmq Context to share; when None the channel owns one and terminates it on `close`.
         """
         if not name:
             raise ValueError("channel name must be a non-empty string")
-        if bind_addr.strip("[]") in ("0.0.0.0", "*", "::", ""):
+        if bind_addr.strip("[]") in ("0.0.0.0", "*", "::", "") and not advertise_addr:
             raise ValueError(
                 f"bind_addr {bind_addr!r} is a wildcard; bind on the host's own address so the published "
-                f"endpoint is one peers can connect to"
+                f"endpoint is one peers can connect to, or give the address they reach (advertise_addr)"
             )
         self.name = name
         self._own_ctx = ctx is None
         self._ctx = zmq.Context() if ctx is None else ctx
         self._sndhwm = sndhwm
-        self._router = self._ctx.socket(zmq.ROUTER)
-        self._router.setsockopt(zmq.LINGER, 0)
-        self._router.setsockopt(zmq.RCVHWM, rcvhwm)
-        # A restarted peer reconnects under the same name; take the name over instead of silently dropping it.
-        self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        host = bind_addr
-        if ":" in bind_addr:  # IPv6 literal
-            self._router.setsockopt(zmq.IPV6, 1)
-            host = f"[{bind_addr.strip('[]')}]"
-        port = self._router.bind_to_random_port(f"tcp://{host}")
-        self.endpoint = f"tcp://{host}:{port}"
-        """Address peers connect to: `tcp://host:port`, then ` local:<name>` when the channel has a local link."""
+        self._router = self._open_router(bind_addr, advertise_addr, port_range, rcvhwm)
         self._dealers: dict[str, zmq.Socket] = {}
         self._peer_eps: dict[str, str] = {}
         self._poller = zmq.Poller()
@@ -125,6 +119,22 @@ class ControlChannel:
             self.endpoint += f" local:{self._listener.getsockname()[1:].decode()}"
         self.sent_local = self.sent_zmq = 0
         self._closed = False
+
+    def _open_router(self, bind_addr: str, advertise_addr: str | None, port_range: tuple[int, int] | None,
+                     rcvhwm: int) -> zmq.Socket:
+        """The ROUTER every peer sends to, bound (in `port_range` when given), and `endpoint` naming it."""
+        router = self._router = self._ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.setsockopt(zmq.RCVHWM, rcvhwm)
+        # A restarted peer reconnects under the same name; take the name over instead of silently dropping it.
+        router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        host, seen = _tcp_host(bind_addr), _tcp_host(advertise_addr or bind_addr)
+        if "[" in host or "[" in seen:  # IPv6 literal
+            router.setsockopt(zmq.IPV6, 1)
+        port = self._bind(host if host.strip("[]") not in ("0.0.0.0", "") else "*", port_range)
+        self.endpoint = f"tcp://{seen}:{port}"
+        """Address peers connect to: `tcp://host:port`, then ` local:<name>` when the channel has a local link."""
+        return router
 
     def connect(self, peer_name: str, endpoint: str) -> None:
         """Open the sending direction to `peer_name` at `endpoint`. Returns at once (ZMQ connects in the
@@ -155,6 +165,33 @@ class ControlChannel:
                     link.close()
                 else:
                     self._links[peer_name] = link
+
+    def reconnect(self, peer_name: str, endpoint: str) -> None:
+        """`peer_name` restarted under its name with a new `endpoint` (docs/architecture.md §10): drop the old
+        connection and what it still queued for the dead process, and connect anew (sequence numbers start over:
+        the new process has seen none)."""
+        self._check_open()
+        old = self._dealers.pop(peer_name, None)
+        if old is not None:
+            old.close(linger=0)
+        link = self._links.pop(peer_name, None)
+        if link is not None:
+            link.close()
+        self._peer_eps.pop(peer_name, None)
+        self._next_seq[peer_name] = 0
+        self.connect(peer_name, endpoint)
+
+    def _bind(self, host: str, port_range: tuple[int, int] | None) -> int:
+        if port_range is None:
+            return self._router.bind_to_random_port(f"tcp://{host}")
+        lo, hi = port_range
+        try:
+            return self._router.bind_to_random_port(f"tcp://{host}", min_port=lo, max_port=hi + 1,
+                                                    max_tries=4 * (hi - lo + 1))
+        except zmq.ZMQBindError:
+            self._router.close(linger=0)
+            raise OSError(f"{self.name}: no free port for the control plane in {lo}-{hi} on {host} "
+                          f"(cluster.hosts[].control_ports): widen the range") from None
 
     @property
     def peers(self) -> list[str]:
@@ -373,6 +410,11 @@ class ControlChannel:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"control channel {self.name!r} is closed")
+
+
+def _tcp_host(addr: str) -> str:
+    """An address as a ZMQ tcp endpoint writes it (an IPv6 literal in brackets)."""
+    return f"[{addr.strip('[]')}]" if ":" in addr else addr
 
 
 class _Inbound:

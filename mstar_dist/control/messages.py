@@ -185,10 +185,34 @@ class RemoveRequest(msgspec.Struct, tag=True):
 
 
 class Shutdown(msgspec.Struct, tag=True):
-    """Stop serving; with ``error`` the receiving rank exits non-zero (another rank failed)."""
+    """Stop serving; with ``error`` the receiving rank exits non-zero (another rank failed). With ``restart`` only this
+    rank goes and its supervisor starts it again, to rejoin (it was declared dead, or a member of its TP replica
+    died: docs/architecture.md §10); without, the deployment is over."""
 
     reason: str
     error: bool = False
+    restart: bool = False
+
+
+class Repair(msgspec.Struct, tag=True):
+    """Conductor -> every live rank when global rank ``rank`` (re)joins: connect to ``rank``'s new control
+    ``endpoint`` (empty for the rejoining rank itself), then form a fresh 2-rank group for each directed pair of
+    ``pairs`` this rank belongs to, under the launch store's ``prefix`` (docs/architecture.md §10), and answer
+    ``Repaired``."""
+
+    rank: int
+    endpoint: str
+    pairs: list[tuple[int, int]]
+    prefix: str
+
+
+class Repaired(msgspec.Struct, tag=True):
+    """Rank ``rank`` is ready for rejoining rank ``joined``: connected, its pairs with it formed (``error`` says why
+    not)."""
+
+    rank: int
+    joined: int
+    error: str = ""
 
 
 class RankDown(msgspec.Struct, tag=True):
@@ -371,6 +395,18 @@ class Ready(msgspec.Struct, tag=True):
     load_seconds: float
 
 
+class Rejoin(msgspec.Struct, tag=True):
+    """A rank restarted in place (incarnation > 0) has loaded its components and asks to serve again: the conductor
+    connects to its new ``endpoint`` and has its peers form fresh pairs with it (``Repair``); it is re-admitted once
+    every one of them answered."""
+
+    rank: int
+    host: str
+    incarnation: int
+    endpoint: str
+    load_seconds: float
+
+
 class LoadFailed(msgspec.Struct, tag=True):
     rank: int
     host: str
@@ -441,6 +477,9 @@ class Stats(msgspec.Struct, tag=True):
     """Transport ("shm", "mooncake") -> bytes of this rank's arena lent out and not yet acknowledged."""
     edges: list[EdgeStat] = []
     """Per-edge transfer statistics (collected always; logged with ``--log-stats``)."""
+    incarnation: int = 0
+    """How many times this rank was restarted in place: the conductor tells a rank declared dead that speaks again
+    (it was stopped, not killed) from its new incarnation."""
 
 
 
@@ -503,6 +542,7 @@ class Outputs(msgspec.Struct, tag=True):
 Message = Union[
     RunWalk, Push, RemoveRequest, Shutdown, Heartbeat, RankDown, AbortPair, TensorDesc, TransferAck,
     NodeDone, StreamItems, StreamEnd, TPStep, TPEnd, TPPush, Emit, Emits, WalkDone, Ready, LoadFailed, Leaving, Stats,
+    Rejoin, Repair, Repaired,
     Submit, Cancel, HttpCounts, MetricsAsk, MetricsText, Health, Outputs,
 ]
 

@@ -22,6 +22,9 @@ class ControlPort(Protocol):
              spin_s: float = 0.0) -> list[tuple[str, bytes]]:
         """Messages that arrived, as (sender, payload) in each sender's order; blocks up to ``timeout_ms``."""
 
+    def reconnect(self, peer_name: str, endpoint: str) -> None:
+        """``peer_name`` restarted with a new ``endpoint``: send to the new process from now on."""
+
     def wake(self) -> None:
         """End a ``recv`` blocked on another thread at once (the one call that is thread-safe)."""
 

@@ -66,5 +66,9 @@ class TPGroup:
         contiguous. Every member ends with the same values (the reduced tensor is the group's, not a rank's).
         """
         if self.size > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+            # the group's own call: a group re-formed by a rejoining replica (distributed/repair.py) is not
+            # registered with torch.distributed's world, which dist.all_reduce would look it up in
+            options = dist.AllreduceOptions()
+            options.reduceOp = dist.ReduceOp.SUM
+            self.group.allreduce([t], options).wait()
         return t

@@ -72,7 +72,7 @@ class ChildProcess:
     def read(self, timeout_s: float, what: str) -> dict[str, Any]:
         """The next JSON line it writes; RuntimeError naming ``what`` it owed when none comes within ``timeout_s``."""
         line = read_line(self._out.fileno(), timeout_s, self.proc)
-        if line is None:
+        if not line:
             raise RuntimeError(f"{self.what} (pid {self.pid}) did not report {what} within {timeout_s:g} s "
                                f"(exit status {self.proc.poll()}); see its log lines")
         return json.loads(line)
@@ -148,6 +148,10 @@ class FrontendProcess(ChildProcess):
         self.write({"token": token, "endpoints": endpoints, "failed": failed})
 
 
+class ParentGone(EOFError):
+    """The parent process is gone (its pipe closed): the child has nobody to serve."""
+
+
 class ParentPipe:
     """A child's side of its :class:`ChildProcess`: JSON lines out on the inherited pipe, in on stdin."""
 
@@ -155,18 +159,24 @@ class ParentPipe:
         self._out = os.fdopen(int(os.environ[OUT_FD_ENV]), "wb")
 
     def report(self, obj: dict[str, Any]) -> None:
-        """One JSON line to the parent (its :meth:`ChildProcess.read`)."""
-        self._out.write(json.dumps(obj).encode() + b"\n")
-        self._out.flush()
+        """One JSON line to the parent (its :meth:`ChildProcess.read`); ParentGone when the parent is gone."""
+        try:
+            self._out.write(json.dumps(obj).encode() + b"\n")
+            self._out.flush()
+        except BrokenPipeError:
+            raise ParentGone("the parent process is gone") from None
 
     def read(self, timeout_s: float) -> dict[str, Any] | None:
-        """The parent's next JSON line on stdin, or None when none comes within ``timeout_s`` (or stdin closed)."""
+        """The parent's next JSON line on stdin, or None when none comes within ``timeout_s``; ParentGone when stdin
+        closed (the parent is gone)."""
         line = read_line(sys.stdin.fileno(), timeout_s)
+        if line == b"":
+            raise ParentGone("the parent process is gone")
         return None if line is None else json.loads(line)
 
 
 def read_line(fd: int, timeout_s: float, proc: subprocess.Popen | None = None) -> bytes | None:
-    """One line from ``fd`` within ``timeout_s`` (None on timeout, EOF, or ``proc`` exiting)."""
+    """One line from ``fd`` within ``timeout_s`` (None on timeout or ``proc`` exiting; ``b""`` at end of file)."""
     deadline = time.monotonic() + timeout_s
     data = b""
     while not data.endswith(b"\n"):
@@ -177,13 +187,14 @@ def read_line(fd: int, timeout_s: float, proc: subprocess.Popen | None = None) -
         if ready:
             chunk = os.read(fd, 65536)
             if not chunk:
-                return None
+                return b""
             data += chunk
     return data
 
 
-def watch_parent(stop: threading.Event, parent: str) -> None:
-    """Our ``parent`` holds our stdin: end of file means it is gone (even SIGKILLed). Runs on its own thread."""
+def watch_parent(stop: threading.Event, parent: str, gone: threading.Event | None = None) -> None:
+    """Our ``parent`` holds our stdin: end of file means it is gone (even SIGKILLed): set ``gone`` (if given), then
+    ``stop``. Runs on its own thread."""
     fd = sys.stdin.fileno()
     try:
         while not stop.is_set():
@@ -193,9 +204,11 @@ def watch_parent(stop: threading.Event, parent: str) -> None:
         pass
     if not stop.is_set():
         log.error("%s is gone (its pipe to this process closed): stopping", parent)
+        if gone is not None:
+            gone.set()
         stop.set()
 
 
-def start_watching_parent(stop: threading.Event, parent: str) -> None:
+def start_watching_parent(stop: threading.Event, parent: str, gone: threading.Event | None = None) -> None:
     """:func:`watch_parent` on a daemon thread named ``parent-watch``."""
-    threading.Thread(target=watch_parent, args=(stop, parent), name="parent-watch", daemon=True).start()
+    threading.Thread(target=watch_parent, args=(stop, parent, gone), name="parent-watch", daemon=True).start()

@@ -22,7 +22,7 @@ from mstar_dist.graph.model import CompositeModel, Layout
 from mstar_dist.graph.nodes import iter_nodes, node_names
 from mstar_dist.random_weights import weights_label
 from mstar_dist.runtime.registry import model_class
-from mstar_dist.topology.cuts import cut_signals, describe_cuts, flows
+from mstar_dist.topology.cuts import cut_signals, describe_cross_host, describe_cuts, flows
 from mstar_dist.topology.placement import Placement
 
 
@@ -58,14 +58,16 @@ class Deployment:
 
     def describe(self) -> str:
         """The dry run and startup report: rank map, placement per walk (replicas), TP groups, the data plane's
-        transports and the pair groups it creates, cross-host rank pairs with their transport, every cut edge."""
-        cuts = cut_signals(self.model.graphs(), self.model.streaming_edges(), self.placement)
+        transports and the pair groups it creates, cross-host rank pairs with their transport, every cut edge, and
+        every graph edge that crosses hosts."""
+        cuts = cut_signals(self.model.graphs(), self.model.streaming_edges(), self.placement, self.model.partitions())
         return "\n".join([
             f"deployment: model {self.config.model}, {self.config.source}",
             self.placement.describe_ranks(self.cluster),
             self.placement.describe(self.cluster, self.config.transport),
             self.placement.describe_groups(self.p2p_pairs, self.config.transport),
             describe_cuts(cuts),
+            describe_cross_host(cuts, self.cluster.rank_hosts(), self.config.transport.inter_host),
         ])
 
     def via(self, src: int, dst: int) -> str:
@@ -94,6 +96,7 @@ def load_deployment(args: argparse.Namespace, world_size: int | None, local_ws: 
         http_processes=args.http_processes, intra_host=args.intra_host_tensor_protocol,
         inter_host=args.inter_host_tensor_protocol,
         allowed_media_domains=args.allowed_media_domains,
+        max_restarts=getattr(args, "max_rank_restarts", None),
     )
     if world_size is None:
         world_size = _world_from_config(config) if args.dry_run else 1
@@ -115,12 +118,20 @@ def _world_from_config(config: DeploymentConfig) -> int:
 
 def check_weights(config: DeploymentConfig, model: CompositeModel) -> None:
     """``weights:`` must exist unless the family prepares that path itself: its ``default_weights_dir``, or any
-    path of a family that decides in ``prepare_weights`` (checked there, at load). ConfigError naming the key."""
+    path of a family that decides in ``prepare_weights`` (checked there, at load). A family that prepares its default
+    path would fill any existing directory too: one other than the default must already hold a checkpoint (its
+    ``config.json``), so a wrong folder is named instead of receiving a conversion. ConfigError naming the key."""
     path = config.weights
-    if path is None or os.path.exists(path):
+    if path is None:
         return
     default = type(model).default_weights_dir
-    if default is not None and os.path.realpath(path) == os.path.realpath(os.path.expanduser(default)):
+    is_default = default is not None and os.path.realpath(path) == os.path.realpath(os.path.expanduser(default))
+    if os.path.exists(path):
+        if default is not None and not is_default and not os.path.exists(os.path.join(path, "config.json")):
+            raise ConfigError("weights", f"is not a checkpoint (no config.json in it; only the default {default} is "
+                              "prepared automatically)", repr(path), config.source)
+        return
+    if is_default:
         return
     if default is None and type(model).prepare_weights is not CompositeModel.prepare_weights:
         return

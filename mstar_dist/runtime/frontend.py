@@ -12,8 +12,15 @@ rank 0's GPU. Rank 0 starts it first thing (so its imports overlap the distribut
    could not load: the front end tells every rank to stop and exits);
 4. the front end loads the model's front half (tokenizer), waits for every READY, announces the placement,
    starts the conductor thread and HTTP (or, with ``server.http_processes`` > 1, its intakes and the acceptor
-   that passes them the connections), and serves until SIGTERM or until its stdin closes (rank 0 is gone); on the
-   way out it fails in-flight requests with 503 and tells every rank to shut down.
+   that passes them the connections), and serves until SIGTERM or until its stdin closes (rank 0 is gone: then
+   every rank is told to stop with an error naming rank 0); on the way out it fails in-flight requests with 503,
+   tells every rank to shut down and marks the launch over in its store (a supervisor whose rank has no restart
+   left waits for that).
+
+While serving, a watcher thread reads the supervisors' death records from the launch's store
+(``runtime/supervisor.py``) and hands each to the conductor (``RankDied``): a killed rank's requests fail at once,
+naming the cause. When the conductor finds a walk that can never be served again it fails, and the front end stops
+the deployment, non-zero (docs/architecture.md §10).
 
 Rank 0 stops with an error when the front end exits on its own; the front end exits when rank 0 does. Nothing
 here is pickled: the handshake is JSON over a pipe and stdin.
@@ -27,19 +34,22 @@ import logging
 import os
 import socket
 import sys
+import threading
 from typing import Any
 
 import torch
 
 from mstar_dist.conductor.backend import ConductorBackend
+from mstar_dist.conductor.commands import RankDied
 from mstar_dist.conductor.conductor import Conductor
 from mstar_dist.control import messages as m
 from mstar_dist.control.channel import ControlChannel
 from mstar_dist.control.envelope import CONDUCTOR, rank_name
+from mstar_dist.distributed.store import key, launch_store, read_json
 from mstar_dist.logs import announce
 from mstar_dist.random_weights import announcement
 from mstar_dist.runtime.children import (
-    HTTP_FD_ENV, ParentPipe, quick_hand_offs, start_watching_parent, stop_all, where_from_env,
+    HTTP_FD_ENV, ParentGone, ParentPipe, quick_hand_offs, start_watching_parent, stop_all, where_from_env,
 )
 from mstar_dist.runtime.cli import parse_args
 from mstar_dist.runtime.deployment import Deployment, load_deployment, served, torchrun_sizes
@@ -52,8 +62,11 @@ from mstar_dist.server.http_server import HttpServer
 
 log = logging.getLogger(__name__)
 
-CONDUCTOR_STOP_S = 10.0
-"""How long the conductor thread gets to fail in-flight requests with 503 on the way out."""
+CONDUCTOR_STOP_S = 2.0
+"""How long the conductor thread gets to fail in-flight requests with 503 on the way out (it needs one turn of its
+loop: the whole stop of a deployment stays within 5 s)."""
+DEATH_POLL_S = 0.2
+"""How often the front end looks for new death records in the launch's store."""
 INTAKE_WAIT_S = 60.0
 """How long an intake may take to report its endpoint, and then that it listens."""
 
@@ -86,18 +99,29 @@ class Frontend:
         self.conductor: Conductor | None = None
         self.http: HttpServer | None = None
         self.acceptor: Acceptor | None = None
+        self.store: Any | None = None
+        """The front end's client of the launch's store (None outside torchrun's agent store)."""
+        self.watcher: threading.Thread | None = None
+        """Hands the conductor the supervisors' death records (``watch_deaths``)."""
+        self.rank0_gone = threading.Event()
+        self.reason = "rank 0 is stopping"
+        """What every rank is told on the way out."""
 
     def serve(self) -> int:
         handover = self.prepare()
         if handover.get("failed"):
             broadcast_shutdown(self.dep, self.channel, self.world_size, handover["failed"])
             return 1
-        start_watching_parent(self.lc.stop, "rank 0")
+        start_watching_parent(self.lc.stop, "rank 0", self.rank0_gone)
         for intake in self.intakes:
             self.channel.connect(intake.name, intake.read(INTAKE_WAIT_S, "its control endpoint")["endpoint"])
         self.conductor = start_conductor(self.dep, self.channel, self.args.startup_timeout,
                                          log_stats_s=self.args.log_stats,
                                          intakes=tuple(intake.name for intake in self.intakes))
+        if self.store is not None:
+            self.watcher = threading.Thread(target=watch_deaths, args=(self.store, self.conductor, self.lc.stop),
+                                            name="deaths", daemon=True)
+            self.watcher.start()
         if self.intakes:  # the acceptor owns the port from here
             self.acceptor = start_intakes(self.dep, self.intakes, self.http_sock,
                                           conductor_endpoint=self.channel.endpoint, api_key=self.args.api_key)
@@ -107,6 +131,10 @@ class Frontend:
         # tokenizer, model family, app and what uvicorn imported as it started leave the collector (heap.py)
         self.lc.ready()
         self.lc.wait(self.check)
+        if self.rank0_gone.is_set():
+            raise RuntimeError(f"rank 0 (the conductor's rank) on host {self.host_name} is gone")
+        if self.lc.stopped_by:
+            self.reason = f"the deployment was stopped ({self.lc.stopped_by})"
         return 0
 
     def prepare(self) -> dict[str, Any]:
@@ -115,7 +143,9 @@ class Frontend:
         world_size, local_ws = torchrun_sizes(os.environ)
         self.world_size = world_size or 1
         self.dep = load_deployment(self.args, self.world_size, local_ws)
-        self.channel = ControlChannel(CONDUCTOR, self.addr)
+        host = next((h for h in self.dep.cluster.hosts if h.name == self.host_name), None)
+        self.channel = ControlChannel(CONDUCTOR, self.addr, advertise_addr=host and host.advertise_addr,
+                                      port_range=host and host.control_ports)
         self.parent.report({"endpoint": self.channel.endpoint})
         server = self.dep.config.server
         if server.http_processes > 1:
@@ -126,6 +156,10 @@ class Frontend:
             raise RuntimeError(f"rank 0 did not hand over the ranks' endpoints within {self.args.startup_timeout:g} s "
                                f"(--startup-timeout)")
         self.dep = dataclasses.replace(self.dep, token=handover["token"])
+        try:  # rank 0 joined the launch: its store is up
+            self.store = launch_store(timeout_s=10.0)
+        except ConnectionError as exc:
+            log.warning("no client of the launch's store: rank deaths are found by silence only (%s)", exc)
         for name, endpoint in sorted(handover["endpoints"].items()):
             self.channel.connect(name, endpoint)
         return handover
@@ -133,12 +167,20 @@ class Frontend:
     def check(self) -> None:
         if not self.conductor.alive:
             raise RuntimeError("the conductor thread died")
+        if self.conductor.failed:
+            raise RuntimeError(self.conductor.failed)
         for intake in self.intakes:
             if not intake.alive():
                 raise RuntimeError(intake.describe_exit())
 
     def failed(self, exc: Exception) -> None:
-        log.error("the front end failed: %s", exc, exc_info=not isinstance(exc, (TimeoutError, ValueError)))
+        if isinstance(exc, ParentGone):  # rank 0 went while starting: its own exit says why
+            log.info("the front end stops: rank 0 is gone")
+            return
+        self.reason = str(exc)
+        log.error("the front end failed: %s", exc,
+                  exc_info=not isinstance(exc, (TimeoutError, ValueError)) and not self.rank0_gone.is_set()
+                  and not (self.conductor is not None and self.conductor.failed))
         if self.conductor is None and self.channel is not None and self.dep is not None and self.dep.token:
             broadcast_shutdown(self.dep, self.channel, self.world_size, f"the front end on rank 0's host failed: {exc}")
 
@@ -153,7 +195,15 @@ class Frontend:
             self.conductor.stop(timeout_s=CONDUCTOR_STOP_S)
         stop_all(self.intakes)
         if self.conductor is not None:
-            broadcast_shutdown(self.dep, self.channel, self.world_size, "rank 0 is stopping", error=rc != 0)
+            broadcast_shutdown(self.dep, self.channel, self.world_size, self.reason, error=rc != 0)
+        if self.store is not None:
+            if self.watcher is not None:  # a thread left inside a store call would abort the exit
+                self.lc.stop.set()
+                self.watcher.join(1.0)
+            try:  # a supervisor whose rank stays down waits for this
+                self.store.set(key("over"), self.reason)
+            except Exception:  # noqa: BLE001 - the store's host is this one: it is going anyway
+                pass
         if self.http is not None:
             self.http.stop()
         if self.http_sock is not None:
@@ -186,6 +236,8 @@ def start_conductor(dep: Deployment, channel: ControlChannel, timeout_s: float, 
         max_queued=cfg.limits.max_queued_requests,
         request_timeout_s=cfg.limits.request_timeout_s, rank_hosts=dep.cluster.rank_hosts(),
         rank_timeout_s=cfg.limits.rank_timeout_s, log_stats_s=log_stats_s, intakes=intakes,
+        p2p_pairs=dep.p2p_pairs, restarts=cfg.restart.max_restarts > 0, retry_in_flight=cfg.restart.retry_in_flight,
+        rejoin_timeout_s=timeout_s + cfg.limits.rank_timeout_s + 60.0,
     )
     conductor.wait_ready(timeout_s)
     announce(dep.describe())
@@ -193,6 +245,25 @@ def start_conductor(dep: Deployment, channel: ControlChannel, timeout_s: float, 
         log.warning(line)
     conductor.start()
     return conductor
+
+
+def watch_deaths(store: Any, conductor: Conductor, stop: threading.Event) -> None:
+    """Hand the conductor each new death record of the launch's store (``supervisor.py`` writes them) until
+    ``stop``; a store that stops answering ends the watch (rank 0's own host holds it: we are going too)."""
+    try:
+        seen = store.add(key("deaths"), 0)  # records of an earlier life of this launch are not news
+        while not stop.wait(DEATH_POLL_S):
+            count = store.add(key("deaths"), 0)
+            while seen < count:
+                record = read_json(store, "death", n=seen + 1)
+                if record is None:
+                    break  # counted, not written yet: next time
+                conductor.command(RankDied(rank=record["rank"], host=record["host"], incarnation=record["incarnation"],
+                                           cause=record["cause"], restarting=record["restarting"]))
+                seen += 1
+    except Exception as exc:  # noqa: BLE001 - the watch is an accelerator: silence still finds a dead rank
+        if not stop.is_set():
+            log.warning("watching the launch's store for rank deaths stopped: %s", exc)
 
 
 def start_http(dep: Deployment, conductor: Conductor, *, api_key: str | None, sock: socket.socket) -> HttpServer:

@@ -28,7 +28,7 @@ from mstar_dist.config.deployment import MediaConfig
 from mstar_dist.control.channel import ControlChannel
 from mstar_dist.control.envelope import CONDUCTOR
 from mstar_dist.runtime.children import (
-    WHERE_ENV, ChildProcess, ParentPipe, quick_hand_offs, start_watching_parent, where_from_env,
+    WHERE_ENV, ChildProcess, ParentGone, ParentPipe, quick_hand_offs, start_watching_parent, where_from_env,
 )
 from mstar_dist.runtime.lifecycle import Lifecycle
 from mstar_dist.runtime.registry import load_prompt_encoder
@@ -153,6 +153,9 @@ class Intake:
             raise RuntimeError("receiving from the conductor stopped; see the error above")
 
     def failed(self, exc: Exception) -> None:
+        if isinstance(exc, ParentGone):  # the front end's own exit says why
+            log.info("%s stops: the front end is gone", self.name)
+            return
         log.error("%s failed: %s", self.name, exc, exc_info=not isinstance(exc, (TimeoutError, RuntimeError)))
 
     def teardown(self, rc: int) -> bool:

@@ -40,14 +40,31 @@ class Lifecycle:
         self.name = name
         self.stop = threading.Event()
         """Set by SIGTERM / SIGINT (after :meth:`catch_signals`) or by a part that found the process must end."""
+        self.stopped_by: str | None = None
+        """The signal that asked this process to stop (``"SIGINT"``: Ctrl-C; ``"SIGTERM"``), None when none did."""
+        self.signal_fd: int | None = None
+        """After :meth:`catch_signals`: a descriptor that becomes readable (one byte, the signal number) whenever a
+        signal arrives, even while the main thread is inside a C call that Python's handlers cannot interrupt (a
+        guard thread watches it: ``distributed/guard.py``)."""
         trace.set_process(name)
         configure_logging(log_level, rank=rank, host=host, fmt=log_format, progress=progress)
 
-    def catch_signals(self) -> None:
+    def catch_signals(self, wakeup: bool = False) -> None:
         """From now on SIGTERM and SIGINT set ``stop`` (the main's loop ends and teardown runs) instead of ending
-        the process where it stands."""
-        signal.signal(signal.SIGTERM, lambda *_: self.stop.set())
-        signal.signal(signal.SIGINT, lambda *_: self.stop.set())
+        the process where it stands; with ``wakeup``, they also write to ``signal_fd`` (a process that runs no
+        asyncio loop on its main thread: such a loop claims the wake-up descriptor for itself)."""
+        def stop(signum: int, _frame) -> None:
+            self.stopped_by = self.stopped_by or signal.Signals(signum).name
+            self.stop.set()
+
+        signal.signal(signal.SIGTERM, stop)
+        signal.signal(signal.SIGINT, stop)
+        if wakeup and self.signal_fd is None:
+            read_fd, write_fd = os.pipe()
+            os.set_blocking(read_fd, False)
+            os.set_blocking(write_fd, False)
+            signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+            self.signal_fd = read_fd
 
     def ready(self) -> None:
         """The process is built and about to serve: what is alive now leaves the collector's reach (``heap.py``)."""

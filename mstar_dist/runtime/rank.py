@@ -4,93 +4,136 @@
 2. identify this process in the cluster spec against torchrun's variables (ValueError on any mismatch); the
    process group is joined with this *logical* global rank (under c10d rendezvous torchrun's RANK may differ; the
    agent's store accepts any permutation), so every rank number in the runtime is a logical one; rank 0 spawns its
-   front end now (``frontend.py``), so that its imports overlap the distributed setup;
+   front end now (``frontend.py``), so that its imports overlap the distributed setup; the guard thread starts
+   (``distributed/guard.py``): another rank's failure, the startup deadline or a signal ends this rank at once;
 3. ``init_process_group`` (gloo on CPU, ``cuda:nccl,cpu:gloo`` on GPUs), the launch's secret, the walks check, the
    TP groups, then one pair group per directed edge pair, created on every rank in one order, and warmed — a
    collective step: blocks until all ranks join or ``--startup-timeout`` passes;
-4. bind this rank's control socket, publish its endpoint in the torchrun store, read every peer's (bounded wait);
+4. bind this rank's control socket, publish its endpoint in the launch's store, read every peer's (bounded wait);
 5. load only this rank's components (weights prepared once per host first) and report READY or LOAD_FAILED;
-6. run the worker loop until SIGTERM or the conductor's ``Shutdown``.
-A failure anywhere exits non-zero on every rank (the front end broadcasts ``Shutdown``) with a message naming the
-rank, host and cause; SIGTERM stops cleanly with exit 0. Teardown is unconditional and bounded.
+6. run the worker loop until a signal or the conductor's ``Shutdown``.
+A failure anywhere exits non-zero on every rank with a message naming the rank, host and cause (during startup
+through the launch store's failure board, then through the front end's ``Shutdown``); SIGTERM or SIGINT stops
+cleanly with exit 0. Teardown is unconditional and bounded.
+
+**Restarted** (incarnation > 0, counted by its supervisor: ``supervisor.py``; in place, or on a host whose
+torchrun was started again into the running deployment) a rank skips the world group:
+step 3 becomes reading the secret and re-forming its TP group with its replica's members (each restarted too), its
+data plane starts without pairs, and instead of READY it sends ``Rejoin``; the conductor then has every live rank
+form fresh pairs with it (``Repair``, ``distributed/repair.py``) and re-admits it (docs/architecture.md §10).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import gc
+import functools
 import logging
 import os
-import socket
-import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from mstar_dist.config.cluster import HostSpec, RankInfo, device_for, identify
-from mstar_dist.config.deployment import DeploymentConfig
+from mstar_dist.config.cluster import RankInfo, identify, machine_names
 from mstar_dist.control import messages as m
 from mstar_dist.control.channel import ControlChannel, default_store, lookup_endpoint, publish_endpoint, share_secret
 from mstar_dist.control.envelope import CONDUCTOR, rank_name
-from mstar_dist.distributed.groups import create_pair_groups, create_tp_groups, warm_pairs
+from mstar_dist.distributed.groups import create_tp_groups
+from mstar_dist.distributed.guard import Guard, publish_failure, startup_timeout_message
 from mstar_dist.distributed.init import backend_for_device, init_distributed, shutdown_distributed
+from mstar_dist.distributed.repair import form_pairs, form_tp_group
+from mstar_dist.distributed.store import key, launch_store
 from mstar_dist.distributed.tp import TPGroup
 from mstar_dist.engine.component import Component
-from mstar_dist.runtime.children import FrontendProcess
 from mstar_dist.runtime.deployment import Deployment, check_same_walks, load_deployment, torchrun_sizes
 from mstar_dist.runtime.lifecycle import SHUTDOWN_FLUSH_S, Lifecycle
-from mstar_dist.topology.placement import Placement
-from mstar_dist.transport.plane import TransportSetup, build_transports
+from mstar_dist.runtime.parts import (
+    apply_host_env, build_data_plane, cpu_threads_for, load_components, spawn_frontend, take_device,
+    teardown, tp_roles_for,
+)
+from mstar_dist.runtime.supervisor import INCARNATION_ENV, SupervisorPipe
 from mstar_dist.transport.router import Router
 from mstar_dist.transport.store import TensorStore
-from mstar_dist.worker.tp import TPRole
 from mstar_dist.worker.worker import Worker
+
+__all__ = ["LoadError", "Rank", "apply_host_env", "cpu_threads_for", "main", "teardown", "tp_roles_for"]
 
 log = logging.getLogger("mstar_dist.boot")  # the startup logger's name, as operators' log filters know it
 
-TEARDOWN_TIMEOUT_S = 15.0
-"""Bound on closing the components and destroying the process groups at exit (under torchrun's 30 s between
-SIGTERM and SIGKILL)."""
+TEARDOWN_TIMEOUT_S = 4.0
+"""Bound on closing the components and destroying the process groups at exit: a stop ends within 5 s."""
+REPAIR_TIMEOUT_S = 30.0
+"""Bound on forming one fresh pair group with a rejoining peer (both sides form it at once when told)."""
 
 
 def main(args: argparse.Namespace) -> int:
-    """Serve as the rank torchrun started this process as; the exit status (0 after SIGTERM or a clean
-    ``Shutdown``, 1 after any failure). ValueError / OSError before the rank is built: a mistake in the config, the
-    cluster spec or the port, which the CLI reports in one line."""
+    """Serve as the rank torchrun (or this rank's supervisor) started this process as; the exit status (0 after a
+    signal or a clean ``Shutdown``, 1 after any failure). ValueError / OSError before the rank is built: a mistake
+    in the config, the cluster spec or the port, which the CLI reports in one line."""
     world_size, local_ws = torchrun_sizes(os.environ)
     dep = load_deployment(args, world_size, local_ws)
-    info = identify(dep.cluster, os.environ, _hostnames())
+    info = identify(dep.cluster, os.environ, machine_names())
     lc = Lifecycle(rank_name(info.global_rank), log_level=logging.getLogger().level, rank=info.global_rank,
                    host=info.host_name, log_format=args.log_format)
+    lc.catch_signals(wakeup=True)  # a stop while starting: the guard sees it even inside a C call
     apply_host_env(dep.cluster.hosts[info.node_rank])
-    rank = Rank(args, dep, info, take_device(dep, info), lc)
-    lc.catch_signals()
+    supervisor = SupervisorPipe.from_env()
+    guard = start_guard(dep, info, args.startup_timeout, lc, supervisor)
+    rank = Rank(args, dep, info, take_device(dep, info), lc, guard=guard, supervisor=supervisor,
+                incarnation=int(os.environ.get(INCARNATION_ENV, "0")))
     return lc.run(rank.serve, rank.failed, rank.teardown)
+
+
+def start_guard(dep: Deployment, info: RankInfo, timeout_s: float, lc: Lifecycle,
+                supervisor: SupervisorPipe) -> Guard:
+    """This rank's guard thread, with its own client of the launch's store (none outside torchrun's agent store:
+    then it watches signals and the deadline only)."""
+    guard = Guard(rank=info.global_rank, host=info.host_name, world_size=dep.cluster.world_size,
+                  rank_hosts=dep.cluster.rank_hosts(), timeout_s=timeout_s, signal_fd=lc.signal_fd,
+                  watch_store=not dep.placement.is_conductor(info.global_rank))
+    guard.on_fatal = lambda message, over: supervisor.over(message) if over else supervisor.leaving(message)
+    try:
+        store = launch_store(timeout_s=min(timeout_s, 10.0))
+    except ConnectionError as exc:
+        log.warning("the guard runs without the launch's store: %s", exc)
+        store = None
+    guard.start(store)
+    return guard
 
 
 class LoadError(RuntimeError):
     """This rank's components failed to load; the message names the rank, its host and the cause."""
 
 
+class StartupError(RuntimeError):
+    """A startup step timed out or broke; the message names who held it up (no raw DistStoreError)."""
+
+
+class StoppedByConductor(RuntimeError):
+    """The conductor stopped this rank with an error (the deployment failed, or this rank is to restart): its
+    message says why, and the conductor's log has the rest."""
+
+
 class Rank:
     """One rank's parts, built in the steps of the module docstring, and their teardown. Parts not built yet are
     None (``components`` empty)."""
 
-    def __init__(self, args: argparse.Namespace, dep: Deployment, info: RankInfo, device: str,
-                 lc: Lifecycle) -> None:
+    def __init__(self, args: argparse.Namespace, dep: Deployment, info: RankInfo, device: str, lc: Lifecycle, *,
+                 guard: Guard, supervisor: SupervisorPipe, incarnation: int = 0) -> None:
         """Rank 0 spawns its front end here, first thing (step 2)."""
         self.args, self.dep, self.info, self.device, self.lc = args, dep, info, device, lc
+        self.guard, self.supervisor, self.incarnation = guard, supervisor, incarnation
         self.rank = info.global_rank
         self.world_size = dep.cluster.world_size
         self.where = f"rank {self.rank} on host {info.host_name}"
         self.timeout_s: float = args.startup_timeout
         self.frontend = spawn_frontend(args, dep, info) if dep.placement.is_conductor(self.rank) else None
+        self.store: Any | None = None
+        """The launch's store (``distributed/store.py``); the default group's when torchrun's agent has none."""
         self.channel: ControlChannel | None = None
         self.data_plane: Router | None = None
         self.components: dict[str, Component] = {}
@@ -101,35 +144,71 @@ class Rank:
         """How long the channel's last messages may take to leave at close (set once this rank said it leaves)."""
 
     def serve(self) -> int:
-        store, tp_groups = self.join()
-        self.data_plane = build_data_plane(self.dep, self.info, self.device, self.timeout_s)
-        self.connect(store)
-        self.load(store, tp_groups)
+        try:
+            self.store = launch_store(timeout_s=self.timeout_s)
+            tp_groups = self.join() if self.incarnation == 0 else self.rejoin()
+            self.data_plane = build_data_plane(self.dep, self.info, self.device, self.timeout_s,
+                                               pairs=None if self.incarnation == 0 else {})
+            self.guard.cleanups.append(self.data_plane.close)  # a fatal exit still unlinks the shm segment
+            self.connect()
+            self.load(tp_groups)
+        except dist.DistError as exc:
+            raise StartupError(self.startup_failure(exc)) from None
         self.worker = self.make_worker()
+        self.guard.serving = True
+        self.supervisor.serving()
         self.lc.ready()  # the model, torch and the graphs leave the collector's generations (heap.py)
         self.worker.run(should_stop=self.should_stop)
         self.check_exit()
         return 0
 
-    def join(self) -> tuple[Any, dict[tuple[int, ...], TPGroup]]:
-        """Step 3 up to the pairs: the process group, the launch's secret, the walks check and the TP groups
-        (created before the pairs, in one order on every rank). Returns the torchrun store and this rank's TP
-        groups."""
+    def startup_failure(self, exc: BaseException) -> str:
+        """What a startup step's torch.distributed error means for the operator: who held the startup up."""
+        log.debug("startup failed: %s: %s", type(exc).__name__, exc)
+        if self.store is None:
+            return f"{self.where}: the startup failed or timed out ({type(exc).__name__}: {exc})"
+        return f"{self.where}: " + startup_timeout_message(self.store, self.world_size, self.dep.cluster.rank_hosts(),
+                                                            self.timeout_s)
+
+    def join(self) -> dict[tuple[int, ...], TPGroup]:
+        """Step 3 up to the pairs (a first start): the process group, the launch's secret, the walks check and the
+        TP groups (created before the pairs, in one order on every rank). Returns this rank's TP groups."""
+        if self.store is not None:
+            self.store.set(key("rendezvous", rank=self.rank), self.info.host_name)
         init_distributed(global_rank=self.rank, world_size=self.world_size, device=self.device,
                          timeout_s=self.timeout_s)
-        store = default_store()
-        secret = share_secret(store, publisher=self.dep.placement.is_conductor(self.rank), timeout_s=self.timeout_s)
-        self.dep = dataclasses.replace(self.dep, token=secret)
-        check_same_walks(store, self.rank, self.world_size, self.dep.walks_digest(), self.timeout_s)
-        tp_groups = create_tp_groups(self.dep.placement.tp_groups, global_rank=self.rank,
-                                     backend=backend_for_device(self.device), timeout_s=self.timeout_s)
-        return store, tp_groups
+        if self.store is None:  # not under torchrun's agent store: the default group's
+            self.store = default_store()
+        self.share_secret()
+        return create_tp_groups(self.dep.placement.tp_groups, global_rank=self.rank,
+                                backend=backend_for_device(self.device), timeout_s=self.timeout_s)
 
-    def connect(self, store: Any) -> None:
-        """Step 4: this rank's control socket, published; the conductor's (rank 0 publishes its front end's) and
-        every rank's, looked up and connected."""
-        me = rank_name(self.rank)
-        self.channel = ControlChannel(me, self.info.addr)
+    def rejoin(self) -> dict[tuple[int, ...], TPGroup]:
+        """Step 3 of a rank restarted in place or on a host started again: no world group; the secret, the walks
+        check, and its TP groups formed anew with their members (every member of a replica restarts together)."""
+        if self.store is None:
+            raise RuntimeError(f"{self.where} cannot rejoin: it needs torchrun's agent store "
+                               f"(TORCHELASTIC_USE_AGENT_STORE), which this launch does not have")
+        log.info("%s starts again (incarnation %d) and rejoins the running deployment", self.where,
+                 self.incarnation)
+        self.share_secret()
+        backend = backend_for_device(self.device)
+        return {ranks: form_tp_group(self.store, ranks, self.rank, backend, self.timeout_s)
+                for ranks in self.dep.placement.tp_groups if self.rank in ranks}
+
+    def share_secret(self) -> None:
+        secret = share_secret(self.store, publisher=self.dep.placement.is_conductor(self.rank) and not self.incarnation,
+                              timeout_s=self.timeout_s)
+        self.dep = dataclasses.replace(self.dep, token=secret)
+        check_same_walks(self.store, self.rank, self.world_size, self.dep.walks_digest(), self.timeout_s)
+
+    def connect(self) -> None:
+        """Step 4: this rank's control socket (its host's bind address, advertised address and port range),
+        published; the conductor's (rank 0 publishes its front end's) and every rank's, looked up and connected."""
+        me, store = rank_name(self.rank), self.store
+        host = self.dep.cluster.hosts[self.info.node_rank]
+        self.channel = ControlChannel(me, self.info.addr, advertise_addr=host.advertise_addr,
+                                      port_range=host.control_ports)
         publish_endpoint(store, me, self.channel.endpoint)
         if self.frontend is not None:
             publish_endpoint(store, CONDUCTOR, self.frontend.endpoint(self.timeout_s))
@@ -138,12 +217,13 @@ class Rank:
             self.endpoints[peer] = lookup_endpoint(store, peer, self.timeout_s)
             self.channel.connect(peer, self.endpoints[peer])
 
-    def load(self, store: Any, tp_groups: dict[tuple[int, ...], TPGroup]) -> None:
-        """Step 5: this rank's components, then READY to the conductor (LOAD_FAILED and a ``LoadError`` when they
-        fail). Rank 0 hands its front end the secret and the endpoints now: the weights are on this host."""
+    def load(self, tp_groups: dict[tuple[int, ...], TPGroup]) -> None:
+        """Step 5: this rank's components, then READY (``Rejoin`` when restarted) to the conductor; LOAD_FAILED, the
+        failure on the board and a ``LoadError`` when they fail. Rank 0 hands its front end the secret and the
+        endpoints now: the weights are on this host."""
         t0 = time.monotonic()
         try:
-            self.components = load_components(self.dep, self.info, self.device, store, self.timeout_s, tp_groups)
+            self.components = load_components(self.dep, self.info, self.device, self.store, self.timeout_s, tp_groups)
         except Exception as exc:
             cause = f"{type(exc).__name__}: {exc}"
             if self.frontend is not None:
@@ -154,7 +234,13 @@ class Rank:
             raise LoadError(f"{self.where} failed to load: {cause}") from exc
         if self.frontend is not None:
             self.frontend.configure(self.dep.token, self.endpoints)
-        self.send(m.Ready(rank=self.rank, host=self.info.host_name, load_seconds=time.monotonic() - t0))
+        self.store.set(key("ready", rank=self.rank), self.info.host_name)
+        seconds = time.monotonic() - t0
+        if self.incarnation:
+            self.send(m.Rejoin(rank=self.rank, host=self.info.host_name, incarnation=self.incarnation,
+                               endpoint=self.channel.endpoint, load_seconds=seconds))
+        else:
+            self.send(m.Ready(rank=self.rank, host=self.info.host_name, load_seconds=seconds))
 
     def make_worker(self) -> Worker:
         dep, device = self.dep, torch.device(self.device)
@@ -168,6 +254,9 @@ class Rank:
             streaming_edges=dep.model.streaming_edges(),
             conductor_timeout_s=dep.config.limits.rank_timeout_s,
             tp_roles=tp_roles_for(dep.placement, self.rank),
+            form_pairs=functools.partial(form_pairs, self.store, me=self.rank,
+                                         backend=backend_for_device(self.device), timeout_s=REPAIR_TIMEOUT_S),
+            incarnation=self.incarnation,
         )
 
     def should_stop(self) -> bool:
@@ -178,20 +267,47 @@ class Rank:
 
     def check_exit(self) -> None:
         """Why the worker loop ended: the front end died (an error), a signal (a rank without a front end tells the
-        conductor it leaves), or the conductor's ``Shutdown`` (an error when it says the deployment failed)."""
+        conductor it leaves), or the conductor's ``Shutdown`` (an error when it says the deployment failed; not the
+        end of the deployment when it asks this rank alone to restart)."""
         stopped, worker = self.lc.stop.is_set(), self.worker
         if self.frontend_gone() and not stopped and not worker.stopping:
             raise RuntimeError(self.frontend.describe_exit())
         if stopped and not worker.stopping and self.frontend is None:
             self.tell_leaving()
-        if worker.stopping and worker.failed_reason:
-            raise RuntimeError(worker.failed_reason)
+        if worker.stopping:
+            reason = worker.failed_reason or "the deployment stopped"
+            restart = worker.restart_asked
+            if worker.conductor_silent:
+                restart = self.rank0_host_up()
+                reason += ("; rank 0's host is up, so the conductor declared this rank dead (stopped or starved): it "
+                           "restarts and rejoins" if restart else "; rank 0's host is gone")
+            (self.supervisor.leaving if restart else self.supervisor.over)(reason)
+            if worker.failed_reason:
+                raise StoppedByConductor(reason)
+
+    def rank0_host_up(self, wait_s: float = 3.0) -> bool:
+        """Whether the launch's store (on rank 0's host) still answers within ``wait_s``, and the deployment is not
+        over."""
+        answer: list[bool] = []
+
+        def ask() -> None:
+            try:
+                answer.append(self.store is not None and not self.store.check([key("over")]))
+            except Exception:  # noqa: BLE001 - the store's host is gone
+                answer.append(False)
+
+        asking = threading.Thread(target=ask, name="store-check", daemon=True)
+        asking.start()
+        asking.join(wait_s)
+        return bool(answer and answer[0])
 
     def tell_leaving(self) -> None:
         """A rank stopped by a signal tells the conductor at once (``Leaving``), so its requests fail fast; the
         message leaves before the channel closes (``flush_s``)."""
+        reason = f"stopped by a signal ({self.lc.stopped_by or 'SIGTERM'})"
+        self.supervisor.leaving(reason)
         try:
-            self.send(m.Leaving(rank=self.rank, host=self.info.host_name, reason="stopped by a signal (SIGTERM)"))
+            self.send(m.Leaving(rank=self.rank, host=self.info.host_name, reason=reason))
             self.flush_s = SHUTDOWN_FLUSH_S
         except Exception:  # the conductor is gone too: nobody to tell
             pass
@@ -200,8 +316,11 @@ class Rank:
         self.channel.send(CONDUCTOR, m.encode(self.dep.token, rank_name(self.rank), body))
 
     def failed(self, exc: Exception) -> None:
-        if isinstance(exc, LoadError):
-            log.error("%s\n%s", exc, traceback.format_exc())
+        if not self.guard.serving:  # the other ranks wait in the startup: the board tells them at once
+            publish_failure(self.store, self.rank, self.info.host_name, _cause(exc, self.where))
+        if isinstance(exc, (LoadError, StartupError, StoppedByConductor)):
+            log.error("%s", exc)
+            log.debug("%s", traceback.format_exc())
         else:
             log.error("%s failed: %s\n%s", self.where, exc, traceback.format_exc())
 
@@ -217,140 +336,15 @@ class Rank:
             self.data_plane.close()
         self.worker = None  # the worker holds the components too: nothing may keep their CUDA graphs alive
         finished = teardown(self.components, shutdown_distributed, TEARDOWN_TIMEOUT_S)
-        log.info("%s exits with status %d", self.where, rc)
+        self.guard.close()
+        why = f" ({self.lc.stopped_by})" if self.lc.stopped_by and rc == 0 else ""
+        log.info("%s exits with status %d%s", self.where, rc, why)
         return finished
 
 
-def spawn_frontend(args: argparse.Namespace, dep: Deployment, info: RankInfo) -> FrontendProcess:
-    """Rank 0: reserve the HTTP port (a clash is an error now, not after every rank loaded) and start the front end
-    with this rank's own flags."""
-    from mstar_dist.server.http_server import reserve_port
+def _cause(exc: BaseException, where: str) -> str:
+    """A failure's cause in one line, without the rank and host the board names anyway."""
+    if isinstance(exc, (LoadError, StartupError)):
+        return str(exc).removeprefix(where).lstrip(": ")
+    return f"{type(exc).__name__}: {exc}"
 
-    http_sock = reserve_port(dep.config.server.host, dep.config.server.port)
-    return FrontendProcess(getattr(args, "argv", sys.argv[1:]), host_name=info.host_name, addr=info.addr,
-                           http_sock=http_sock)
-
-
-def take_device(dep: Deployment, info: RankInfo) -> str:
-    """This rank's device, made current (CUDA), or its share of the host's CPU threads."""
-    device = device_for(info, torch.cuda.is_available())
-    if device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(device))
-    else:
-        threads = cpu_threads_for(dep.config, info.global_rank, len(dep.cluster.ranks_on_host(info.node_rank)),
-                                  os.cpu_count() or 1)
-        torch.set_num_threads(threads)
-        log.info("rank %d uses %d CPU threads", info.global_rank, threads)
-    return device
-
-
-def _hostnames() -> set[str]:
-    names = {socket.gethostname(), socket.getfqdn()}
-    try:
-        names.update(info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None))
-    except OSError:
-        pass
-    return names
-
-
-def cpu_threads_for(config: DeploymentConfig, global_rank: int, ranks_on_host: int, cores: int) -> int:
-    """Intra-op threads of a CPU rank: the largest ``cpu_threads`` of its node groups, else an even share."""
-    asked = [g.cpu_threads for g in config.node_groups if global_rank in g.ranks and g.cpu_threads is not None]
-    return max(asked) if asked else max(1, cores // max(1, ranks_on_host))
-
-
-def apply_host_env(host: HostSpec) -> None:
-    """Before this rank initialises anything: the cluster spec's ``env`` of its host (e.g. GLOO_SOCKET_IFNAME,
-    NCCL_SOCKET_IFNAME), and its ``transfer_device`` as the NIC NCCL uses (NCCL_IB_HCA) unless the env names one."""
-    for key, value in host.env.items():
-        os.environ[key] = value
-    if host.transfer_device:
-        os.environ.setdefault("NCCL_IB_HCA", host.transfer_device)
-    if host.env or host.transfer_device:
-        log.info("host %s: environment %s, transfer device %s", host.name, dict(host.env), host.transfer_device)
-
-
-def tp_roles_for(placement: Placement, rank: int) -> dict[str, TPRole]:
-    """Node -> this rank's role in the node's TP replica, for the nodes it holds with tp_size > 1."""
-    roles = {}
-    for node, walks in placement.components_on(rank).items():
-        for rep_ in placement.replicas(next(iter(sorted(walks))), node):
-            if rank in rep_.ranks and len(rep_.ranks) > 1:
-                roles[node] = TPRole(node, rep_.ranks, rank)
-    return roles
-
-
-def load_components(dep: Deployment, info: RankInfo, device: str, store: Any, timeout_s: float,
-                    tp_groups: dict[tuple[int, ...], TPGroup] | None = None) -> dict[str, Component]:
-    """Prepare weights once per host (local rank 0; the others wait for its word), then build this rank's
-    components; a node of a TP replica gets the replica's group and builds only this rank's shard."""
-    key = f"mstar_dist/weights/{info.node_rank}"
-    if info.local_rank == 0:
-        try:
-            dep.model.prepare_weights()
-            store.set(key, "ok")
-        except Exception as exc:
-            store.set(key, f"error: {exc}")
-            raise
-    else:
-        store.wait([key], datetime.timedelta(seconds=timeout_s))
-        status = store.get(key).decode()
-        if status != "ok":
-            raise RuntimeError(f"weights preparation on host {info.host_name} failed: {status}")
-    components = {}
-    roles = tp_roles_for(dep.placement, info.global_rank)
-    for node, walks in sorted(dep.placement.components_on(info.global_rank).items()):
-        t0 = time.monotonic()
-        engine = dep.config.engine_for(info.global_rank, node)  # engine: with this node group's overrides
-        if node in roles:  # the layers all-reduce on the replica's TP group
-            tp = tp_groups[roles[node].ranks]
-            components[node] = dep.model.build_component(node, device=device, walks=set(walks), engine=engine, tp=tp)
-        else:
-            components[node] = dep.model.build_component(node, device=device, walks=set(walks), engine=engine)
-        components[node].warmup()
-        log.info("loaded %s for walks %s on %s in %.1f s", node, sorted(walks), device, time.monotonic() - t0)
-    return components
-
-
-def build_data_plane(dep: Deployment, info: RankInfo, device: str, timeout_s: float) -> Router:
-    """This rank's data plane (docs/architecture.md §7): the pair groups of every p2p edge pair (collective: every
-    rank creates the same ones, in one order, and warms its own), the shm arena and the Mooncake engine when
-    some peer of this rank uses them, behind the per-tensor router."""
-    rank, cfg = info.global_rank, dep.config.transport
-    pairs = create_pair_groups(dep.p2p_pairs, global_rank=rank, backend=backend_for_device(device),
-                               timeout_s=timeout_s)
-    warm_pairs(pairs, rank, device)
-    setup = TransportSetup(global_rank=rank, device=torch.device(device), config=cfg, launch_id=dep.token[:16],
-                           host_addr=info.addr, transfer_device=dep.cluster.hosts[info.node_rank].transfer_device,
-                           pair_groups=pairs)
-    transports = build_transports({dep.via(rank, peer) for peer in dep.placement.peers_of(rank)}, setup)
-    log.info("rank %d data plane: %s to peers %s", rank, ", ".join(sorted(transports)) or "none",
-             list(dep.placement.peers_of(rank)))
-    return Router(global_rank=rank, rank_hosts=dep.cluster.rank_hosts(), transports=transports,
-                  intra_host=cfg.intra_host, inter_host=cfg.inter_host, inline_max_bytes=cfg.inline_max_bytes,
-                  device=torch.device(device))
-
-
-def teardown(components: dict[str, Component], shutdown_distributed: Callable[[], None], timeout_s: float) -> bool:
-    """Close every component (CUDA graphs first: graphs that captured NCCL collectives keep the communicator busy
-    and ``destroy_process_group`` would never return), then destroy the process groups: in a helper thread, so
-    that a backend stuck in its teardown costs at most ``timeout_s``. True when it all finished in time."""
-    def run() -> None:
-        for node, component in components.items():
-            try:
-                component.close()
-            except Exception:  # noqa: BLE001 - teardown goes on; the process is leaving
-                log.warning("closing component %s failed", node, exc_info=True)
-        components.clear()
-        gc.unfreeze()  # the startup heap was frozen (heap.py): its cycles are the collector's again
-        gc.collect()  # graphs referenced from cycles go now, not at interpreter exit
-        shutdown_distributed()
-
-    thread = threading.Thread(target=run, name="teardown", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if thread.is_alive():
-        log.warning("closing the components and destroying the process groups did not finish within %g s; "
-                    "leaving without waiting for it", timeout_s)
-        return False
-    return True

@@ -30,10 +30,19 @@ class CutSignal:
     """A streaming edge into another partition's walk (``walk`` is the producing walk)."""
     loop: str | None = None
     """The loop both ends run in, when they do: the value crosses ranks on every iteration (a per-step edge)."""
+    dst_walk: str = ""
+    """The consumer's walk when it is not ``walk``: a streaming edge's, or a later walk consuming a kept output."""
+
+    @property
+    def kept(self) -> bool:
+        """A kept walk output (``persist``, like the P/D KV cache) that a later walk of the partition consumes."""
+        return bool(self.dst_walk) and not self.streaming
 
 
-def cut_signals(graphs: dict[str, Section], streams: list[StreamingEdge], placement: Placement) -> list[CutSignal]:
-    """Every edge whose two ends are not always on the same rank, sorted by walk, signal and nodes."""
+def cut_signals(graphs: dict[str, Section], streams: list[StreamingEdge], placement: Placement,
+                partitions: list[Partition] = ()) -> list[CutSignal]:
+    """Every edge whose two ends are not always on the same rank, sorted by walk, signal and nodes: edges inside a
+    walk, streaming edges, and (given ``partitions``) kept outputs consumed by a later walk of their partition."""
     cuts = set()
     consumer_walk = {e.signal: _walk_of(graphs, e.dst_node) for e in streams}
     for walk, section in graphs.items():
@@ -47,8 +56,33 @@ def cut_signals(graphs: dict[str, Section], streams: list[StreamingEdge], placem
                     continue  # the same replicas: a request keeps both ends on one rank (replica choice prefers it)
                 loop = loops.get(node.name) if not edge.stream and loops.get(node.name) == loops.get(edge.dst) else None
                 cuts.add(CutSignal(walk, edge.signal, node.name, edge.dst, _ranks(placement, walk, node.name),
-                                   _ranks(placement, dst_walk, edge.dst), edge.stream, loop))
-    return sorted(cuts, key=lambda c: (c.walk, c.signal, c.src_node, c.dst_node))
+                                   _ranks(placement, dst_walk, edge.dst), edge.stream, loop,
+                                   dst_walk if dst_walk != walk else ""))
+    cuts.update(_kept_cuts(graphs, partitions, placement))
+    return sorted(cuts, key=lambda c: (c.walk, c.signal, c.src_node, c.dst_walk, c.dst_node))
+
+
+def _kept_cuts(graphs: dict[str, Section], partitions: list[Partition], placement: Placement) -> set[CutSignal]:
+    """Kept outputs (``persist``) of one walk that a node of another walk of the same partition takes as an input,
+    where the two nodes are not on the same replicas."""
+    out = set()
+    for partition in partitions:
+        walks = [w for w in partition.walks if w in graphs]
+        for walk in walks:
+            for node in iter_nodes(graphs[walk]):
+                for edge in node.outputs:
+                    if not edge.persist:
+                        continue
+                    for dst_walk in walks:
+                        for consumer in iter_nodes(graphs[dst_walk]):
+                            if dst_walk == walk or edge.signal not in (*consumer.inputs, *consumer.optional_inputs):
+                                continue
+                            if placement.replicas(walk, node.name) == placement.replicas(dst_walk, consumer.name):
+                                continue
+                            out.add(CutSignal(walk, edge.signal, node.name, consumer.name,
+                                              _ranks(placement, walk, node.name),
+                                              _ranks(placement, dst_walk, consumer.name), dst_walk=dst_walk))
+    return out
 
 
 def flows(graphs: dict[str, Section], partitions: list[Partition], streams: list[StreamingEdge]) -> tuple[Flow, ...]:
@@ -78,11 +112,34 @@ def flows(graphs: dict[str, Section], partitions: list[Partition], streams: list
 def describe_cuts(cuts: list[CutSignal]) -> str:
     lines = [f"cut edges: {len(cuts)} (values that go straight from the producing rank to the consuming rank)"]
     for c in cuts:
-        kind = " (stream)" if c.streaming else ""
         every = f"  every step of loop {c.loop}" if c.loop else ""
-        lines.append(f"  {c.walk}: {c.signal}{kind}  {c.src_node}@{_ranks_text(c.src_ranks)} -> "
-                     f"{c.dst_node}@{_ranks_text(c.dst_ranks)}{every}")
+        lines.append(f"  {c.walk}: {c.signal}{_kind(c)}  {c.src_node}@{_ranks_text(c.src_ranks)} -> "
+                     f"{_consumer(c)}@{_ranks_text(c.dst_ranks)}{every}")
     return "\n".join(lines)
+
+
+def describe_cross_host(cuts: list[CutSignal], host_of: dict[int, str], inter_host: str) -> str:
+    """Every graph edge whose producer and consumer may run on different hosts, per pair of hosts, with the
+    transport it takes there (``transport.inter_host``): what a firewall or a NIC choice between hosts must let
+    through."""
+    lines = []
+    for c in cuts:
+        pairs = sorted({(host_of[s], host_of[d]) for s in c.src_ranks for d in c.dst_ranks if host_of[s] != host_of[d]})
+        for a, b in pairs:
+            src = [r for r in c.src_ranks if host_of[r] == a]
+            dst = [r for r in c.dst_ranks if host_of[r] == b]
+            lines.append(f"  {c.walk}: {c.signal}{_kind(c)}  {c.src_node}@{a} ({_ranks_text(tuple(src))}) -> "
+                         f"{_consumer(c)}@{b} ({_ranks_text(tuple(dst))}) via {inter_host}")
+    return "\n".join([f"cross-host graph edges: {len(lines)} (walk: signal, producer -> consumer, transport)",
+                      *lines])
+
+
+def _kind(c: CutSignal) -> str:
+    return " (stream)" if c.streaming else " (kept)" if c.kept else ""
+
+
+def _consumer(c: CutSignal) -> str:
+    return f"{c.dst_walk}/{c.dst_node}" if c.dst_walk else c.dst_node
 
 
 def _ranks(placement: Placement, walk: str, node: str) -> tuple[int, ...]:

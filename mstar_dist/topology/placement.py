@@ -89,8 +89,11 @@ class Placement:
                 "cluster", f"the hosts list {config.cluster.world_size} devices but WORLD_SIZE={world_size}",
                 source=config.source,
             )
-        return cls(world_size=world_size, node_groups=config.node_groups, walks=walks, source=config.source,
-                   flows=None if flows is None else tuple(sorted(set(flows))))
+        placement = cls(world_size=world_size, node_groups=config.node_groups, walks=walks, source=config.source,
+                        flows=None if flows is None else tuple(sorted(set(flows))))
+        if config.cluster is None:
+            _check_no_idle_rank(config)
+        return placement
 
     def __post_init__(self) -> None:
         try:
@@ -342,3 +345,15 @@ def choose_replica(
     best = max(score(rep) for rep in live)
     ties = sorted((rep for rep in live if score(rep) == best), key=lambda rep: rep.index)
     return ties[0] if len(ties) == 1 else rng.choice(ties)
+
+
+def _check_no_idle_rank(config: DeploymentConfig) -> None:
+    """Without a ``cluster:`` section the launch scripts start the highest placed rank + 1 processes, and every rank
+    below it must serve some node: a gap (``ranks: [2]`` where ``[1]`` was meant) would start a process that loads
+    nothing and only idles. (A cluster spec lists its devices itself; one it leaves unplaced is its author's choice.)"""
+    placed = {r for g in config.node_groups for r in g.ranks}
+    idle = sorted(set(range(1 + max(placed, default=-1))) - placed)
+    if idle:
+        raise ConfigError("node_groups", f"rank {idle[0]} is in no node group (the ranks placed are {sorted(placed)}, "
+                          f"so ranks 0..{max(placed)} must each serve a node; a rank with none would only idle)",
+                          source=config.source)

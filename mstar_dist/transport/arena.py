@@ -404,6 +404,11 @@ class ArenaTransport:
         logging.getLogger(type(self).__module__).warning(
             "rank %d: %s to rank %d is dead (%s); reclaimed %d slot(s)", self.global_rank, self.name, peer, reason, n)
 
+    def revive_peer(self, peer: int, pair_groups=None) -> None:
+        """``peer`` restarted and rejoined: lend to it and read from it again (its new process has a new arena)."""
+        if self._dead.pop(peer, None) is not None:
+            self._on_peer_revived(peer)
+
     def stats(self) -> dict:
         return {**self._stats, "inflight": self._inflight(), "bytes_used": self.bytes_used,
                 "slots_lent": len(self._lent), "leases": self._leases, "arena_bytes": self._alloc.size,
@@ -437,6 +442,9 @@ class ArenaTransport:
 
     def _on_peer_dead(self, peer: int) -> None:
         """Drop this transport's own pending work with ``peer`` (after its lent slots came back)."""
+
+    def _on_peer_revived(self, peer: int) -> None:
+        """Forget what this transport kept of ``peer``'s previous process (its arena, its release ring here)."""
 
     def _inflight(self) -> int:
         return 0

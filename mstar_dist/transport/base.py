@@ -22,11 +22,15 @@ worker thread only.
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
 from mstar_dist.control import messages as m
+
+if TYPE_CHECKING:
+    from mstar_dist.distributed.groups import PairGroup
 
 __all__ = ["ArenaFull", "DataPlane", "Done", "PeerDeadError", "Transfer", "TransferFailed"]
 
@@ -112,6 +116,11 @@ class DataPlane(Protocol):
 
     def is_dead(self, peer: int) -> bool:
         """Whether ``abort_peer`` was called for ``peer``."""
+
+    def revive_peer(self, peer: int, pair_groups: Mapping[tuple[int, int], "PairGroup"]) -> None:
+        """``peer`` was restarted and rejoined (docs/architecture.md §10): serve it again, as a new process.
+        ``pair_groups``: the fresh groups of its pairs with this rank (p2p's; other transports ignore them). Nothing
+        of the dead process is carried over: what it had been lent was reclaimed at ``abort_peer``."""
 
     def stats(self) -> dict:
         """Counters: at least ``sends``, ``recvs``, ``bytes_sent``, ``bytes_received``, ``host_staging_copies``,

@@ -388,6 +388,20 @@ class P2PTransport:
             if pair in self._groups:
                 self.abort_pair(*pair, reason=reason)
 
+    def revive_peer(self, peer: int, pair_groups) -> None:
+        """Global rank `peer` restarted and rejoined: its pairs with this rank run on the fresh groups
+        `pair_groups` (``distributed/repair.py``) from now on; the dead pairs' groups are dropped (their waiter
+        threads stop once their last wait ends)."""
+        for pair, pg in pair_groups.items():
+            if self.global_rank not in pair or peer not in pair:
+                continue
+            waiter = self._waiters.pop(pair, None)
+            if waiter is not None:
+                waiter.stop()
+            self._groups[pair] = pg
+            self._dead.pop(pair, None)
+            self._stats.setdefault(pair, _PairStats())
+
     def is_dead(self, peer: int) -> bool:
         """Whether a pair with global rank `peer` is dead (either direction)."""
         return (self.global_rank, peer) in self._dead or (peer, self.global_rank) in self._dead

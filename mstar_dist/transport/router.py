@@ -144,6 +144,12 @@ class Router:
         for plane in self._transports.values():
             plane.abort_peer(peer, reason)
 
+    def revive_peer(self, peer: int, pair_groups: Mapping) -> None:
+        """``peer`` restarted and rejoined: every transport serves it again (p2p on ``pair_groups``, its fresh pair
+        groups with this rank)."""
+        for plane in self._transports.values():
+            plane.revive_peer(peer, pair_groups)
+
     def is_dead(self, peer: int) -> bool:
         if peer == self.global_rank:
             return False  # values to this rank itself never use a transport

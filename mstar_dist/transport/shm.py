@@ -156,6 +156,7 @@ class ShmTransport(ArenaTransport):
         self._peers: dict[str, _Segment] = {}
         self._rings: dict[int, list[int]] = {}  # consumer -> [byte offset of its ring here, next entry to read]
         self._peer_rings: dict[int, list] = {}  # producer -> [its segment, word index of our ring there, next entry]
+        self._epochs: dict[int, int] = {}  # producer -> how often it was revived: a release of its old arena is void
         log.info("rank %d: shared-memory arena %s (%d bytes)", global_rank, self._own.path, self._own.size)
 
     @property
@@ -173,6 +174,8 @@ class ShmTransport(ArenaTransport):
         spill: dict[int, list[int]] = {}
         for peer, slot in self._released.take():
             self._leases -= 1
+            if peer < 0:  # a slot of a producer's previous process (it restarted): nobody to hand it back to
+                continue
             if peer not in self._dead and not self._write_ring(peer, slot):
                 spill.setdefault(peer, []).append(slot)
         self._stats["slots_back_by_message"] += sum(len(slots) for slots in spill.values())
@@ -198,14 +201,27 @@ class ShmTransport(ArenaTransport):
                 raise TransferFailed(f"shm descriptor from rank {src} names a release ring at {loc.ring}, "
                                      f"outside segment {loc.segment}'s rings")
             self._peer_rings[src] = [seg, loc.ring // 8, 0]
-        released, slot = self._released, loc.slot
+        released, slot, epochs = self._released, loc.slot, self._epochs
+        epoch = epochs.get(src, 0)
         self._leases += 1  # until the release comes back through ``poll`` (also when the wrap fails: it releases)
         out = wrap_bytes(seg.array, loc.offset, nbytes, str_to_dtype(wire.dtype), wire.shape,
-                         lambda: released.put(src, slot))
+                         lambda: released.put(src if epochs.get(src, 0) == epoch else -1, slot))
         return Done(self._to_target(out, target))
 
     def _make_room(self) -> int:
         return self._read_rings()
+
+    def _on_peer_revived(self, peer: int) -> None:
+        """``peer``'s new process starts its release ring here from the first entry, and has a new segment: what it
+        wrote as the old process is void, and so are our releases of the old segment's slots (``_epochs``)."""
+        ring = self._rings.get(peer)
+        if ring is not None:
+            words, base = self._own.words, ring[0] // 8
+            for i in range(base, base + RING_ENTRIES):
+                words[i] = 0
+            ring[1] = 0
+        self._peer_rings.pop(peer, None)
+        self._epochs[peer] = self._epochs.get(peer, 0) + 1
 
     def _close(self) -> None:
         """Unlink this rank's segment and drop the peers' mappings; never raises."""

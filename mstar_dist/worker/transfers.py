@@ -6,12 +6,16 @@ values between workers (a ``NodeDone``'s, a stream's) are posted by :meth:`Trans
 watched until it completes (a released tensor is unpersisted then) or times out (the pair is aborted). Receives: a
 ``TensorDesc`` posts its receive at once, in descriptor order; a ``RunWalk`` whose inputs are still in flight waits
 (:meth:`Transfers.wait_for`) and starts once they landed. Receives of removed requests are drained: kept until they
-complete, so that an arena slot goes back to its producer. Every method runs on the worker's loop.
+complete, so that an arena slot goes back to its producer. Pairs formed again: a ``Repair`` (a peer restarted in
+place and rejoins, or this rank is that peer) forms the fresh pair groups on a helper thread (both members block in
+the store until the other came) while the loop goes on serving, then revives the peer on the data plane and answers
+``Repaired`` (docs/architecture.md §10). Every method runs on the worker's loop.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Container, Iterable
@@ -20,7 +24,7 @@ import torch
 
 from mstar_dist import trace
 from mstar_dist.control import messages as m
-from mstar_dist.control.envelope import is_rank, open_envelope, parse_rank, rank_name
+from mstar_dist.control.envelope import CONDUCTOR, is_rank, open_envelope, parse_rank, rank_name
 from mstar_dist.control.port import ControlPort
 from mstar_dist.transport.base import ArenaFull, Done
 from mstar_dist.transport.router import Router
@@ -70,6 +74,23 @@ class Outgoing:
     since: float = field(default_factory=time.monotonic)
 
 
+class PairJob:
+    """Fresh pair groups being formed on a helper thread for one ``Repair``."""
+
+    def __init__(self, msg: m.Repair, pairs: list[tuple[int, int]], form: Callable[..., dict]) -> None:
+        self.msg, self.pairs = msg, pairs
+        self.groups: dict | None = None
+        self.error = ""
+        self.thread = threading.Thread(target=self._run, args=(form,), name=f"repair-{msg.rank}", daemon=True)
+        self.thread.start()
+
+    def _run(self, form: Callable[..., dict]) -> None:
+        try:
+            self.groups = form(self.msg.prefix, self.pairs)
+        except Exception as exc:  # noqa: BLE001 - reported to the conductor in Repaired.error
+            self.error = f"{type(exc).__name__}: {exc}"
+
+
 class Transfers:
     """Every transfer of this rank in flight, and the walks waiting for theirs (see the module docstring)."""
 
@@ -77,9 +98,10 @@ class Transfers:
                  store: TensorStore, send: Callable[[str, m.Message], None], removed: Container[str],
                  start_walk: Callable[[m.RunWalk, dict[str, torch.Tensor]], None],
                  report_failure: Callable[[str, str, str], None], transfer_timeout_s: float,
-                 backpressure_timeout_s: float) -> None:
+                 backpressure_timeout_s: float, form_pairs: Callable[..., dict] | None = None) -> None:
         """``start_walk(msg, received)`` starts a waiting walk once its inputs landed; ``report_failure(request_id,
-        walk, error)`` tells the conductor a walk failed here."""
+        walk, error)`` tells the conductor a walk failed here; ``form_pairs(prefix, pairs)`` forms fresh pair groups
+        (blocking: it runs on a helper thread)."""
         self.global_rank, self.name, self.token = global_rank, name, token
         self.channel, self.transport, self.store = channel, transport, store
         self._send, self._removed = send, removed
@@ -95,12 +117,15 @@ class Transfers:
         self._incoming_req: dict[str, str] = {}  # uuid -> request id
         self.outgoing: list[Outgoing] = []
         self._draining: list[Any] = []  # receives of removed requests, kept until they complete
+        self._form_pairs = form_pairs
+        self.repairs: list[PairJob] = []
+        """Pairs being formed again with a rejoining rank."""
 
     def busy(self) -> bool:
         """Transfers in flight: the loop polls for their end (nobody wakes it)."""
         if self._draining:
             self._draining = [t for t in self._draining if transfer_state(t) == "pending"]
-        return bool(self.incoming or self.outgoing or self.waiting or self._draining)
+        return bool(self.incoming or self.outgoing or self.waiting or self._draining or self.repairs)
 
     def drain(self, transfers: Iterable[Any]) -> None:
         """Keep receives nobody will read until they complete (see the module docstring)."""
@@ -130,6 +155,35 @@ class Transfers:
 
     def pair_dead(self, src: int, dst: int) -> bool:
         return self.transport.is_dead(dst if src == self.global_rank else src)
+
+    def on_repair(self, msg: m.Repair) -> None:
+        """Rank ``msg.rank`` rejoins (or this rank does): send to its new endpoint, then form this rank's pairs with
+        it anew on a helper thread (``_finish_repairs`` revives the peers once they are formed)."""
+        if msg.rank != self.global_rank and msg.endpoint:
+            self.channel.reconnect(rank_name(msg.rank), msg.endpoint)
+        mine = [pair for pair in msg.pairs if self.global_rank in pair]
+        if not mine:
+            self._send(CONDUCTOR, m.Repaired(rank=self.global_rank, joined=msg.rank))
+        elif self._form_pairs is None:
+            self._send(CONDUCTOR, m.Repaired(rank=self.global_rank, joined=msg.rank,
+                                             error=f"rank {self.global_rank} cannot form pairs again"))
+        else:
+            self.repairs.append(PairJob(msg, mine, self._form_pairs))
+
+    def _finish_repairs(self) -> None:
+        still = []
+        for job in self.repairs:
+            if job.thread.is_alive():
+                still.append(job)
+                continue
+            if job.groups is not None:
+                for peer in sorted({p for pair in job.groups for p in pair} - {self.global_rank}):
+                    self.transport.revive_peer(peer, {pair: g for pair, g in job.groups.items() if peer in pair})
+                log.info("%s: pairs %s formed again", self.name, sorted(job.groups))
+            else:
+                log.error("%s: forming pairs %s again failed: %s", self.name, job.pairs, job.error)
+            self._send(CONDUCTOR, m.Repaired(rank=self.global_rank, joined=job.msg.rank, error=job.error))
+        self.repairs = still
 
     # ---- sends ----
     def push(self, msg: m.Push, wire_uuid: str | None = None,
@@ -261,7 +315,10 @@ class Transfers:
             del self.waiting[key]
 
     def poll(self) -> None:
-        """Send the acknowledgements we owe, watch the sends in flight, start the walks whose inputs landed."""
+        """Send the acknowledgements we owe, watch the sends in flight, start the walks whose inputs landed, install
+        the pairs formed again."""
+        if self.repairs:
+            self._finish_repairs()
         for peer, ack in self.transport.poll():  # arena slots we read or let go: the producers may reuse them
             self._send(rank_name(peer), ack)
         still = []

@@ -80,7 +80,11 @@ class Worker:
         tp_roles: dict[str, TPRole] | None = None,
         backpressure_timeout_s: float = 10.0,
         spin_s: float = 0.0,
+        form_pairs: Callable[..., dict] | None = None,
+        incarnation: int = 0,
     ):
+        """``form_pairs(prefix, pairs)``: forms fresh pair groups with a rejoining peer (``distributed/repair.py``;
+        None: this rank cannot, and says so); ``incarnation``: how often this rank was restarted in place."""
         self.global_rank, self.name = global_rank, rank_name(global_rank)
         self.graphs, self.components = graphs, components
         self.channel, self.transport, self.store = channel, transport, store
@@ -93,23 +97,18 @@ class Worker:
         self.stats_every_s = 0.5
         """How often the rank reports ``Stats`` to the conductor."""
         self.stopping = False
+        self.restart_asked = False
+        """The conductor's ``Shutdown`` asked this rank alone to go and be restarted (not the deployment's end)."""
+        self.conductor_silent = False
+        """The loop ended because the conductor went silent: rank 0's host is gone, or the conductor declared this
+        rank dead while it was stopped or starved and speaks to it no more (the rank tells which: ``rank.py``)."""
+        self.incarnation = incarnation
         self.rejected_messages = 0
         """Control messages dropped: undecodable, without this launch's secret, or from a spoofed sender."""
         self.failed_reason: str | None = None
         self.runs = Runs()
-        removed = self.runs.removed
-        self.transfers = Transfers(
-            global_rank=global_rank, name=self.name, token=token, channel=channel, transport=transport, store=store,
-            send=self._send, removed=removed, start_walk=self._start_walk, report_failure=self._report_failure,
-            transfer_timeout_s=transfer_timeout_s, backpressure_timeout_s=backpressure_timeout_s)
-        self.streams = Streams(
-            edges=list(streaming_edges), graphs=graphs, name=self.name, runs=self.runs, transfers=self.transfers,
-            send=self._send, removed=removed, fail_request=self._fail_request, flush_emits=self._flush_emits)
-        self.spans = Spans(global_rank=global_rank, transport=transport, transfers=self.transfers, send=self._send,
-                           removed=removed, fail_run=self._fail_run, transfer_timeout_s=transfer_timeout_s)
-        self.tp = TPReplicas(roles=dict(tp_roles or {}), name=self.name, device=device, components=components,
-                             store=store, transfers=self.transfers, send=self._send,
-                             transfer_timeout_s=transfer_timeout_s)
+        self._build_parts(streaming_edges=streaming_edges, tp_roles=tp_roles, form_pairs=form_pairs,
+                          transfer_timeout_s=transfer_timeout_s, backpressure_timeout_s=backpressure_timeout_s)
         self._emits: dict[str, list[tuple[str, torch.Tensor]]] = collections.defaultdict(list)
         self._done_out: list[m.WalkDone] = []  # walks ended this turn: reported with its emits (``_flush_emits``)
         self._ended: set[str] = set()  # requests whose last walk here ended this turn: their emits go, then the list
@@ -117,6 +116,26 @@ class Worker:
         self._deferred_only = False  # the last step ran nothing: every call was deferred (no free KV slot)
         self._last_stats = 0.0
         self._handlers = _handlers(self)
+
+    def _build_parts(self, *, streaming_edges: Sequence[StreamingEdge], tp_roles: dict[str, TPRole] | None,
+                     form_pairs: Callable[..., dict] | None, transfer_timeout_s: float,
+                     backpressure_timeout_s: float) -> None:
+        """The loop's parts: transfers, streams, walks across ranks and TP replicas (each a module of worker/)."""
+        removed = self.runs.removed
+        self.transfers = Transfers(
+            global_rank=self.global_rank, name=self.name, token=self.token, channel=self.channel,
+            transport=self.transport, store=self.store, send=self._send, removed=removed, start_walk=self._start_walk,
+            report_failure=self._report_failure, transfer_timeout_s=transfer_timeout_s,
+            backpressure_timeout_s=backpressure_timeout_s, form_pairs=form_pairs)
+        self.streams = Streams(
+            edges=list(streaming_edges), graphs=self.graphs, name=self.name, runs=self.runs, transfers=self.transfers,
+            send=self._send, removed=removed, fail_request=self._fail_request, flush_emits=self._flush_emits)
+        self.spans = Spans(global_rank=self.global_rank, transport=self.transport, transfers=self.transfers,
+                           send=self._send, removed=removed, fail_run=self._fail_run,
+                           transfer_timeout_s=transfer_timeout_s)
+        self.tp = TPReplicas(roles=dict(tp_roles or {}), name=self.name, device=self.device,
+                             components=self.components, store=self.store, transfers=self.transfers, send=self._send,
+                             transfer_timeout_s=transfer_timeout_s)
 
     # ---- loop ----
     def run(self, should_stop: Callable[[], bool] = lambda: False) -> None:
@@ -436,8 +455,10 @@ class Worker:
         self.store.drop_tag(request_id)
 
     def _on_shutdown(self, msg: m.Shutdown) -> None:
-        log.info("%s: shutdown requested: %s", self.name, msg.reason)
+        (log.warning if msg.error else log.debug)(  # a requested stop: the rank's exit line says it
+            "%s: %s: %s", self.name, "asked to restart" if msg.restart else "shutdown requested", msg.reason)
         self.stopping = True
+        self.restart_asked = msg.restart
         if msg.error:
             self.failed_reason = msg.reason
 
@@ -449,8 +470,8 @@ class Worker:
         silent = time.monotonic() - self.conductor_seen
         if silent > self.conductor_timeout_s:
             self.failed_reason = (f"the conductor (rank 0) has been silent for {silent:.0f} s "
-                                  f"(limits.rank_timeout_s={self.conductor_timeout_s:g}); its host is gone")
-            log.error("%s: %s", self.name, self.failed_reason)
+                                  f"(limits.rank_timeout_s={self.conductor_timeout_s:g})")
+            self.conductor_silent = True
             self.stopping = True
 
     def _maybe_send_stats(self) -> None:
@@ -471,6 +492,7 @@ class Worker:
             host_staging_copies=int(st.get("host_staging_copies", 0)), engine=dict(engine),
             rejected_messages=self.rejected_messages, edge_histograms=st.get("histograms", []), **process_sample(),
             arena_bytes_used=self.transport.arena_bytes_used(), edges=self.transport.edges.snapshot(),
+            incarnation=self.incarnation,
         ))
 
 
@@ -493,6 +515,7 @@ def _handlers(w: Worker) -> dict[type, Callable[[m.Message, str], None]]:
         m.RankDown: lambda body, sender: w.transport.abort_peer(
             body.rank, f"rank {body.rank} was declared dead: {body.reason}"),
         m.AbortPair: lambda body, sender: w.transfers.on_abort_pair(body),
+        m.Repair: lambda body, sender: w.transfers.on_repair(body),
         m.StreamItems: w.streams.on_message,
         m.StreamEnd: w.streams.on_message,
         m.RemoveRequest: lambda body, sender: w._remove(body.request_id),

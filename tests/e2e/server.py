@@ -130,6 +130,7 @@ class Server:
                "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
         self._log = open(self.log_path, "wb")
         self.procs: list[subprocess.Popen] = []
+        self._starts: list[tuple[list[str], dict[str, str]]] = []  # each node's torchrun command and environment
         gpus = _gpus_per_node(nodes)
         for node_rank, n in enumerate(nodes):
             # one host: --standalone; several: static rendezvous on loopback (host k of the spec = node rank k)
@@ -151,6 +152,7 @@ class Server:
                 "-m", "mstar_dist.serve", str(self.config_path),
                 "--port", str(self.port), "--startup-timeout", str(startup_timeout), *args,
             ]
+            self._starts.append((cmd, node_env))
             self.procs.append(subprocess.Popen(cmd, cwd=REPO, env=node_env, stdout=self._log,
                                                stderr=subprocess.STDOUT, start_new_session=True))
         self.proc = self.procs[0]
@@ -194,6 +196,13 @@ class Server:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+    def restart_node(self, node: int) -> None:
+        """Start host ``node``'s torchrun again, as its operator would after the host came back (``kill_node``
+        first): the same command, flags and environment."""
+        cmd, env = self._starts[node]
+        self.procs[node] = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                            start_new_session=True)
 
     def stop(self, timeout: float = 30.0) -> int | None:
         """SIGTERM every torchrun agent, then SIGKILL whatever is left of it and its ranks; returns node 0's status."""

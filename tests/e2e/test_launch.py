@@ -5,6 +5,7 @@ others hanging or exiting 0 instead of failing everywhere with a message naming 
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -106,3 +107,57 @@ def test_a_join_whose_port_another_service_holds_ends_within_its_bound():
     assert out.returncode == 1, out.stderr
     assert f"127.0.0.1:{port} did not finish within 2.5 s" in out.stderr and "MASTER_PORT" in out.stderr, out.stderr
     assert elapsed < 2.5 + 15, f"took {elapsed:.1f} s"  # the bound, plus starting Python and importing torch
+
+
+def _torchrun_two_hosts(configs: list, port: int, *, timeout: float = 180) -> list[tuple[int, str, float]]:
+    """Plain ``torchrun --nnodes 2`` twice (static rendezvous on loopback), host k with ``configs[k]``; each
+    (exit status, output, when it exited: monotonic)."""
+    import os
+    import time
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1"}
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(k),
+                               "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                               "-m", "mstar_dist.serve", str(cfg), "--port", str(port + 1),
+                               "--startup-timeout", "120"], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
+             for k, cfg in enumerate(configs)]
+    out: list = [None, None]
+    deadline = time.monotonic() + timeout
+    try:
+        while any(o is None for o in out) and time.monotonic() < deadline:
+            for k, proc in enumerate(procs):
+                if out[k] is None and proc.poll() is not None:
+                    out[k] = (proc.returncode, proc.stdout.read(), time.monotonic())
+            time.sleep(0.05)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                import signal as sig
+
+                os.killpg(proc.pid, sig.SIGKILL)
+                proc.wait(10)
+    assert all(o is not None for o in out), f"a host did not exit within {timeout} s"
+    return out
+
+
+def test_a_load_failure_on_another_host_is_named_on_every_host_within_seconds(tmp_path):
+    """Host b's copy of the config names a weights directory that does not exist: host b's rank fails validating
+    it, and host a's rank, waiting in the rendezvous, must stop within seconds naming the rank, its host and the
+    cause, not after --startup-timeout with a raw DistStoreError."""
+    from tests.e2e.server import WEIGHTS
+    from tests.helpers import free_port
+
+    data = yaml.safe_load((REPO / "launch/configs/smollm2_pd_2host.yaml").read_text())
+    data["weights"] = WEIGHTS
+    (tmp_path / "a.yaml").write_text(yaml.safe_dump(data))
+    data["weights"] = str(tmp_path / "no-such-weights")
+    (tmp_path / "b.yaml").write_text(yaml.safe_dump(data))
+    (rc_a, out_a, t_a), (rc_b, out_b, t_b) = _torchrun_two_hosts([tmp_path / "a.yaml", tmp_path / "b.yaml"],
+                                                                 free_port(span=2))
+    assert rc_b != 0 and "no-such-weights': no such directory" in out_b, out_b[-3000:]
+    assert rc_a != 0, out_a[-3000:]
+    assert "rank 1 on host node-b" in out_a and "no-such-weights': no such directory" in out_a, out_a[-3000:]
+    assert t_a - t_b < 10, f"host a exited {t_a - t_b:.1f} s after host b"
+    for out in (out_a, out_b):  # plain torchrun prints its own ChildFailedError summary; nothing of ours is raw
+        assert "DistStoreError" not in out and not re.search(r'File ".*/mstar_dist/', out), out[-5000:]

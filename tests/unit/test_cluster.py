@@ -186,3 +186,37 @@ def test_parse_cluster_round_trips():
     assert parse_cluster(SPEC.to_dict()) == SPEC
     spec = parse_cluster({"hosts": [{"name": "a", "addr": "h", "devices": 2}]}, "f.yaml")
     assert spec.hosts[0].devices == (0, 1)
+
+
+def test_a_host_behind_nat_or_a_firewall_gets_an_advertised_address_and_a_control_port_range():
+    """``advertise_addr`` beside the bind address and ``control_ports`` for the control plane: what other hosts
+    connect to, and the only ports a firewall has to open. A failure means a cluster behind NAT publishes an address
+    nobody can reach, or a range too small for the host's processes passes until a rank cannot bind."""
+    spec = parse_cluster({"hosts": [{"name": "a", "addr": "0.0.0.0", "advertise_addr": "203.0.113.7", "devices": 2,
+                                     "control_ports": [41000, 41009]}]}, "f.yaml")
+    host = spec.hosts[0]
+    assert (host.reached_at, host.control_ports) == ("203.0.113.7", (41000, 41009))
+    assert parse_cluster(spec.to_dict()) == spec
+    for ports, words in (([41009, 41000], "the first port must not be above the second"),
+                         ([41000, 41001], "holds 2 port(s); this host runs 2 rank(s) and maybe the front end: give "
+                                          "at least 3"),
+                         ("41000-41009", "must be [lo, hi]"), ([0, 10], "control_ports[0] = 0: must be >= 1")):
+        with pytest.raises(ValueError) as info:
+            parse_cluster({"hosts": [{"name": "a", "addr": "h", "devices": 2, "control_ports": ports}]}, "f.yaml")
+        assert "cluster.hosts[0].control_ports" in str(info.value) and words in str(info.value), str(info.value)
+
+
+def test_a_control_socket_binds_in_its_port_range_and_publishes_the_advertised_address():
+    from mstar_dist.control.channel import ControlChannel
+    from tests.helpers import free_port
+
+    lo = free_port()
+    with pytest.raises(ValueError, match="is a wildcard"):
+        ControlChannel("rank1", "0.0.0.0", local=False)
+    first = ControlChannel("rank1", "0.0.0.0", local=False, advertise_addr="127.0.0.1", port_range=(lo, lo))
+    try:
+        assert first.endpoint == f"tcp://127.0.0.1:{lo}"
+        with pytest.raises(OSError, match=rf"rank2: no free port for the control plane in {lo}-{lo} .*control_ports"):
+            ControlChannel("rank2", "127.0.0.1", local=False, port_range=(lo, lo))
+    finally:
+        first.close()

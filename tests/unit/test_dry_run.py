@@ -1,7 +1,8 @@
 """The dry run (``python -m mstar_dist.serve CFG --dry-run``, no torchrun, no weights) against golden outputs.
 
 It is what an operator reads before starting a cluster: the rank map, placement per walk and replicas, TP groups,
-the pair groups every rank will create, every cross-host rank pair with its transport, and the cut edges. A
+the pair groups every rank will create, every cross-host rank pair with its transport, the cut edges (kept outputs
+such as the P/D KV cache among them) and every graph edge that crosses hosts with its transport. A
 failure means that report changed: if the change is intended, regenerate with ``MSTAR_UPDATE_GOLDEN=1`` and
 review the diff; if not, placement, pair selection or transport choice moved.
 """

@@ -223,3 +223,12 @@ def test_pairs_follow_the_flows_not_every_pair_of_hosting_ranks():
     assert set(p.edge_pairs) == kv | {(d, s) for s, d in kv} | codes  # never 0<->2, 1<->3 or 4 -> anyone
     assert p.peers_of(4) == (0, 1, 2, 3) and p.peers_of(0) == (1, 3, 4)
     assert len(Placement.build(config(groups), walks, 5).edge_pairs) == 20  # without flows: all 5 x 4
+
+
+def test_a_rank_in_no_node_group_is_an_error_naming_it():
+    """``ranks: [2]`` where ``[1]`` was meant would start a world whose rank 1 loads nothing and only idles."""
+    groups = [group(["LLM"], [0], ["prefill"]), group(["LLM"], [2], ["decode"])]
+    msg = error(groups, LLM_WALKS, 3)
+    assert msg.startswith("p.yaml: node_groups: rank 1 is in no node group (the ranks placed are [0, 2]"), msg
+    cluster = {"hosts": [{"name": "a", "addr": "10.0.0.1", "devices": 3}]}
+    build(groups, LLM_WALKS, 3, cluster)  # a cluster spec lists its devices itself

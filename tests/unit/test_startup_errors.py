@@ -65,6 +65,19 @@ def test_a_missing_weights_path_is_an_error_unless_the_family_prepares_it(tmp_pa
     check_weights(default, SmolLM2Chat(default.weights))  # the family prepares its default path
 
 
+def test_an_existing_folder_that_is_not_a_checkpoint_is_an_error_and_stays_empty(tmp_path):
+    """A family that prepares its default weights must not fill some other folder the user named by mistake."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    smol = parse_config({"model": "smollm2", "weights": str(empty), "node_groups": GROUPS}, "d.yaml")
+    with pytest.raises(ConfigError, match=r"weights = '.*empty': is not a checkpoint \(no config.json in it; only "
+                                          r"the default ~/.cache/mstar_dist/smollm2-135m-instruct is prepared"):
+        check_weights(smol, SmolLM2Chat(str(empty)))
+    assert list(empty.iterdir()) == []
+    (empty / "config.json").write_text("{}")
+    check_weights(smol, SmolLM2Chat(str(empty)))  # a checkpoint folder: its files are checked at load
+
+
 def test_smollm2_prepares_only_its_default_path(tmp_path):
     with pytest.raises(FileNotFoundError, match="weights: .*typo does not exist"):
         SmolLM2Chat(str(tmp_path / "typo")).prepare_weights()
