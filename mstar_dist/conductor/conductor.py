@@ -78,6 +78,8 @@ class Conductor(Liveness):
         self.rank_timeout_s = rank_timeout_s
         self.log_stats_s = log_stats_s
         self.last_seen: dict[int, float] = {}
+        self.last_rank_check: float | None = None
+        """When ``check_ranks`` last ran (a long gap since: the conductor itself was stopped)."""
         self.retry_in_flight = retry_in_flight
         self.membership = Membership(world_size=world_size, rank_hosts=rank_hosts, p2p_pairs=p2p_pairs,
                                      restarts=restarts, rejoin_timeout_s=rejoin_timeout_s,

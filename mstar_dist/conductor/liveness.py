@@ -21,6 +21,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("mstar_dist.conductor.conductor")
 
+OWN_PAUSE_S = 2.0
+"""A gap this long between two checks of the ranks (made every 0.2 s) means the conductor itself did not run."""
+
 
 class Liveness:
     """Rank failures, restarts and rejoins, on the conductor thread (see the module docstring)."""
@@ -30,6 +33,12 @@ class Liveness:
         let go of dead ranks that did not come back in time. Conductor thread, a few times a second."""
         if not self.serving:
             return
+        gap, self.last_rank_check = now - (self.last_rank_check or now), now
+        if gap > OWN_PAUSE_S:  # this process did not run (stopped, or its host froze): nobody's silence counts
+            log.warning("the conductor did not run for %.1f s (its process was stopped or starved): the ranks' "
+                        "silence over that time does not count", gap)
+            for rank in self.last_seen:
+                self.last_seen[rank] += gap
         for rank in range(self.world_size):
             seen = self.last_seen.get(rank, now)
             if self.placement.is_conductor(rank):

@@ -285,9 +285,12 @@ class Rank:
             if worker.failed_reason:
                 raise StoppedByConductor(reason)
 
-    def rank0_host_up(self, wait_s: float = 3.0) -> bool:
-        """Whether the launch's store (on rank 0's host) still answers within ``wait_s``, and the deployment is not
-        over."""
+    def rank0_host_up(self, patience_s: float | None = None) -> bool:
+        """Whether the launch's store (on rank 0's host) answers, and the deployment is not over. A refused or reset
+        connection is a no at once (the store's host process is gone); a store that does not answer is waited for up to
+        ``patience_s`` (default ``limits.rank_timeout_s``): a link down and a host that froze look alike from here,
+        and both may come back."""
+        patience_s = self.dep.config.limits.rank_timeout_s if patience_s is None else patience_s
         answer: list[bool] = []
 
         def ask() -> None:
@@ -298,7 +301,7 @@ class Rank:
 
         asking = threading.Thread(target=ask, name="store-check", daemon=True)
         asking.start()
-        asking.join(wait_s)
+        asking.join(patience_s)
         return bool(answer and answer[0])
 
     def tell_leaving(self) -> None:

@@ -56,6 +56,10 @@ __all__ = ["Worker"]
 
 log = logging.getLogger(__name__)
 
+OWN_PAUSE_S = 2.0
+"""A gap this long between two turns of the loop (which never blocks longer than 20 ms) means the process did not
+run: the conductor's silence over it does not count."""
+
 
 class Worker:
     """One rank's worker. ``channel`` is this rank's control port (already connected to every peer); ``transport``
@@ -94,6 +98,7 @@ class Worker:
         self.conductor_timeout_s = conductor_timeout_s
         self.conductor_seen: float | None = None
         """When the conductor was last heard from; armed by its first message (the conductor starts last)."""
+        self._last_check = time.monotonic()
         self.stats_every_s = 0.5
         """How often the rank reports ``Stats`` to the conductor."""
         self.stopping = False
@@ -464,10 +469,17 @@ class Worker:
 
     # ---- health ----
     def _check_conductor(self) -> None:
-        """Exit (non-zero) when the conductor on rank 0 went silent: its host died and nobody will call us."""
+        """Exit (non-zero) when the conductor on rank 0 went silent: its host died and nobody will call us. A turn of
+        the loop that came long after the last one means this process itself did not run (stopped, or its host
+        froze): the conductor's silence meanwhile is not news, and the wait starts again (if the conductor declared
+        this rank dead meanwhile, it says so as soon as it hears from it)."""
+        now = time.monotonic()
+        gap, self._last_check = now - self._last_check, now
         if self.conductor_timeout_s is None or self.conductor_seen is None:
             return
-        silent = time.monotonic() - self.conductor_seen
+        if gap > OWN_PAUSE_S:
+            self.conductor_seen += gap
+        silent = now - self.conductor_seen
         if silent > self.conductor_timeout_s:
             self.failed_reason = (f"the conductor (rank 0) has been silent for {silent:.0f} s "
                                   f"(limits.rank_timeout_s={self.conductor_timeout_s:g})")

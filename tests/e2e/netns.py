@@ -4,11 +4,13 @@
 Addresses inside a namespace are reachable only from inside a namespace (from the root namespace they would be
 routed out of the machine), so every contact goes through ``ip netns exec``: the servers run in them, and
 `run_in` runs a Python snippet in one (HTTP clients included). Shared memory (/dev/shm) is not a network
-resource: both namespaces still share it, like two containers of one machine.
+resource: both namespaces share it, like two containers of one machine, unless ``own_shm_mb`` gives each host a
+/dev/shm of its own of that size (a tmpfs mounted in the host's mount namespace, as a container runtime does).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import random
 import subprocess
@@ -28,7 +30,8 @@ def _ip(*args: str, ns: str | None = None) -> None:
 class NetnsPair:
     """Namespaces ``names[0]`` (address ``addrs[0]``) and ``names[1]`` (``addrs[1]``), interfaces ``ifnames``."""
 
-    def __init__(self) -> None:
+    def __init__(self, own_shm_mb: int | None = None) -> None:
+        self.own_shm_mb = own_shm_mb
         tag = uuid.uuid4().hex[:6]
         self.names = (f"mstar-a-{tag}", f"mstar-b-{tag}")
         self.ifnames = (f"mva{tag}", f"mvb{tag}")  # at most 15 characters
@@ -70,7 +73,28 @@ class NetnsPair:
         self._made.clear()
 
     def exec_prefix(self, i: int) -> list[str]:
-        return ["ip", "netns", "exec", self.names[i]]
+        """Run a command inside namespace ``i`` (``ip netns exec`` gives it a mount namespace of its own too: with
+        ``own_shm_mb``, a fresh tmpfs of that size is mounted on its /dev/shm first)."""
+        prefix = ["ip", "netns", "exec", self.names[i]]
+        if self.own_shm_mb is None:
+            return prefix
+        mount = f'mount -t tmpfs -o size={self.own_shm_mb}m tmpfs /dev/shm && exec "$@"'
+        return [*prefix, "sh", "-c", mount, "sh"]
+
+    def enter(self, i: int) -> None:
+        """Move the calling thread (and every thread and process it starts afterwards) into namespace ``i``: call it
+        on the main thread before starting any, so that plain HTTP clients reach the servers there."""
+        libc = ctypes.CDLL(None, use_errno=True)
+        fd = os.open(f"/var/run/netns/{self.names[i]}", os.O_RDONLY)
+        try:
+            if libc.setns(fd, 0x40000000) != 0:  # CLONE_NEWNET
+                raise OSError(ctypes.get_errno(), f"setns into {self.names[i]} failed")
+        finally:
+            os.close(fd)
+
+    def set_link(self, up: bool) -> None:
+        """Take the veth link between the two namespaces down (or up again): each side sees its carrier go."""
+        _ip("link", "set", self.ifnames[0], "up" if up else "down", ns=self.names[0])
 
     def run_in(self, i: int, code: str, timeout: float = 300) -> str:
         """Run Python ``code`` inside namespace ``i`` (with the repository importable); returns its stdout."""

@@ -187,6 +187,17 @@ class Server:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-12000:]
 
+    def rank_pid(self, rank: int) -> int:
+        """The pid of the process serving ``rank`` on any host (under its supervisor: the supervised child)."""
+        for pid in [d for proc in self.procs for d in descendants(proc.pid)]:
+            try:
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if f"RANK={rank}".encode() in environ and b"MSTAR_RANK_CHILD=1" in environ:
+                return pid
+        raise AssertionError(f"no process serving rank {rank}")
+
     def kill_node(self, node: int) -> None:
         """SIGKILL one torchrun agent and every rank it started: the host dies (its workers run in their own
         sessions, so killing the agent's process group alone would orphan them)."""

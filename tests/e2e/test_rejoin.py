@@ -15,21 +15,9 @@ from pathlib import Path
 
 import httpx
 
-from tests.e2e.server import REPO, Server, descendants, per_rank, wait_for
+from tests.e2e.server import REPO, Server, per_rank, wait_for
 
 DP = REPO / "launch/configs/smollm2_dp.yaml"
-
-
-def rank_process(server: Server, rank: int) -> int:
-    """The pid of the process serving ``rank`` (under its supervisor: the one marked as the supervised child)."""
-    for pid in descendants(server.proc.pid):
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"RANK={rank}".encode() in environ and b"MSTAR_RANK_CHILD=1" in environ:
-            return pid
-    raise AssertionError(f"no process serving rank {rank}")
 
 
 def stream(url: str, i: int, started: set[int], max_tokens: int = 160) -> dict:
@@ -54,7 +42,7 @@ def test_a_decode_replica_killed_under_load_comes_back_and_serves_while_the_othe
             started: set[int] = set()
             futures = [pool.submit(stream, server.base_url, i, started) for i in range(6)]
             wait_for(lambda: len(started) == 6 or any(f.done() for f in futures), 120, "every stream decoding")
-            os.kill(rank_process(server, 2), signal.SIGKILL)
+            os.kill(server.rank_pid(2), signal.SIGKILL)
             t_kill = time.monotonic()
             results = [f.result(timeout=180) for f in futures]
         failed = [r for r in results if r["last"].get("modality") == "error"]
@@ -91,7 +79,7 @@ def test_a_replica_stopped_past_the_timeout_has_its_requests_run_elsewhere_and_r
                  "limits": {"max_concurrent_requests": 16, "max_tokens": 512, "rank_timeout_s": 4},
                  "restart": {"retry_in_flight": True, "backoff_s": 0.5}}
     server = Server(DP, nproc=2, overrides=overrides)
-    pid = rank_process(server, 1)
+    pid = server.rank_pid(1)
     try:
         os.kill(pid, signal.SIGSTOP)
 
@@ -144,7 +132,7 @@ def test_a_killed_tp_member_restarts_with_its_whole_replica_and_the_replica_serv
 
     try:
         before = texts()
-        os.kill(rank_process(server, 3), signal.SIGKILL)
+        os.kill(server.rank_pid(3), signal.SIGKILL)
         wait_for(lambda: all(f"rank {r} on localhost serves again" in server.log() for r in (2, 3)), 180,
                  "ranks 2 and 3 rejoining")
         assert "restarting with its TP replica (rank 3 died)" in server.log()

@@ -230,6 +230,21 @@ def test_the_conductors_own_rank_is_never_declared_dead():
     assert c.dead_ranks == {}
 
 
+def test_a_conductor_that_was_itself_stopped_declares_nobody_dead_for_the_silence_meanwhile():
+    """Its host stopped (SIGSTOP, a frozen VM) for longer than the rank timeout: once it runs again, every rank's
+    last message is old, but only because the conductor did not read; a rank silent after that is dead."""
+    c, _ = make()
+    c.serving, c.rank_timeout_s = True, 5.0
+    c.last_seen = {0: 100.0, 1: 100.0, 2: 100.0}
+    c.check_ranks(100.0)
+    c.check_ranks(112.0)  # nothing ran for 12 s
+    assert c.dead_ranks == {}
+    for step in range(1, 28):  # then 5.4 s of checks every 0.2 s: rank 2 speaks, rank 1 stays silent
+        c.last_seen[2] = 112.0 + 0.2 * step
+        c.check_ranks(112.0 + 0.2 * step)
+    assert 1 in c.dead_ranks and 2 not in c.dead_ranks
+
+
 def test_an_intakes_requests_come_back_in_one_outputs_message_per_turn_and_can_be_cancelled():
     c, ch = make(intakes=("intake0",))
     c.serving = True

@@ -288,7 +288,7 @@ def test_a_rank_the_conductor_went_silent_on_restarts_only_while_rank_0s_host_is
         store=store if store_up else None,
         supervisor=types.SimpleNamespace(leaving=lambda r: told.append(("leaving", r)),
                                          over=lambda r: told.append(("over", r))))
-    rank.rank0_host_up = lambda: Rank.rank0_host_up(rank)
+    rank.rank0_host_up = lambda: Rank.rank0_host_up(rank, 3.0)
     with pytest.raises(StoppedByConductor):
         Rank.check_exit(rank)
     assert [k for k, _ in told] == [said], told

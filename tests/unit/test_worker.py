@@ -258,6 +258,22 @@ def test_worker_stops_when_the_conductor_goes_silent():
     assert worker.stopping and "conductor (rank 0) has been silent" in worker.failed_reason
 
 
+def test_a_worker_that_was_itself_stopped_does_not_take_the_conductors_silence_meanwhile_for_its_death():
+    """SIGSTOP of a whole host (or a frozen VM) stops the conductor and the rank alike: after SIGCONT the rank must go
+    on serving, not leave because nobody spoke while it was not running."""
+    worker, channel, *_ = make_worker()
+    worker.conductor_timeout_s = 5.0
+    deliver(worker, channel, m.Heartbeat(sent_at=0.0))
+    worker.poll_once()
+    worker.conductor_seen -= 12.0  # last heard 12 s ago, but the loop's last turn was 12 s ago too
+    worker._last_check -= 12.0
+    worker.poll_once()
+    assert not worker.stopping
+    worker.conductor_seen -= 6.0  # then 6 s more of silence while it runs: that one counts
+    worker.poll_once()
+    assert worker.stopping and "conductor (rank 0) has been silent" in worker.failed_reason
+
+
 def test_a_send_that_cannot_be_posted_kills_the_pair_on_both_sides_and_fails_the_request_at_once():
     worker, channel, transport, *_ = make_worker()
     deliver(worker, channel, run_walk("k", 5, walk="keep"))
