@@ -22,13 +22,16 @@ requested stop: the rank leaves and is not restarted; on the front end's host, t
 (the veth link between the hosts down past ``limits.rank_timeout_s``, then up: every rank of host b is cut off),
 ``shm`` (the hit host's /dev/shm filled to the last byte for ``SHM_HOLD_S`` while it serves over shared memory).
 
-Per cell: ``in_flight_failed`` (requests that ended with an error naming a hit rank: those the hit replica had in
-flight), ``lost`` (any other failed request: must be 0), ``in_flight_end_s`` (from the fault until the last of those
-ended), ``back_s`` (from the fault until the conductor logged every hit rank serving again; None when none had to
-come back), ``served_after_back``, ``live_tensors_after`` (per rank, once the load stopped: must be all 0). The front
-end's row has, instead of ``lost`` (the front end is the one replica of the HTTP service: every request it held or
-was sent fails with it), ``others_exit_s`` (until torchrun on host b exited), ``statuses`` (each host's torchrun
-status), ``rank0_named`` (host b's log names rank 0's host) and ``orphans`` (processes left on either host).
+Per cell: ``in_flight_failed`` (requests that ended with an error naming a hit rank and began before the fault was
+over, plus ``KNOWN_AFTER_S``: those the hit replica had in flight or was handed before the conductor knew), ``lost``
+(any other failed request: must be 0), ``in_flight_end_s`` (from the fault until the last of those ended),
+``back_s`` (from the fault until the conductor logged every hit rank serving again after a kill, a stop or a link
+down; for the other faults and the front end's host, until the first answer to a request sent after the fault
+ended; None after a SIGTERM, which restarts nothing), ``served_after_back``, ``live_tensors_after`` (per rank, once
+the load stopped: must be all 0). When host a is killed or stopped with SIGTERM the deployment ends (rank 0 is not
+restarted in place: its scheduler starts the launch again), and the row has instead ``others_exit_s`` (until torchrun
+on host b exited), ``statuses`` (each host's torchrun status), ``rank0_named`` (the log names rank 0's host) and
+``orphans`` (processes of either host left behind).
 """
 
 from __future__ import annotations
@@ -64,8 +67,10 @@ WARMUP_S = 5.0
 """Load before the fault."""
 AFTER_S = 10.0
 """Load after the hit ranks are back (or after the fault, when nothing has to come back)."""
-SHM_MB = 256
+SHM_MB = 128
 """Each host's /dev/shm (a container's is 64 MB by default): room for the shared-memory arenas of its ranks."""
+ARENA_BYTES = 16 << 20
+"""``transport.arena_bytes`` of every rank (four of them fit a host's /dev/shm)."""
 SHM_HOLD_S = 10.0
 """How long the ``shm`` fault keeps the hit host's /dev/shm full."""
 LOGS = Path("bench/raw/chaos")
@@ -194,8 +199,9 @@ def signal_all(pids: list[int], sig: int) -> None:
             pass
 
 
-def strike(server: Server, rig: NetnsPair, role: Role, name: str, fault: str) -> float:
-    """Apply ``fault``; the time it struck (the fault may still be going on when this returns: SIGSTOP, link)."""
+def strike(server: Server, rig: NetnsPair, role: Role, name: str, fault: str) -> tuple[float, float]:
+    """Apply ``fault``; when it struck and when it ended (SIGCONT, the link up, /dev/shm emptied; the same for a kill
+    or a SIGTERM)."""
     t = time.monotonic()
     if fault == "link":
         rig.set_link(False)
@@ -226,15 +232,18 @@ def strike(server: Server, rig: NetnsPair, role: Role, name: str, fault: str) ->
             os.kill(pid, signal.SIGSTOP)
             time.sleep(RANK_TIMEOUT_S + 2)
             os.kill(pid, signal.SIGCONT)
-    return t
+    return t, time.monotonic()
 
 
 def hit_ranks(role: Role, name: str, fault: str) -> tuple[int, ...]:
-    """The ranks a fault takes out: a link down cuts every rank of host b off; the front end's host takes all."""
-    if fault == "link":
-        return role.host_b()
+    """The ranks whose requests a fault may fail: a link down cuts every rank of host b off; stopping the front end's
+    host holds every request up."""
     if fault == "shm":
         return ()  # the arenas are reserved at start: nothing should fail
+    if name == "frontend" and fault == "sigstop":
+        return tuple(range(sum(role.nodes)))
+    if fault == "link":
+        return role.host_b()
     return role.hit
 
 
@@ -242,7 +251,7 @@ def config(rig: NetnsPair, role: Role) -> dict:
     hosts = [{"name": name, "addr": addr, "devices": list(range(n)), "env": {"GLOO_SOCKET_IFNAME": ifname}}
              for name, addr, n, ifname in zip(("host-a", "host-b"), rig.addrs, role.nodes, rig.ifnames)]
     return {"node_groups": role.groups, "restart": {"backoff_s": 0.5}, "cluster": {"hosts": hosts},
-            "transport": {"intra_host": "shm", "inter_host": "p2p"},
+            "transport": {"intra_host": "shm", "inter_host": "p2p", "arena_bytes": ARENA_BYTES},
             "limits": {"max_concurrent_requests": 32, "max_tokens": 256, "rank_timeout_s": RANK_TIMEOUT_S},
             **role.overrides}
 
@@ -250,26 +259,30 @@ def config(rig: NetnsPair, role: Role) -> dict:
 def cell(rig: NetnsPair, name: str, role: Role, fault: str, clients: int) -> dict:
     server = Server(REPO / role.config, 0, nodes=role.nodes, overrides=config(rig, role), netns=rig)
     hit = hit_ranks(role, name, fault)
-    back_after_fault = fault in ("kill9", "sigstop", "link") and name != "frontend"
+    # ranks that must be seen serving again (a restart and rejoin); otherwise back_s is the first answer after the end
+    rejoin = hit if fault in ("kill9", "sigstop", "link") and name != "frontend" else ()
     try:
         load = Load(server.base_url, clients, role.body)
         load.start()
         time.sleep(WARMUP_S)
         before = {node: host_pids(server, node) for node in (0, 1)}
-        t_fault = strike(server, rig, role, name, fault)
-        back = None
+        t_fault, t_end = strike(server, rig, role, name, fault)
         if name == "frontend" and fault in ("kill9", "sigterm"):
             return frontend_row(server, role, fault, load, t_fault, before)
-        if back_after_fault:
+        back = None
+        if rejoin:
             try:
                 wait_for(lambda: all(f"rank {r} on host-{'ab'[r >= role.nodes[0]]} serves again" in server.log()
-                                     for r in hit), 300, "the hit ranks back", interval=0.2)
+                                     for r in rejoin), 300, "the hit ranks back", interval=0.2)
                 back = time.monotonic() - t_fault
             except AssertionError:
                 pass  # it never came back: back_s stays None
         t_back = time.monotonic()
         time.sleep(AFTER_S)
         load.finish()
+        if not rejoin and fault != "sigterm":
+            answers = [r.end for r in load.records if r.ok and r.start >= t_end]
+            back = min(answers) - t_fault if answers else None
         try:
             wait_for(lambda: _all_zero(per_rank(server.base_url, "mstar_dist_live_tensors")), 30, "no live tensor")
             live = per_rank(server.base_url, "mstar_dist_live_tensors")
@@ -279,7 +292,7 @@ def cell(rig: NetnsPair, name: str, role: Role, fault: str, clients: int) -> dic
         server.stop()
         LOGS.mkdir(parents=True, exist_ok=True)
         shutil.copy(server.log_path, LOGS / f"{name}_{fault}.log")
-    return row(name, role, fault, hit, load.records, t_fault, back, t_back, live)
+    return row(name, role, fault, hit, load.records, t_fault, t_end, back, t_back, live)
 
 
 def frontend_row(server: Server, role: Role, fault: str, load: Load, t_fault: float,
@@ -325,10 +338,10 @@ def _all_zero(values: dict[str, int]) -> bool:
 
 
 def row(name: str, role: Role, fault: str, hit: tuple[int, ...], records: list[Record], t_fault: float,
-        back: float | None, t_back: float, live: dict) -> dict:
+        t_end: float, back: float | None, t_back: float, live: dict) -> dict:
     failed = [r for r in records if r.end and not r.ok]
-    silent = fault in ("sigstop", "link") or name == "frontend"
-    known = t_fault + KNOWN_AFTER_S + (RANK_TIMEOUT_S if silent else 0.0)
+    silent = fault in ("sigstop", "link")
+    known = (t_end if silent else t_fault) + KNOWN_AFTER_S
     in_flight = [r for r in failed if r.start <= known and any(f"rank {k} " in r.error for k in hit)]
     lost = [r for r in failed if r not in in_flight]
     return {

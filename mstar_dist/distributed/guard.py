@@ -144,8 +144,8 @@ class Guard:
         if sig is not None:
             self.stop_signal = self.stop_signal or (sig, now)
         if self.stop_signal is not None and now - self.stop_signal[1] > STOP_BOUND_S:
-            self.fatal(f"rank {self.rank} on host {self.host}: still stopping {STOP_BOUND_S:g} s after "
-                       f"{self.stop_signal[0]}; leaving now", 0, over=True)
+            self.fatal(f"rank {self.rank} on host {self.host} exits with status 0 ({self.stop_signal[0]}; its stop "
+                       f"was cut short {STOP_BOUND_S:g} s after the signal)", 0, over=True)
         if self._store is None:
             if not self.serving and now - self.started > self.timeout_s + DEADLINE_GRACE_S:
                 self.fatal(f"rank {self.rank} on host {self.host}: the startup did not finish within "

@@ -147,8 +147,11 @@ class Rank:
         try:
             self.store = launch_store(timeout_s=self.timeout_s)
             tp_groups = self.join() if self.incarnation == 0 else self.rejoin()
-            self.data_plane = build_data_plane(self.dep, self.info, self.device, self.timeout_s,
-                                               pairs=None if self.incarnation == 0 else {})
+            try:
+                self.data_plane = build_data_plane(self.dep, self.info, self.device, self.timeout_s,
+                                                   pairs=None if self.incarnation == 0 else {})
+            except OSError as exc:  # no room for the shm arena, a transport's port: the message says what to change
+                raise StartupError(f"{self.where}: {exc.strerror or exc}") from exc
             self.guard.cleanups.append(self.data_plane.close)  # a fatal exit still unlinks the shm segment
             self.connect()
             self.load(tp_groups)
@@ -257,6 +260,7 @@ class Rank:
             form_pairs=functools.partial(form_pairs, self.store, me=self.rank,
                                          backend=backend_for_device(self.device), timeout_s=REPAIR_TIMEOUT_S),
             incarnation=self.incarnation,
+            rank0_up=self.rank0_host_up,
         )
 
     def should_stop(self) -> bool:
@@ -278,9 +282,9 @@ class Rank:
             reason = worker.failed_reason or "the deployment stopped"
             restart = worker.restart_asked
             if worker.conductor_silent:
-                restart = self.rank0_host_up()
-                reason += ("; rank 0's host is up, so the conductor declared this rank dead (stopped or starved): it "
-                           "restarts and rejoins" if restart else "; rank 0's host is gone")
+                restart = not worker.rank0_gone and self.rank0_host_up()
+                reason += ("; rank 0's host is up, so the conductor declared this rank dead (stopped, starved or cut "
+                           "off): it restarts and rejoins" if restart else "; rank 0's host is gone")
             (self.supervisor.leaving if restart else self.supervisor.over)(reason)
             if worker.failed_reason:
                 raise StoppedByConductor(reason)

@@ -86,6 +86,7 @@ class Worker:
         spin_s: float = 0.0,
         form_pairs: Callable[..., dict] | None = None,
         incarnation: int = 0,
+        rank0_up: Callable[[], bool] | None = None,
     ):
         """``form_pairs(prefix, pairs)``: forms fresh pair groups with a rejoining peer (``distributed/repair.py``;
         None: this rank cannot, and says so); ``incarnation``: how often this rank was restarted in place."""
@@ -96,6 +97,11 @@ class Worker:
         self.spin_s = spin_s
         """Poll the control socket without blocking this long before sleeping in it (``transport.spin_us``)."""
         self.conductor_timeout_s = conductor_timeout_s
+        self.rank0_up = rank0_up
+        """Whether rank 0's host still answers (its launch store; may wait up to the rank timeout for an answer)."""
+        self.rank0_gone = False
+        """The conductor went silent and rank 0's host did not answer either."""
+        self._silence_excused = False
         self.conductor_seen: float | None = None
         """When the conductor was last heard from; armed by its first message (the conductor starts last)."""
         self._last_check = time.monotonic()
@@ -218,6 +224,7 @@ class Worker:
             return
         if sender == CONDUCTOR:
             self.conductor_seen = time.monotonic()
+            self._silence_excused = False
         handler = self._handlers.get(type(env.body))
         if handler is None:
             log.warning("%s: unexpected %s from %r", self.name, type(env.body).__name__, sender)
@@ -469,10 +476,12 @@ class Worker:
 
     # ---- health ----
     def _check_conductor(self) -> None:
-        """Exit (non-zero) when the conductor on rank 0 went silent: its host died and nobody will call us. A turn of
-        the loop that came long after the last one means this process itself did not run (stopped, or its host
-        froze): the conductor's silence meanwhile is not news, and the wait starts again (if the conductor declared
-        this rank dead meanwhile, it says so as soon as it hears from it)."""
+        """Leave when the conductor on rank 0 went silent past the rank timeout. Its host is asked first: when it
+        answers, the silence gets one more rank timeout (the conductor's process was stopped, or this rank was cut
+        off and declared dead: the conductor then says so as soon as it hears from this rank); when it does not, rank
+        0's host is gone and nobody will call us. A turn of the loop long after the last one means this process
+        itself did not run (stopped, or its host froze): the conductor's silence meanwhile is not news, and the wait
+        starts again."""
         now = time.monotonic()
         gap, self._last_check = now - self._last_check, now
         if self.conductor_timeout_s is None or self.conductor_seen is None:
@@ -480,11 +489,20 @@ class Worker:
         if gap > OWN_PAUSE_S:
             self.conductor_seen += gap
         silent = now - self.conductor_seen
-        if silent > self.conductor_timeout_s:
-            self.failed_reason = (f"the conductor (rank 0) has been silent for {silent:.0f} s "
-                                  f"(limits.rank_timeout_s={self.conductor_timeout_s:g})")
-            self.conductor_silent = True
-            self.stopping = True
+        if silent <= self.conductor_timeout_s:
+            return
+        if self.rank0_up is not None and not self._silence_excused:
+            self._silence_excused = True
+            if self.rank0_up():
+                log.warning("%s: the conductor (rank 0) has been silent for %.0f s, but rank 0's host answers: "
+                            "waiting for the conductor once more", self.name, silent)
+                self.conductor_seen = self._last_check = time.monotonic()
+                return
+            self.rank0_gone = True
+        self.failed_reason = (f"the conductor (rank 0) has been silent for {silent:.0f} s "
+                              f"(limits.rank_timeout_s={self.conductor_timeout_s:g})")
+        self.conductor_silent = True
+        self.stopping = True
 
     def _maybe_send_stats(self) -> None:
         now = time.monotonic()

@@ -281,7 +281,7 @@ def test_a_rank_the_conductor_went_silent_on_restarts_only_while_rank_0s_host_is
     if over:
         store.set(key("over"), "1")
     told: list[tuple[str, str]] = []
-    worker = types.SimpleNamespace(stopping=True, restart_asked=False, conductor_silent=True,
+    worker = types.SimpleNamespace(stopping=True, restart_asked=False, conductor_silent=True, rank0_gone=False,
                                    failed_reason="the conductor (rank 0) has been silent for 13 s")
     rank = types.SimpleNamespace(
         lc=types.SimpleNamespace(stop=threading.Event()), worker=worker, frontend=None, frontend_gone=lambda: False,

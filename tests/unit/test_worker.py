@@ -6,6 +6,7 @@ lost or wrongly applied, an aborted request still runs, or a kept tensor is neve
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from mstar_dist.control import messages as m
@@ -272,6 +273,31 @@ def test_a_worker_that_was_itself_stopped_does_not_take_the_conductors_silence_m
     worker.conductor_seen -= 6.0  # then 6 s more of silence while it runs: that one counts
     worker.poll_once()
     assert worker.stopping and "conductor (rank 0) has been silent" in worker.failed_reason
+
+
+@pytest.mark.parametrize("host_answers", [True, False])
+def test_a_silent_conductor_whose_host_answers_gets_one_more_timeout_before_the_rank_leaves(host_answers):
+    """Rank 0's whole host stopped and continued, or the link to it down for a while: its store answers again, so the
+    rank waits for the conductor once more instead of leaving (and failing its requests); a host that does not
+    answer is gone, and the rank leaves at once."""
+    asked: list[bool] = []
+    worker, channel, *_ = make_worker()
+    worker.conductor_timeout_s = 5.0
+    worker.rank0_up = lambda: asked.append(True) or host_answers
+    deliver(worker, channel, m.Heartbeat(sent_at=0.0))
+    worker.poll_once()
+    worker.conductor_seen -= 6.0
+    worker.poll_once()
+    assert asked == [True] and worker.stopping != host_answers and worker.rank0_gone != host_answers
+    if host_answers:
+        deliver(worker, channel, m.Heartbeat(sent_at=1.0))  # the conductor speaks again: all is well
+        worker.poll_once()
+        worker.conductor_seen -= 6.0  # silent once more: asked once more
+        worker.poll_once()
+        assert asked == [True, True] and not worker.stopping
+        worker.conductor_seen -= 6.0  # and again without a word in between: it leaves (to restart)
+        worker.poll_once()
+        assert asked == [True, True] and worker.stopping and not worker.rank0_gone
 
 
 def test_a_send_that_cannot_be_posted_kills_the_pair_on_both_sides_and_fails_the_request_at_once():
