@@ -121,6 +121,8 @@ class Record:
     end: float = 0.0
     ok: bool = False
     error: str = ""
+    audio: int = 0
+    """Audio chunks streamed (the codec role: proof that the codec served)."""
 
 
 @dataclass
@@ -158,6 +160,7 @@ class Load:
                         rec.error = f"{r.status_code} {r.read().decode(errors='replace')[:300]}"
                     for line in r.iter_lines():
                         last = line or last
+                        rec.audio += '"modality":"audio"' in line.replace(" ", "")
                 if not rec.error:
                     out = json.loads(last) if last else {}
                     rec.error = out.get("metadata", {}).get("message", "") if out.get("modality") == "error" else ""
@@ -352,6 +355,7 @@ def row(name: str, role: Role, fault: str, hit: tuple[int, ...], records: list[R
         "in_flight_end_s": round(max((r.end - t_fault for r in in_flight), default=0.0), 2),
         "back_s": None if back is None else round(back, 2),
         "served_after_back": sum(1 for r in records if r.ok and r.start >= t_back),
+        "audio_chunks": sum(r.audio for r in records),
         "live_tensors_after": live,
     }
 

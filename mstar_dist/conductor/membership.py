@@ -59,6 +59,8 @@ class Membership:
         self.rejoining: dict[int, Rejoining] = {}
         self.incarnation: dict[int, int] = {}
         """Rank -> its incarnation as last heard (``Stats``, ``Rejoin``)."""
+        self.endpoints: dict[int, str] = {}
+        """Rank -> the control endpoint of its latest process, for the ranks that rejoined."""
         self.died_at: dict[int, float] = {}
         self._told: set[tuple[int, int]] = set()  # (rank, incarnation) told to restart
         self._repairs = 0
@@ -95,7 +97,9 @@ class Membership:
         targets = [r for r in range(self.world_size) if r != rank and (r not in self.dead or r in self.rejoining)]
         for r in targets:
             self._send(r, m.Repair(rank=rank, endpoint=msg.endpoint, pairs=self._pairs(rank, {r}), prefix=prefix))
-        self._send(rank, m.Repair(rank=rank, endpoint="", pairs=self._pairs(rank, set(targets)), prefix=prefix))
+        self._send(rank, m.Repair(rank=rank, endpoint="", pairs=self._pairs(rank, set(targets)), prefix=prefix,
+                                  endpoints={r: ep for r, ep in self.endpoints.items() if r != rank}))
+        self.endpoints[rank] = msg.endpoint
         self.rejoining[rank] = Rejoining(msg.incarnation, msg.host, waiting={*targets, rank}, since=now)
         log.info("rank %d on %s rejoins (incarnation %d, loaded in %.1f s): forming its pairs again with ranks %s",
                  rank, msg.host, msg.incarnation, msg.load_seconds, targets)

@@ -198,12 +198,14 @@ class Repair(msgspec.Struct, tag=True):
     """Conductor -> every live rank when global rank ``rank`` (re)joins: connect to ``rank``'s new control
     ``endpoint`` (empty for the rejoining rank itself), then form a fresh 2-rank group for each directed pair of
     ``pairs`` this rank belongs to, under the launch store's ``prefix`` (docs/architecture.md §10), and answer
-    ``Repaired``."""
+    ``Repaired``. To the rejoining rank itself, ``endpoints`` has the control endpoints of the ranks that rejoined
+    before it (what it read from the launch's store at its start may be their old processes')."""
 
     rank: int
     endpoint: str
     pairs: list[tuple[int, int]]
     prefix: str
+    endpoints: dict[int, str] = {}
 
 
 class Repaired(msgspec.Struct, tag=True):

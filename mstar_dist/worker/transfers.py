@@ -161,6 +161,10 @@ class Transfers:
         it anew on a helper thread (``_finish_repairs`` revives the peers once they are formed)."""
         if msg.rank != self.global_rank and msg.endpoint:
             self.channel.reconnect(rank_name(msg.rank), msg.endpoint)
+        for peer, endpoint in msg.endpoints.items():  # ranks that rejoined before this one: their new processes
+            self.channel.reconnect(rank_name(peer), endpoint)
+        if msg.rank != self.global_rank:  # transports without pair groups (shm, mooncake) serve it again at once;
+            self.transport.revive_peer(msg.rank, {})  # p2p once its fresh pairs are formed (below)
         mine = [pair for pair in msg.pairs if self.global_rank in pair]
         if not mine:
             self._send(CONDUCTOR, m.Repaired(rank=self.global_rank, joined=msg.rank))

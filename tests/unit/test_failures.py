@@ -209,6 +209,21 @@ def test_a_rejoining_rank_is_readmitted_only_once_every_peer_formed_its_pairs_wi
     assert 1 not in ms.dead and ms.hoped() == set()
 
 
+def test_a_rank_rejoining_after_another_learns_the_others_new_endpoint():
+    """Two ranks of one host come back together (a link down cut both off): the one that rejoins second read the
+    launch's store at its start, perhaps before the first published its new endpoint; without the conductor's word it
+    would send to the old process for good (its KV never arrives)."""
+    ms, sent = membership()
+    for r in (2, 3):
+        ms.declared_dead(r, "silent", now=0.0)
+    ms.on_rejoin(m.Rejoin(rank=3, host="b", incarnation=1, endpoint="tcp://b:3", load_seconds=0), now=1.0)
+    ms.on_rejoin(m.Rejoin(rank=2, host="b", incarnation=1, endpoint="tcp://b:2", load_seconds=0), now=1.2)
+    own = [body for r, body in sent if isinstance(body, m.Repair) and r == 2 and body.rank == 2]
+    assert own and own[0].endpoints == {3: "tcp://b:3"}
+    to_three = [body for r, body in sent if isinstance(body, m.Repair) and r == 3 and body.rank == 2]
+    assert to_three and to_three[0].endpoint == "tcp://b:2"
+
+
 def test_a_peer_that_dies_during_a_rejoin_is_not_waited_for_and_a_failed_repair_ends_the_rejoin():
     ms, sent = membership()
     ms.declared_dead(1, "x", now=0.0)

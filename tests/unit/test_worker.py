@@ -300,6 +300,22 @@ def test_a_silent_conductor_whose_host_answers_gets_one_more_timeout_before_the_
         assert asked == [True, True] and worker.stopping and not worker.rank0_gone
 
 
+def test_a_peer_that_rejoins_over_shared_memory_is_served_again_without_pairs_to_form():
+    """A restarted rank on this rank's host (shm between them) rejoins: the ``Repair`` names no p2p pair of this
+    rank, and the shm plane must still take the peer back; otherwise every push to it fails as to a dead peer."""
+    class Shm(FakeTransport):
+        name = "shm"
+
+        def revive_peer(self, peer, pair_groups=None):
+            self.dead.discard(peer)
+
+    worker, channel, transport, *_ = make_worker(Shm())
+    transport.abort_peer(2, "declared dead")
+    deliver(worker, channel, m.Repair(rank=2, endpoint="", pairs=[], prefix="repair/1"))
+    assert not worker.transport.is_dead(2)
+    assert [b for _, b in channel.sent if isinstance(b, m.Repaired)] == [m.Repaired(rank=1, joined=2)]
+
+
 def test_a_send_that_cannot_be_posted_kills_the_pair_on_both_sides_and_fails_the_request_at_once():
     worker, channel, transport, *_ = make_worker()
     deliver(worker, channel, run_walk("k", 5, walk="keep"))
