@@ -8,13 +8,15 @@ role, or the front end's host, is hit; one JSON row per cell says how the servic
 
 Needs root (``ip netns``, mounts). The load comes from inside host a's namespace, where the front end listens.
 
-Roles (host a runs rank 0 and the front end; the hit rank is on host b and has a twin on host a, so a request that
-was not on the hit replica has somewhere to go):
+Roles (host a runs rank 0 and the front end; the hit rank is on host b and has a twin, so a request that was not on
+the hit replica has somewhere to go; the conductor keeps a request on one host where it can, so the twin is on the
+hit rank's host when the first stage has one replica only, and each row says how much the hit ranks served before):
 - ``prefill`` / ``decode``: SmolLM2, prefill on ranks 0 (a) and 2 (b), decode on ranks 1 (a) and 3 (b); rank 2,
   resp. rank 3 is hit;
-- ``tp``: Qwen3-MoE, prefill TP2 on ranks 0, 1 and a decode TP2 replica on 2, 3 (host a), another on 4, 5 (host b);
-  rank 5 is hit (its partner, rank 4, restarts with it);
-- ``codec``: Orpheus speech, the LLM on rank 0, SNAC codec replicas on ranks 1 (a) and 2 (b); rank 2 is hit;
+- ``tp``: Qwen3-MoE, prefill TP2 on ranks 0, 1 (host a), two decode TP2 replicas on 2, 3 and 4, 5 (host b); rank 5
+  is hit (its partner, rank 4, restarts with it);
+- ``codec``: Orpheus speech, the LLM on rank 0 (host a), SNAC codec replicas on ranks 1 and 2 (host b); rank 2 is
+  hit;
 - ``frontend``: the SmolLM2 layout, and the fault strikes host a as a whole (rank 0, its front end, rank 1 and
   torchrun's agent, which holds the launch's store).
 Faults: ``kill9`` (SIGKILL), ``sigstop`` (SIGSTOP past ``limits.rank_timeout_s``, then SIGCONT), ``sigterm`` (a
@@ -24,7 +26,8 @@ requested stop: the rank leaves and is not restarted; on the front end's host, t
 
 Per cell: ``in_flight_failed`` (requests that ended with an error naming a hit rank and began before the fault was
 over, plus ``KNOWN_AFTER_S``: those the hit replica had in flight or was handed before the conductor knew), ``lost``
-(any other failed request: must be 0), ``in_flight_end_s`` (from the fault until the last of those ended),
+(any other failed request: must be 0), ``refused_while_down`` (requests refused at once with a 503 while no
+replica of some stage was live: where the link fault cuts off every replica of a stage), ``in_flight_end_s`` (from the fault until the last of those ended),
 ``back_s`` (from the fault until the conductor logged every hit rank serving again after a kill, a stop or a link
 down; for the other faults and the front end's host, until the first answer to a request sent after the fault
 ended; None after a SIGTERM, which restarts nothing), ``served_after_back``, ``live_tensors_after`` (per rank, once
@@ -39,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -53,7 +57,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from tests.e2e.netns import NetnsPair  # noqa: E402
-from tests.e2e.server import REPO, Server, descendants, per_rank, wait_for  # noqa: E402
+from tests.e2e.server import REPO, Server, descendants, per_rank, signal_all, wait_for  # noqa: E402
 
 RANK_TIMEOUT_S = 10.0
 """``limits.rank_timeout_s`` of every cell (``--rank-timeout``): how long a stopped or cut-off rank may stay silent.
@@ -109,8 +113,8 @@ def roles() -> dict[str, Role]:
     return {
         "prefill": Role("launch/configs/smollm2_dp.yaml", [2, 2], llm, (2,), LLM_BODY),
         "decode": Role("launch/configs/smollm2_dp.yaml", [2, 2], llm, (3,), LLM_BODY),
-        "tp": Role("launch/configs/moe_pd_tp2.yaml", [4, 2], moe, (5, 4), LLM_BODY, moe_weights),
-        "codec": Role("launch/configs/speech_split.yaml", [2, 1], speech, (2,), speech_body, speech_weights),
+        "tp": Role("launch/configs/moe_pd_tp2.yaml", [2, 4], moe, (5, 4), LLM_BODY, moe_weights),
+        "codec": Role("launch/configs/speech_split.yaml", [1, 2], speech, (2,), speech_body, speech_weights),
         "frontend": Role("launch/configs/smollm2_dp.yaml", [2, 2], llm, (0, 1), LLM_BODY),
     }
 
@@ -158,6 +162,7 @@ class Load:
                 with httpx.stream("POST", f"{self.url}/generate", json=body, timeout=120) as r:
                     if r.status_code != 200:
                         rec.error = f"{r.status_code} {r.read().decode(errors='replace')[:300]}"
+                        time.sleep(0.2)  # refused at once: a client would not ask again in the same millisecond
                     for line in r.iter_lines():
                         last = line or last
                         rec.audio += '"modality":"audio"' in line.replace(" ", "")
@@ -192,14 +197,6 @@ def shm_clear(server: Server, node: int, path: Path) -> None:
 
 def host_pids(server: Server, node: int) -> list[int]:
     return [server.procs[node].pid, *descendants(server.procs[node].pid)]
-
-
-def signal_all(pids: list[int], sig: int) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
 
 
 def strike(server: Server, rig: NetnsPair, role: Role, name: str, fault: str) -> tuple[float, float]:
@@ -269,6 +266,7 @@ def cell(rig: NetnsPair, name: str, role: Role, fault: str, clients: int) -> dic
         load.start()
         time.sleep(WARMUP_S)
         before = {node: host_pids(server, node) for node in (0, 1)}
+        served_before = hit_traffic(server.base_url, role.hit if name != "frontend" else ())
         t_fault, t_end = strike(server, rig, role, name, fault)
         if name == "frontend" and fault in ("kill9", "sigterm"):
             return frontend_row(server, role, fault, load, t_fault, before)
@@ -295,7 +293,19 @@ def cell(rig: NetnsPair, name: str, role: Role, fault: str, clients: int) -> dic
         server.stop()
         LOGS.mkdir(parents=True, exist_ok=True)
         shutil.copy(server.log_path, LOGS / f"{name}_{fault}.log")
-    return row(name, role, fault, hit, load.records, t_fault, t_end, back, t_back, live)
+    return {**row(name, role, fault, hit, load.records, t_fault, t_end, back, t_back, live),
+            "hit_traffic_before": served_before}
+
+
+def hit_traffic(base_url: str, ranks: tuple[int, ...]) -> dict[str, int]:
+    """What the hit ranks did before the fault (proof that the load reached them): data-plane transfers into or out
+    of them, and decode rows they ran."""
+    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    transfers = sum(float(m.group(3)) for m in re.finditer(
+        r'^mstar_dist_edge_transfers_total\{[^}]*src="(\d+)",dst="(\d+)"[^}]*\} (\S+)$', text, re.M)
+        if int(m.group(1)) in ranks or int(m.group(2)) in ranks)
+    rows = sum(v for r, v in per_rank(base_url, "mstar_dist_engine_decode_rows_total").items() if int(r) in ranks)
+    return {"transfers": int(transfers), "decode_rows": int(rows)}
 
 
 def frontend_row(server: Server, role: Role, fault: str, load: Load, t_fault: float,
@@ -345,13 +355,17 @@ def row(name: str, role: Role, fault: str, hit: tuple[int, ...], records: list[R
     failed = [r for r in records if r.end and not r.ok]
     silent = fault in ("sigstop", "link")
     known = (t_end if silent else t_fault) + KNOWN_AFTER_S
-    in_flight = [r for r in failed if r.start <= known and any(f"rank {k} " in r.error for k in hit)]
-    lost = [r for r in failed if r not in in_flight]
+    # a walk with no live replica left (a link down that cuts off every replica of a stage): refused at once, 503
+    refused = [r for r in failed if r.start >= t_fault and "no live replica" in r.error]
+    in_flight = [r for r in failed if r not in refused and r.start <= known and any(f"rank {k} " in r.error
+                                                                                     for k in hit)]
+    lost = [r for r in failed if r not in in_flight and r not in refused]
     return {
         "role": name, "fault": fault, "rank": hit[0] if hit else role.hit[0], "hit_ranks": list(hit),
         "config": role.config, "nodes": role.nodes,
         "requests": sum(1 for r in records if r.end), "completed": sum(1 for r in records if r.ok),
-        "in_flight_failed": len(in_flight), "lost": len(lost), "lost_errors": sorted({r.error for r in lost})[:5],
+        "in_flight_failed": len(in_flight), "refused_while_down": len(refused), "lost": len(lost),
+        "lost_errors": sorted({r.error for r in lost})[:5],
         "in_flight_end_s": round(max((r.end - t_fault for r in in_flight), default=0.0), 2),
         "back_s": None if back is None else round(back, 2),
         "served_after_back": sum(1 for r in records if r.ok and r.start >= t_back),

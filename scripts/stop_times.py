@@ -30,7 +30,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from tests.e2e.server import REPO, descendants, wait_for  # noqa: E402
+from tests.e2e.server import REPO, descendants, signal_all, wait_for  # noqa: E402
 from tests.helpers import free_port  # noqa: E402
 
 SERVE = REPO / "launch/serve.sh"
@@ -76,11 +76,7 @@ def stop_once(config: str, signum: int, log_dir: Path) -> dict:
         time.sleep(0.5)
         left = [pid for pid in family if _alive(pid)]
     finally:
-        for pid in [proc.pid, *family]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        signal_all([proc.pid, *family])
     text = log_path.read_text(errors="replace")
     name = signal.Signals(signum).name
     return {"stop_s": took, "status": status, "ranks_clean": text.count(f"exits with status 0 ({name})") == NPROC[config],

@@ -76,6 +76,15 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def signal_all(pids: list[int], sig: int = signal.SIGKILL) -> None:
+    """Send ``sig`` to each of ``pids`` that still exists (processes this test started, by PID)."""
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
 def _gpus_per_node(nodes: list[int]) -> list[str] | None:
     """With several simulated hosts on a machine with enough GPUs: the ``CUDA_VISIBLE_DEVICES`` of each (node k gets
     the next ``nodes[k]`` GPUs), so two hosts' local rank 0 do not share a GPU; None otherwise (CPU, or one host)."""

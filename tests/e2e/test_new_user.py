@@ -24,7 +24,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.e2e.server import REPO, descendants, metric, wait_for
+from tests.e2e.server import REPO, descendants, metric, signal_all, wait_for
 from tests.helpers import free_port
 
 SERVE = REPO / "launch/serve.sh"
@@ -232,11 +232,7 @@ def test_ctrl_c_and_sigterm_stop_every_rank_at_once_with_one_line_and_status_0(v
         status = proc.wait(30)
         took = time.monotonic() - t0
     finally:
-        for pid in [proc.pid, *family]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        signal_all([proc.pid, *family])
     text = log_path.read_text()
     name = signal.Signals(signum).name
     assert status == 0 and text.rstrip().endswith(f"mstar-dist: stopped by {name}"), text[-3000:]
