@@ -87,8 +87,8 @@ def test_a_link_down_past_the_rank_timeout_fails_only_the_cut_off_replicas_reque
                      "host b's ranks serving again", interval=0.5)
             assert time.monotonic() - t_down < 120
             log = server.log_path.read_text(errors="replace")
-            assert "rank 0's host is up, so the conductor declared this rank dead" in log, log[-5000:]
-            assert "is gone" not in log, log[-5000:]
+            assert "it restarts and rejoins" in log, log[-5000:]  # told to (or found itself declared dead)
+            assert "is gone" not in log, log[-5000:]  # never taken for rank 0's host dying
             lines = json.loads(rig.run_in(0, f"import sys; sys.argv = ['x', {server.base_url!r}]\n{AFTER}"))
             assert 'mstar_dist_rank_up{rank="2"} 1.0' in lines and 'mstar_dist_rank_up{rank="3"} 1.0' in lines, lines
             wait_for(lambda: _no_live(rig, server), 30, "no live tensor on any rank")
