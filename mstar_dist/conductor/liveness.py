@@ -68,8 +68,16 @@ class Liveness:
         for req in list(self._active.values()):
             if rank in req.touched or rank in req.choice.ranks():
                 self._retry_or_fail(req, f"rank {rank} on host {host} {verb} ({why}); retry the request")
-        if self.membership.restarts:
-            for partner in sorted({r for g in self.placement.tp_groups if rank in g for r in g} - {rank}):
+        partners = sorted({r for g in self.placement.tp_groups if rank in g for r in g} - {rank})
+        if any(self.placement.is_conductor(r) for r in partners):
+            # the replica comes back only with all its members, and the conductor's rank is not restarted in place:
+            # this rank's replica is gone for good, whether or not the rank itself comes back
+            if self.membership.expected.pop(rank, None) is not None:
+                log.error("rank %d on host %s will not serve again: its TP replica holds rank 0, which is not "
+                          "restarted in place", rank, host)
+            self.membership.never_back.add(rank)
+        elif self.membership.restarts:
+            for partner in partners:
                 if partner not in self.dead_ranks:
                     self.membership.tell_restart(partner, f"rank {rank} of its TP replica {verb}")
                     self._declare_dead(partner, f"restarting with its TP replica (rank {rank} {verb})", "restarts")
@@ -107,8 +115,10 @@ class Liveness:
         hopeless = self.routes.unservable_walks({r: w for r, w in self.dead_ranks.items() if r not in hoped})
         if hopeless:
             dead = ", ".join(f"rank {r} ({why})" for r, why in sorted(self.dead_ranks.items()))
-            self.failed = (f"no live replica can serve walks {hopeless} and no restart is left for their ranks "
-                           f"(restart.max_restarts); dead: {dead}")
+            why = ("no restart is left for their ranks (restart.max_restarts)" if not self.membership.never_back else
+                   f"ranks {sorted(self.membership.never_back)} share a TP replica with rank 0, which is not restarted "
+                   f"in place (the launch as a whole must start again), or no restart is left for the others")
+            self.failed = f"no live replica can serve walks {hopeless}: {why}; dead: {dead}"
             log.error("the deployment cannot serve any more: %s", self.failed)
 
     def _on_rank_died(self, cmd: RankDied) -> None:

@@ -59,6 +59,8 @@ class Membership:
         self.rejoining: dict[int, Rejoining] = {}
         self.incarnation: dict[int, int] = {}
         """Rank -> its incarnation as last heard (``Stats``, ``Rejoin``)."""
+        self.never_back: set[int] = set()
+        """Dead ranks whose replica cannot come back in place (it holds the conductor's rank)."""
         self.endpoints: dict[int, str] = {}
         """Rank -> the control endpoint of its latest process, for the ranks that rejoined."""
         self.died_at: dict[int, float] = {}
@@ -70,7 +72,7 @@ class Membership:
         self.dead[rank] = why
         self.died_at.setdefault(rank, now)
         self.rejoining.pop(rank, None)
-        if self.restarts and rank != 0:
+        if self.restarts and rank != 0 and rank not in self.never_back:
             self.expected[rank] = now + self.rejoin_timeout_s
         done = []
         for joiner, job in list(self.rejoining.items()):
@@ -81,7 +83,7 @@ class Membership:
 
     def supervisor_says(self, rank: int, restarting: bool, now: float) -> None:
         """The supervisor's death record: the rank comes back (expected for ``rejoin_timeout_s``) or never."""
-        if restarting and self.restarts:
+        if restarting and self.restarts and rank not in self.never_back:
             self.expected[rank] = now + self.rejoin_timeout_s
         else:
             self.expected.pop(rank, None)
