@@ -245,6 +245,32 @@ def test_a_conductor_that_was_itself_stopped_declares_nobody_dead_for_the_silenc
     assert 1 in c.dead_ranks and 2 not in c.dead_ranks
 
 
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_tp_replica_holding_rank_0_is_gone_for_good_when_its_partner_dies(replicas):
+    """Rank 0 is not restarted in place, so neither is a TP replica that holds it: its partner's death must not tell
+    rank 0 to restart (that would end the launch), the partner is not waited for, and the deployment goes on only
+    where another replica serves the walks (otherwise it fails, saying why)."""
+    add = [0, 1, 2, 3][:2 * replicas]
+    ranks = [*add, len(add)]
+    cfg = parse_config({"model": "tests.toy_model:ToyModel", "node_groups": [
+        {"node_names": ["ADD"], "ranks": add, "tp_size": 2, "graph_walks": ["start"]},
+        {"node_names": ["COUNT"], "ranks": [len(add)], "graph_walks": ["count"]}]}, "test")
+    placement = Placement.build(cfg, {"start": frozenset({"ADD"}), "count": frozenset({"COUNT"})}, len(ranks))
+    ch = FakeChannel()
+    c = Conductor(model=ToyModel(None), placement=placement, channel=ch, token=TOKEN, world_size=len(ranks),
+                  max_concurrent=4, request_timeout_s=60.0, rank_hosts={r: "h" for r in ranks}, restarts=True)
+    c.serving, c.rank_timeout_s = True, 5.0
+    c.last_seen = {r: 100.0 for r in ranks}
+    c.last_seen[1] = 90.0
+    c.check_ranks(100.0)
+    assert 1 in c.dead_ranks and 0 not in c.dead_ranks
+    assert not [b for _, b in ch.sent if isinstance(b, m.Shutdown)], "rank 0 must not be told to restart"
+    assert 1 not in c.membership.hoped()
+    assert bool(c.failed) == (replicas == 1)
+    if c.failed:
+        assert "share a TP replica with rank 0" in c.failed
+
+
 def test_an_intakes_requests_come_back_in_one_outputs_message_per_turn_and_can_be_cancelled():
     c, ch = make(intakes=("intake0",))
     c.serving = True
