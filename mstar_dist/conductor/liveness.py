@@ -118,7 +118,7 @@ class Liveness:
             why = ("no restart is left for their ranks (restart.max_restarts)" if not self.membership.never_back else
                    f"ranks {sorted(self.membership.never_back)} share a TP replica with rank 0, which is not restarted "
                    f"in place (the launch as a whole must start again), or no restart is left for the others")
-            self.failed = f"no live replica can serve walks {hopeless}: {why}; dead: {dead}"
+            self.failed = f"no live replica can serve walks {hopeless} and {why}; dead: {dead}"
             log.error("the deployment cannot serve any more: %s", self.failed)
 
     def _on_rank_died(self, cmd: RankDied) -> None:
