@@ -78,6 +78,8 @@ class Conductor(Liveness):
         self.rank_timeout_s = rank_timeout_s
         self.log_stats_s = log_stats_s
         self.last_seen: dict[int, float] = {}
+        self.left_at: float | None = None
+        """When a rank last left on a signal (see ``Liveness._check_servable``)."""
         self.last_rank_check: float | None = None
         """When ``check_ranks`` last ran (a long gap since: the conductor itself was stopped)."""
         self.retry_in_flight = retry_in_flight
@@ -339,6 +341,7 @@ class Conductor(Liveness):
             log.info("rank %d on %s is ready (loaded in %.1f s)", body.rank, body.host, body.load_seconds)
         elif isinstance(body, m.Leaving):
             log.warning("rank %d on %s is leaving: %s", body.rank, body.host, body.reason)
+            self.left_at = time.monotonic()
             self._declare_dead(rank, body.reason, "stopped")
         elif isinstance(body, m.LoadFailed):
             self.failed = f"rank {body.rank} on host {body.host} failed to load: {body.error}"

@@ -23,6 +23,9 @@ log = logging.getLogger("mstar_dist.conductor.conductor")
 
 OWN_PAUSE_S = 2.0
 """A gap this long between two checks of the ranks (made every 0.2 s) means the conductor itself did not run."""
+LEAVING_GRACE_S = 2.0
+"""How long after a rank left on a signal (``Leaving``) a walk it leaves without a replica is not yet a failure of the
+deployment: when every host is being stopped, the front end's own signal arrives within this."""
 
 
 class Liveness:
@@ -51,7 +54,7 @@ class Liveness:
         expired = self.membership.expire(now)
         for rank, what in expired:
             log.error("rank %d on %s %s", rank, self.rank_hosts.get(rank, "?"), what)
-        if expired:
+        if expired or self.left_at is not None:
             self._check_servable()
 
     def _declare_dead(self, rank: int, why: str, verb: str) -> None:
@@ -110,9 +113,12 @@ class Liveness:
         """Fail the deployment (``failed``: the front end then stops every rank, non-zero) when some walk has no
         live replica and none of its dead ranks may come back."""
         if self.failed or not self.unservable_walks():
+            self.left_at = None
             return
         hoped = self.membership.hoped()
         hopeless = self.routes.unservable_walks({r: w for r, w in self.dead_ranks.items() if r not in hoped})
+        if hopeless and self.left_at is not None and time.monotonic() - self.left_at < LEAVING_GRACE_S:
+            return  # a rank stopped by a signal: the whole deployment may be stopping, which is no failure
         if hopeless:
             dead = ", ".join(f"rank {r} ({why})" for r, why in sorted(self.dead_ranks.items()))
             why = ("no restart is left for their ranks (restart.max_restarts)" if not self.membership.never_back else

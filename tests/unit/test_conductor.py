@@ -209,6 +209,27 @@ def test_with_one_replica_per_node_a_rank_that_dies_after_earlier_requests_still
     assert refused[0].status == 503 and "rank 1 (gone)" in str(refused[0])
 
 
+def test_a_rank_leaving_on_a_signal_fails_the_deployment_only_after_a_grace_for_a_whole_stop():
+    """SIGTERM to every host: a rank's ``Leaving`` may reach the conductor before the front end's own signal; the walk
+    it leaves without a replica is no failure then (the stop is clean, exit 0), only once the grace has passed."""
+    import time as clock
+
+    cfg = parse_config({"model": "tests.toy_model:ToyModel", "node_groups": [
+        {"node_names": ["ADD"], "ranks": [0], "graph_walks": ["start"]},
+        {"node_names": ["COUNT"], "ranks": [1], "graph_walks": ["count"]}]}, "test")
+    placement = Placement.build(cfg, {"start": frozenset({"ADD"}), "count": frozenset({"COUNT"})}, 2)
+    c = Conductor(model=ToyModel(None), placement=placement, channel=FakeChannel(), token=TOKEN, world_size=2,
+                  max_concurrent=10, request_timeout_s=60.0, rank_hosts={0: "h", 1: "h"})
+    c.serving = True
+    c.handle("rank1", m.encode(TOKEN, "rank1", m.Leaving(rank=1, host="h", reason="stopped by a signal (SIGTERM)")))
+    assert c.unservable_walks() == ["count"] and not c.failed
+    c.check_ranks(clock.monotonic())
+    assert not c.failed
+    c.left_at -= 2.5  # the grace is over and nobody stopped the front end: the deployment has failed
+    c.check_ranks(clock.monotonic())
+    assert c.failed and "no live replica can serve walks ['count'] and no restart is left" in c.failed
+
+
 def test_log_stats_reports_throughput_load_and_the_leak_canary(caplog):
     c, _ = make()
     c.metrics.rank_stats = {1: m.Stats(rank=1, live_tensors=3, live_bytes=12, edge_bytes_sent=0,
