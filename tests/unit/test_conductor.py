@@ -193,14 +193,19 @@ def test_silent_rank_is_declared_dead_its_requests_fail_and_new_ones_avoid_it():
     assert submit(c, params("none-left"))[0].status == 503
 
 
-def test_with_one_replica_per_node_a_rank_that_dies_after_earlier_requests_still_fails_new_ones():
-    """Every node has one replica: the conductor keeps the one choice it makes, and must drop it when a rank dies."""
+def one_replica_each() -> Conductor:
+    """ADD on rank 0 and COUNT on rank 1, one replica each."""
     cfg = parse_config({"model": "tests.toy_model:ToyModel", "node_groups": [
         {"node_names": ["ADD"], "ranks": [0], "graph_walks": ["start"]},
         {"node_names": ["COUNT"], "ranks": [1], "graph_walks": ["count"]}]}, "test")
     placement = Placement.build(cfg, {"start": frozenset({"ADD"}), "count": frozenset({"COUNT"})}, 2)
-    c = Conductor(model=ToyModel(None), placement=placement, channel=FakeChannel(), token=TOKEN, world_size=2,
-                  max_concurrent=10, request_timeout_s=60.0, rank_hosts={0: "h", 1: "h"})
+    return Conductor(model=ToyModel(None), placement=placement, channel=FakeChannel(), token=TOKEN, world_size=2,
+                     max_concurrent=10, request_timeout_s=60.0, rank_hosts={0: "h", 1: "h"})
+
+
+def test_with_one_replica_per_node_a_rank_that_dies_after_earlier_requests_still_fails_new_ones():
+    """Every node has one replica: the conductor keeps the one choice it makes, and must drop it when a rank dies."""
+    c = one_replica_each()
     for rid in ("a", "b"):
         submit(c, params(rid))
         assert c.running(rid).walk_ranks("count") == [1]
@@ -214,12 +219,7 @@ def test_a_rank_leaving_on_a_signal_fails_the_deployment_only_after_a_grace_for_
     it leaves without a replica is no failure then (the stop is clean, exit 0), only once the grace has passed."""
     import time as clock
 
-    cfg = parse_config({"model": "tests.toy_model:ToyModel", "node_groups": [
-        {"node_names": ["ADD"], "ranks": [0], "graph_walks": ["start"]},
-        {"node_names": ["COUNT"], "ranks": [1], "graph_walks": ["count"]}]}, "test")
-    placement = Placement.build(cfg, {"start": frozenset({"ADD"}), "count": frozenset({"COUNT"})}, 2)
-    c = Conductor(model=ToyModel(None), placement=placement, channel=FakeChannel(), token=TOKEN, world_size=2,
-                  max_concurrent=10, request_timeout_s=60.0, rank_hosts={0: "h", 1: "h"})
+    c = one_replica_each()
     c.serving = True
     c.handle("rank1", m.encode(TOKEN, "rank1", m.Leaving(rank=1, host="h", reason="stopped by a signal (SIGTERM)")))
     assert c.unservable_walks() == ["count"] and not c.failed
