@@ -312,7 +312,7 @@ class _Images(BaseHTTPRequestHandler):
             "/missing": (404, {}, b"no"),
         }
         if self.path == "/slow":
-            time.sleep(1.5)
+            time.sleep(3.5)
         if self.path == "/chunked":  # no Content-Length: the size shows only while reading
             self.send_response(200)
             self.send_header("Content-Type", "image/png")
@@ -347,7 +347,7 @@ def image_host():
 
 @pytest.fixture
 def fetching(fake):
-    media = MediaConfig(allowed_domains=("127.0.0.1",), max_item_bytes=4096, fetch_timeout_s=0.5)
+    media = MediaConfig(allowed_domains=("127.0.0.1",), max_item_bytes=4096, fetch_timeout_s=1.5)
     with TestClient(build_app(fake, media=media), raise_server_exceptions=False) as c:
         yield c
 
@@ -370,7 +370,7 @@ def test_an_allowed_image_url_is_fetched_and_reaches_the_family(fetching, fake, 
     ("/big", ["5000 bytes, above media.max_item_bytes = 4096"]),
     ("/chunked", ["above media.max_item_bytes = 4096"]),
     ("/missing", ["answered HTTP 404"]),
-    ("/slow", ["within media.fetch_timeout_s = 0.5 s"]),
+    ("/slow", ["within media.fetch_timeout_s = 1.5 s"]),
 ])
 def test_a_bad_image_url_is_400_naming_the_url_and_the_server_stays_healthy(fetching, fake, image_host, path,
                                                                             needles):
