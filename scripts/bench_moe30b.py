@@ -31,7 +31,6 @@ import platform
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
@@ -39,6 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from models.moe.config import MoEConfig  # noqa: E402
+from mstar_dist.tools.engine_turns import call, settle  # noqa: E402
 
 SHAPES = {
     # Qwen/Qwen3-30B-A3B's config.json (every layer sparse, no shared expert, untied head)
@@ -84,32 +84,6 @@ def build_engine(model, config: MoEConfig, device: str, max_batch: int, max_seq_
     return eng
 
 
-def _call(request_id: str, ctx, inputs: dict):
-    from mstar_dist.graph.walk import NodeCall
-
-    return NodeCall(run=SimpleNamespace(request_id=request_id, ctx=ctx), node="LLM", inputs=inputs, iteration=0)
-
-
-def settle(eng, calls: list, timeout_s: float = 300.0) -> list[int]:
-    """Each call's token: turns of ``run_batch`` until every call has its result (a held call is handed over again,
-    as the worker does)."""
-    from mstar_dist.engine.scheduler import Held
-
-    tokens: dict[int, int] = {}
-    deadline = time.monotonic() + timeout_s
-    while len(tokens) < len(calls):
-        todo = [i for i in range(len(calls)) if i not in tokens]
-        for i, result in zip(todo, eng.run_batch([calls[i] for i in todo])):
-            if isinstance(result, BaseException):
-                raise result
-            if not isinstance(result, Held) and result is not None:
-                tokens[i] = int(result.outputs["token"])
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"engine: {len(calls) - len(tokens)} of {len(calls)} calls unanswered after "
-                               f"{timeout_s} s")
-    return [tokens[i] for i in range(len(calls))]
-
-
 def engine_decode(eng, prompts: list[list[int]], steps: int, device: str) -> dict:
     """Prefill every prompt in one turn, then ``steps`` decode turns of all rows; the decode turns timed."""
     from mstar_dist.engine.component import WalkContext
@@ -119,12 +93,12 @@ def engine_decode(eng, prompts: list[list[int]], steps: int, device: str) -> dic
     ctxs = [WalkContext(request_id=rid, walk="prefill", walk_index=0, seed=0,
                         sampling=SamplingParams(temperature=0.0, seed=0)) for rid in ids]
     try:
-        tokens = settle(eng, [_call(rid, ctx, {"input_ids": torch.tensor(p)}) for rid, ctx, p in
+        tokens = settle(eng, [call(rid, ctx, {"input_ids": torch.tensor(p)}) for rid, ctx, p in
                               zip(ids, ctxs, prompts)])
         _sync(device)
         start = time.perf_counter()
         for _ in range(steps):
-            tokens = settle(eng, [_call(rid, ctx, {"token": torch.tensor([t])}) for rid, ctx, t in
+            tokens = settle(eng, [call(rid, ctx, {"token": torch.tensor([t])}) for rid, ctx, t in
                                   zip(ids, ctxs, tokens)])
         seconds = time.perf_counter() - start
     finally:

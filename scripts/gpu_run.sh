@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # GPU runs on the device machine (torch + NCCL preinstalled, no network). Usage, from the repo root there:
 #   bash scripts/gpu_run.sh STEP...   STEP: tests | gpu | engine | tpstop | serving | chat | pd | split | edges |
-#                                           kernels | trace | composite | speech | speech1 | image | tp |
-#                                           moe30b | soak | ab SETTING
+#                                           kernels | trace | composite | speech | speech1 | speechprof |
+#                                           image | tp | moe30b | soak | ab SETTING
 # Needs, carried from the dev machine (bash scripts/gpu_prepare.sh makes both): .whl/ (wheels the GPU image lacks:
 # fastapi, starlette, pydantic(-core), annotated-types, typing-inspection, opentelemetry-api, uvicorn, httptools,
 # pyzmq, msgspec, python-multipart, llguidance, soundfile, cffi, pycparser, soxr) and .ckpt/smol-shape (config + tokenizer of SmolLM2-135M; a random same-shaped checkpoint is
@@ -153,6 +153,12 @@ while [ $# -gt 0 ]; do
                --placement colocated --streams ${STREAMS:-1 8 32 64 128 256} --max-tokens 560 \
                --tokens-at 128:280 256:280 --intakes "${INTAKES:-4}" --budget-s 220 \
                --out "$out/speech_h200_colocated${NAME:+_$NAME}.json" 2>&1 | grep -v "^W1\|^  warnings" | tail -30 ;;
+    speechprof) # one GPU, in process (Orpheus-3B shape): the LLM engine's decode step with Orpheus's sampling, top-p
+             # alone and greedy, the codec's batched windows, the real-time bound they leave at ${STREAMS:-8 32 64 128 256}
+             # streams, and which batch or memory conditions change a stream's bits
+             timeout -k 15 240 python3 scripts/profile_speech.py --make 3b --weights /tmp/orpheus-3b \
+               --streams ${STREAMS:-8 32 64 128 256} --out "$out/speech_profile_h200${NAME:+_$NAME}.json" 2>&1 \
+               | grep -v "^W1\|^  warnings" | tail -30 ;;
     image)   # two GPUs: time per denoising step, sequential CFG on one GPU against CFG-parallel on two
              python3 scripts/bench_composite.py image --make tiny --weights /tmp/qwen-image-tiny --size 1024 --steps 8 24 \
                --out "$out/image_h200x2.json" 2>&1 | tail -30 ;;
