@@ -11,7 +11,8 @@ mstar_dist/tools/engine_turns.py):
   per sampling: ``orpheus`` (temperature 0.6, top-p 0.95, repetition penalty 1.1: the family's defaults),
   ``top_p`` (the same without the penalty) and ``greedy`` (no draw at all: the model's step).
 - ``codec_ms``: one ``SpeechCodec`` batch of 4-frame windows (one new frame each, what a stream's regular chunk
-  decodes) at N / 7 windows (the chunks a step of N streams completes on average: a chunk every 7 codes) and at N.
+  decodes) as served (CUDA graphs on the codec's stream, PCM to the host) at N / 7 windows (the chunks a step of N
+  streams completes on average: a chunk every 7 codes) and at N, and eagerly at N / 7.
 - ``budget``: a stream stays real time while a step of all streams takes at most one code's audio
   (2048 / 7 samples at 24 kHz = 12.19 ms); ``step_ms`` = the orpheus step + the codec's share of a step, and
   ``rtf_bound`` = step_ms / 12.19 (what the serving benchmark's RTF would be with nothing else on the rank).
@@ -87,8 +88,9 @@ def llm_step_ms(engine, family, n: int, sampling: dict, steps: int, device: str)
     return 1000 * times[len(times) // 2]
 
 
-def codec_ms(codec, batch: int, device: str, repeats: int = 5) -> float:
-    """One batch of ``batch`` 4-frame windows (1 new frame each) through the codec, milliseconds (median)."""
+def codec_ms(codec, batch: int, device: str, eager: bool = False, repeats: int = 5) -> float:
+    """One batch of ``batch`` 4-frame windows (1 new frame each) through the codec as it serves them (CUDA graphs on
+    its own stream, PCM to the host), or eagerly on the current stream; milliseconds (median)."""
     from models.snac.frames import decode_windows, to_pcm16
     from mstar_dist.engine.sampling import seeded
 
@@ -99,7 +101,10 @@ def codec_ms(codec, batch: int, device: str, repeats: int = 5) -> float:
         _sync(device)
         t0 = time.perf_counter()
         gens = [seeded(i, device) for i in range(batch)]
-        to_pcm16(decode_windows(codec.decoder, windows.to(device), 1, gens)).cpu()
+        if eager:
+            to_pcm16(decode_windows(codec.decoder, windows.to(device), 1, gens)).cpu()
+        else:
+            codec._decode(windows, 1, gens)
         times.append(time.perf_counter() - t0)
     times = sorted(times[1:])
     return 1000 * times[len(times) // 2]
@@ -122,6 +127,11 @@ def bits(engine, family, codec, device: str) -> dict:
     # row 0 of the batch of 8 is window 0 decoded alone with the same generator seed (7)
     alone, batched = codec_digest(codec, windows[:1], 0, device), codec_digest(codec, windows, 0, device)
     out = {"codec_alone_vs_batch8": alone == batched}
+    if codec.graphs is not None:  # the served path (a graph of the bucket of 8) against the eager batch of 8
+        from mstar_dist.engine.sampling import seeded
+
+        pcm = codec._decode(windows, 1, [seeded(7 + i, device) for i in range(8)])
+        out["codec_graph_vs_eager_batch8"] = hashlib.sha256(pcm[0].numpy().tobytes()).hexdigest()[:16] == batched
     if device.startswith("cuda"):
         free, _ = torch.cuda.mem_get_info()
         blocker = torch.empty(max(0, free - (128 << 20)), dtype=torch.uint8, device=device)
@@ -201,6 +211,7 @@ def main() -> None:
                           for name, s in SAMPLINGS.items()}}
         per_step = max(1, round(n / 7))
         row["codec_ms"] = {f"windows_{per_step}": codec_ms(codec, per_step, args.device),
+                           f"windows_{per_step}_eager": codec_ms(codec, per_step, args.device, eager=True),
                            f"windows_{n}": codec_ms(codec, n, args.device)}
         step = row["llm_ms"]["orpheus"] + row["codec_ms"][f"windows_{per_step}"]
         row["budget"] = {"step_ms": step, "rtf_bound": step / CODE_AUDIO_MS,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from models.snac.model import SnacDecoder
+from models.snac.model import GivenNoise, SnacDecoder
 
 FRAME_CODES = 7
 """Tokens per Orpheus frame."""
@@ -84,17 +84,44 @@ def decode_frames(decoder: SnacDecoder, frames: torch.Tensor, n_new: int, *, loo
 def decode_windows(decoder: SnacDecoder, windows: torch.Tensor, n_new: int,
                    generators: list[torch.Generator]) -> torch.Tensor:
     """Batched :func:`decode_frames` (lookahead 0) of B windows of equal length: windows (B, F, 7) -> float32
-    audio (B, n_new * frame_samples), the last ``n_new`` frames of each; row b's noise comes from
-    ``generators[b]`` alone."""
+    audio (B, n_new * frame_samples), the last ``n_new`` frames of each; row b's noise comes from ``generators[b]``
+    alone (:func:`row_noise`), so a row's audio does not depend on the rows beside it."""
     B, n_frames, _ = windows.shape
     if not 1 <= n_new <= n_frames or len(generators) != B:
         raise ValueError(f"decode_windows: n_new={n_new}, {n_frames} frames, {len(generators)} generators for "
                          f"{B} windows")
+    audio = decoder(window_codes(decoder, windows), row_noise(decoder, n_frames, generators))  # (B, 1, F * fs)
+    return audio[:, 0, -n_new * decoder.config.frame_samples:].float()
+
+
+def window_codes(decoder: SnacDecoder, windows: torch.Tensor) -> list[torch.Tensor]:
+    """Windows (B, F, 7) -> the decoder's codes (B, F), (B, 2F), (B, 4F) on its device."""
+    B, n_frames, _ = windows.shape
     device = next(decoder.parameters()).device
     codes = frames_to_codes(windows.reshape(B * n_frames, FRAME_CODES).to(device))  # rows of one long "frame" run
-    codes = [c.reshape(B, -1) for c in codes]  # (B, F), (B, 2F), (B, 4F)
-    audio = decoder(codes, generators)  # (B, 1, F * frame_samples)
-    return audio[:, 0, -n_new * decoder.config.frame_samples:].float()
+    return [c.reshape(B, -1) for c in codes]
+
+
+def row_noise(decoder: SnacDecoder, n_frames: int, generators: list[torch.Generator],
+              out: torch.Tensor | None = None) -> GivenNoise | None:
+    """The noise of a decode of ``n_frames`` frames per window, each row's every noise block drawn at once from its own
+    generator (one launch a row): (B, 1, T) views in block order, of ``out`` (rows, sum of T; rows 0..B-1 drawn, the
+    rest left as they are) when given. None for a decoder without noise."""
+    lengths = decoder.noise_lengths(n_frames)
+    if not lengths:
+        return None
+    param = next(decoder.parameters())
+    flat = out if out is not None else torch.empty((len(generators), sum(lengths)), device=param.device,
+                                                   dtype=param.dtype)
+    for row, gen in zip(flat, generators):
+        row.normal_(generator=gen)
+    return noise_views(flat, lengths)
+
+
+def noise_views(flat: torch.Tensor, lengths: list[int]) -> GivenNoise:
+    """``flat`` (B, sum of lengths) as one (B, 1, T) view per noise block."""
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    return GivenNoise([flat[:, a:a + n].unsqueeze(1) for a, n in zip(starts, lengths)])
 
 
 def to_pcm16(audio: torch.Tensor) -> torch.Tensor:

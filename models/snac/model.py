@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Union
 
 import torch
 import torch.nn.functional as F
@@ -149,15 +149,35 @@ class NoiseBlock(nn.Module):
         super().__init__()
         self.linear = _conv(dim, dim, 1, bias=False)
 
-    def forward(self, x: torch.Tensor, generator: "torch.Generator | list[torch.Generator] | None" = None
-                ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, generator: Noise = None) -> torch.Tensor:
         B, _, T = x.shape
-        if isinstance(generator, list):  # one generator per row: a row's noise does not depend on the batch
-            noise = torch.cat([torch.randn((1, 1, T), generator=g, device=x.device, dtype=x.dtype)
-                               for g in generator])
+        if isinstance(generator, GivenNoise):
+            noise = generator.next(B, T)
         else:
             noise = torch.randn((B, 1, T), generator=generator, device=x.device, dtype=x.dtype)
         return x + noise * self.linear(x)
+
+
+class GivenNoise:
+    """Noise drawn before a forward (so that a CUDA graph can replay it): the decoder's noise blocks take these
+    tensors in block order, one (B, 1, T) each."""
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        self.tensors, self._at = tensors, 0
+
+    def next(self, B: int, T: int) -> torch.Tensor:
+        if self._at >= len(self.tensors):
+            raise ValueError(f"GivenNoise: {len(self.tensors)} tensors given, a noise block asked for another")
+        noise = self.tensors[self._at]
+        if noise.shape != (B, 1, T):
+            raise ValueError(f"GivenNoise: noise block {self._at} needs ({B}, 1, {T}), given {tuple(noise.shape)}")
+        self._at += 1
+        return noise
+
+
+Noise = Union[torch.Generator, GivenNoise, None]
+"""Where a decode's noise comes from: one generator for the batch, noise drawn before (``frames.row_noise``: each
+row's from its own generator), or the global RNG (None)."""
 
 
 class DecoderBlock(nn.Module):
@@ -175,7 +195,7 @@ class DecoderBlock(nn.Module):
         layers += [ResidualUnit(c_out, dilation, groups) for dilation in (1, 3, 9)]
         self.block = nn.ModuleList(layers)
 
-    def forward(self, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, generator: Noise = None) -> torch.Tensor:
         for layer in self.block:
             x = layer(x, generator) if isinstance(layer, NoiseBlock) else layer(x)
         return x
@@ -239,7 +259,7 @@ class Decoder(nn.Module):
         layers += [Snake(c_out), _conv(c_out, 1, 7)]
         self.model = nn.ModuleList(layers)  # indices are the checkpoint's `decoder.model.{j}`
 
-    def forward(self, z: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    def forward(self, z: torch.Tensor, generator: Noise = None) -> torch.Tensor:
         for layer in self.model:
             z = layer(z, generator) if isinstance(layer, DecoderBlock) else layer(z)
         return torch.tanh(z)
@@ -281,7 +301,15 @@ class SnacDecoder(nn.Module):
         self.quantizer = CodesToLatent(config)  # named as the checkpoint's residual VQ, whose decode half it is
         self.decoder = Decoder(config)
 
-    def forward(self, codes: list[torch.Tensor], generator: torch.Generator | None = None) -> torch.Tensor:
+    def noise_lengths(self, n_frames: int) -> list[int]:
+        """The time steps of each noise block's draw (block order) when decoding ``n_frames`` frames (codes of
+        codebook 0); empty without noise."""
+        if not self.config.noise:
+            return []
+        steps = n_frames * self.config.vq_strides[0]
+        return [steps * math.prod(self.config.decoder_rates[:i + 1]) for i in range(len(self.config.decoder_rates))]
+
+    def forward(self, codes: list[torch.Tensor], generator: Noise = None) -> torch.Tensor:
         """codes[i]: integer tensor (B, n * vq_strides[0] // vq_strides[i]), coarsest codebook first (24 kHz:
         [B, n], [B, 2n], [B, 4n]). Returns float audio (B, 1, n * frame_samples) in [-1, 1].
 

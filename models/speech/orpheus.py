@@ -32,7 +32,7 @@ import torch
 
 from mstar_dist.config.engine import EngineConfig
 from mstar_dist.engine.component import Component
-from mstar_dist.engine.sampling import seeded
+from mstar_dist.engine.sampling import seeded, to_device
 from mstar_dist.events import MediaDelta
 from mstar_dist.graph.model import RequestState, WalkStep
 from mstar_dist.graph.nodes import EMIT_TO_CLIENT, Edge, GraphNode, Loop, Section
@@ -52,6 +52,9 @@ STRIDE = 7
 """New codes between chunks: one frame."""
 CONTEXT_FRAMES = 3
 """Earlier frames decoded with the new ones (their samples are not emitted again)."""
+CODEC_GRAPH_ROWS = 64
+"""The most windows one codec graph replay decodes (on CUDA with ``engine.cuda_graphs``); a step of 256 streams
+completes about 37 windows on average (a chunk every 7 codes), a larger batch replays more than once."""
 DEFAULT_SPEECH_DIR = "~/.cache/mstar_dist/orpheus-tiny"
 SAMPLING_DEFAULTS = {"temperature": 0.6, "top_p": 0.95, "repetition_penalty": 1.1}
 """The sampling of canopylabs/orpheus-3b-0.1-ft's model card (its inference example), for every knob a request
@@ -69,12 +72,21 @@ class SpeechCodec(Component):
 
     name = CODEC
 
-    def __init__(self, decoder: torch.nn.Module, *, audio_offset: int, codebook_size: int, device: torch.device):
+    def __init__(self, decoder: torch.nn.Module, *, audio_offset: int, codebook_size: int, device: torch.device,
+                 graph_rows: int = 0):
+        """``graph_rows`` > 0 (CUDA): the regular chunk's windows (``WINDOW`` codes) decode from CUDA graphs of up to
+        that many windows a replay (models/snac/graphs.py), captured by ``warmup``."""
         from models.snac.frames import decode_windows, to_pcm16
 
         self.decoder, self.device = decoder, device
         self.audio_offset, self.codebook_size = audio_offset, codebook_size
         self._decode_windows, self._to_pcm16 = decode_windows, to_pcm16
+        self.graphs = None
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        if graph_rows > 0 and device.type == "cuda":
+            from models.snac.graphs import WindowGraphs
+
+            self.graphs = WindowGraphs(decoder, WINDOW // CODES_PER_FRAME, graph_rows)
         self._codes: dict[str, list[int]] = {}
         self._frames_done: dict[str, int] = {}
         self.chunks = 0
@@ -99,9 +111,7 @@ class SpeechCodec(Component):
                 groups.setdefault((window.shape[0], n_new), []).append((i, window, gen, final))
         for (_, n_new), rows in groups.items():
             try:
-                audio = self._decode_windows(self.decoder, torch.stack([r[1] for r in rows]).to(self.device),
-                                             n_new, [r[2] for r in rows])
-                pcm = self._to_pcm16(audio)
+                pcm = self._decode(torch.stack([r[1] for r in rows]), n_new, [r[2] for r in rows])
             except Exception as exc:  # a broken batch fails exactly its requests
                 for i, *_ in rows:
                     out[i] = exc
@@ -110,6 +120,24 @@ class SpeechCodec(Component):
                 self.samples += pcm.shape[1]
                 out[i] = NodeResult(outputs={"audio": pcm[row]}, stop=final)
         return out
+
+    def _decode(self, windows: torch.Tensor, n_new: int, gens: list[torch.Generator]) -> torch.Tensor:
+        """Windows (B, F, 7) on the host -> PCM16 (B, n_new * frame_samples) on the host. On CUDA the work runs on
+        the codec's own stream, so that it neither waits for a decode step of the LLM queued on the same device nor
+        makes the LLM's next step wait for it (the two share the GPU), and its copies go through pinned memory."""
+        if self.stream is None:
+            return self._to_pcm16(self._decode_windows(self.decoder, windows.to(self.device), n_new, gens))
+        with torch.cuda.stream(self.stream):
+            windows = to_device(windows, self.device)
+            if self.graphs is not None and windows.shape[1] == self.graphs.frames:
+                audio = self.graphs.decode(windows, n_new, gens)
+            else:
+                audio = self._decode_windows(self.decoder, windows, n_new, gens)
+            pcm = self._to_pcm16(audio)
+            host = torch.empty(pcm.shape, dtype=pcm.dtype, pin_memory=True)
+            host.copy_(pcm, non_blocking=True)
+            self.stream.synchronize()
+        return host
 
     def _take_chunk(self, call: NodeCall):
         """Add a chunk's new codes to its request; a NodeResult when no frame completed, else what to decode:
@@ -136,6 +164,11 @@ class SpeechCodec(Component):
         # every placement for a pinned request
         gen = seeded((call.ctx.seed + done) & 0x7FFF_FFFF_FFFF_FFFF, self.device)
         return window.view(-1, CODES_PER_FRAME), frames - done, gen, final
+
+    def warmup(self) -> None:
+        if self.graphs is not None:
+            with torch.cuda.stream(self.stream):
+                self.graphs.capture()
 
     def release(self, request_id: str) -> None:
         self._codes.pop(request_id, None)
@@ -202,8 +235,10 @@ class OrpheusSpeech(LlamaChat):
             from models.snac import load_snac
 
             decoder = load_snac(self.codec_dir, device=device, dtype=torch.float32)
+            config = (engine or self.engine).on(device, 1)
             return SpeechCodec(decoder, audio_offset=tokens.audio_offset, codebook_size=tokens.codebook_size,
-                               device=torch.device(device))
+                               device=torch.device(device),
+                               graph_rows=CODEC_GRAPH_ROWS if config.cuda_graphs else 0)
         return super().build_component(node, device=device, walks=walks, engine=engine)
 
     def _logit_bias(self, model: torch.nn.Module) -> torch.Tensor:
