@@ -56,6 +56,7 @@ def build(weights: str, device: str, max_batch: int):
                                     engine=EngineConfig(max_batch=max_batch, max_seq_len=1024))
     engine.warmup()
     codec = family.build_component(CODEC, device=device, walks={"codec"})
+    codec.warmup()
     return family, engine, codec
 
 
