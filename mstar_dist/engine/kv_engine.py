@@ -80,6 +80,9 @@ class KVCacheEngine(Component):
         self.name = name
         self.config = config
         self.logit_bias = None if logit_bias is None else logit_bias.to(device, torch.float32)
+        self.window, self._window_bias = vocab_window(self.logit_bias)
+        """The tokens the bias allows lie in [lo, hi): rows draw over that slice of their logits alone (a speech LLM's
+        audio codes are a fifth of its vocabulary), with the same tokens as over the whole; None: the whole."""
         self.model, self.cache, self.device = model, cache, device
         self.ragged_prefill = bool(getattr(model, "pads_are_inert", False))
         self.prefill_inputs: tuple[str, ...] = tuple(getattr(model, "prefill_inputs", ()))
@@ -107,7 +110,7 @@ class KVCacheEngine(Component):
         self._launched: list[Launched] = []
         """Prefill batches launched in earlier turns whose tokens the host has not taken yet (``prefill_in_flight``)."""
         self._seqs: dict[str, Seq] = {}
-        self.rows = RowExtras(device, cache.max_slots, cache.max_seq_len, grammar_tokenizer, name)
+        self.rows = RowExtras(device, cache.max_slots, cache.max_seq_len, grammar_tokenizer, name, self.window)
         """Penalties, min_tokens, grammars and logprobs of the rows that ask for them (engine/logits.py)."""
         self.steps = self.decode_rows = self.joined_rows = 0
         self.prefills = self.prefill_batches = self.prefill_batches_replayed = self.prefill_batches_beside = 0
@@ -269,7 +272,7 @@ class KVCacheEngine(Component):
                 # and the sampling kernels, greedy and drawn, with a copy of their tokens to the host: the first use of
                 # each costs host time that would otherwise land on the first request's prefill
                 drawn = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_p=0.9, top_k=20)]
-                tokens = sample(self._biased(logits), drawn, [torch.Generator(), torch.Generator()])
+                tokens = sample(self._biased(logits), drawn, [torch.Generator(), torch.Generator()])  # window ids
                 wait(self._copy_to_host(tokens)[1])
             finally:
                 self.cache.free(slot)
@@ -352,7 +355,8 @@ class KVCacheEngine(Component):
         for i in special:
             self.rows.admit(group[i].request_id, ctxs[i].sampling, slots[i], prompts[i], prompts[i].numel())
         prep = self.rows.prepare(ctxs, slots, [p.numel() - 1 for p in prompts], [0] * len(ctxs)) if special else None
-        prompt = prompt_table(self._biased(logits[0]), prompts[0], ctxs[0].sampling.prompt_logprobs) if every else None
+        prompt = prompt_table(self._biased(logits[0], whole=True), prompts[0], ctxs[0].sampling.prompt_logprobs) \
+            if every else None
         return self.rows.draw(last, [x.sampling for x in ctxs], _generators(ctxs), prep, prompt)
 
     def _finish_prefill(self, launched: Launched) -> list[NodeResult | Held]:
@@ -412,8 +416,15 @@ class KVCacheEngine(Component):
             return set()
         return {seq.slot for seq in ahead.seqs}
 
-    def _biased(self, logits: torch.Tensor) -> torch.Tensor:
-        return logits if self.logit_bias is None else logits.float() + self.logit_bias
+    def _biased(self, logits: torch.Tensor, whole: bool = False) -> torch.Tensor:
+        """Logits (..., V) with the family's bias: only the allowed window's columns (``self.window``, the ids the
+        rows' draw gives back shifted by its start: engine/logits.py), or all of them with ``whole``."""
+        if self.logit_bias is None:
+            return logits
+        if self.window is None or whole:
+            return logits.float() + self.logit_bias
+        lo, hi = self.window
+        return logits[..., lo:hi].float() + self._window_bias
 
     # ---- decode steps ----
     def _ensure_seq(self, call: NodeCall) -> bool:
@@ -591,6 +602,20 @@ class KVCacheEngine(Component):
                             lengths=[s.length for s in picked], tokens=sampled, host=host, ready=ready,
                             generator_states=states, given={k: given[i] for k, i in enumerate(rows) if i in given},
                             logprobs=logprobs)
+
+def vocab_window(bias: torch.Tensor | None) -> tuple[tuple[int, int] | None, torch.Tensor | None]:
+    """((lo, hi), bias[lo:hi]) when every token ``bias`` (V,) allows (a finite entry) lies in [lo, hi) and that is less
+    than the whole vocabulary; else (None, None)."""
+    if bias is None:
+        return None, None
+    allowed = torch.isfinite(bias).nonzero()
+    if not len(allowed):
+        raise ValueError("logit_bias forbids every token")
+    lo, hi = int(allowed[0, 0]), int(allowed[-1, 0]) + 1
+    if hi - lo == bias.shape[0]:
+        return None, None
+    return (lo, hi), bias[lo:hi].contiguous()
+
 
 def _generators(ctxs: list[WalkContext]) -> list[torch.Generator | None]:
     """The rows' sampling generators, made only for rows that draw (a greedy row never does: no generator to build

@@ -90,8 +90,12 @@ class RowExtras:
     """One KV engine's per-row state for the knobs beyond the draw (see the module docstring)."""
 
     def __init__(self, device: torch.device, max_slots: int, max_seq_len: int,
-                 grammar_tokenizer: Callable[[], Any] | None, engine: str) -> None:
+                 grammar_tokenizer: Callable[[], Any] | None, engine: str,
+                 window: tuple[int, int] | None = None) -> None:
+        """``window`` (lo, hi): the logits handed to `draw` and `adjust` are the columns lo..hi-1 of the vocabulary
+        (the engine's bias allows no token outside), and `draw` gives back vocabulary ids."""
         self.device = device
+        self.offset, self.width = (0, None) if window is None else (window[0], window[1] - window[0])
         self.live: set[str] = set()
         """Requests with extras holding a slot here."""
         self.guided = GuidedRows(grammar_tokenizer, engine)
@@ -146,7 +150,8 @@ class RowExtras:
                 masked.append((b, sorted(ctx.stop_token_ids)))
         if not (prep.penalized or prep.logprobs or prep.guided or masked):
             return None
-        if masked:
+        masked = [(b, [t - self.offset for t in ids if self._in_window(t)]) for b, ids in masked]
+        if any(ids for _, ids in masked):
             rows = [b for b, ids in masked for _ in ids]
             prep.masked = (to_device(rows, self.device), to_device([t for _, ids in masked for t in ids], self.device))
         if prep.penalized:
@@ -155,8 +160,12 @@ class RowExtras:
             for b in prep.guided:
                 token = None if given is None else int(given[b].reshape(-1)[0])
                 self.guided.advance(ctxs[b].request_id, ctxs[b].sampling.guided, token)
-            prep.forbidden = to_device(self.guided.forbidden([ctxs[b].request_id for b in prep.guided]), self.device)
+            forbidden = self.guided.forbidden([ctxs[b].request_id for b in prep.guided])
+            prep.forbidden = to_device(forbidden[:, self.offset:] if self.offset else forbidden, self.device)
         return prep
+
+    def _in_window(self, token: int) -> bool:
+        return self.width is None or 0 <= token - self.offset < self.width
 
     def _penalty_inputs(self, prep: Prepared, ctxs: list[Any], slots: list[int], positions: list[int],
                         inputs: torch.Tensor | None) -> None:
@@ -204,6 +213,10 @@ class RowExtras:
         hist = self._history[slots, :longest]  # (R, L): the rows' tokens up to the longest row's
         pos = torch.arange(hist.shape[1], device=x.device)[None]
         valid = pos < read[:, None]
+        if self.width is not None:  # x holds the window's columns: a token outside it has nothing to penalize
+            hist = hist - self.offset
+            valid = valid & (hist >= 0) & (hist < self.width)
+            hist = hist.clamp(0, self.width - 1)
         seen = torch.zeros_like(x).scatter_add_(1, hist, valid.float()) > 0
         x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
         if counted:
@@ -217,9 +230,15 @@ class RowExtras:
         ``logits`` (B, V) as ``prep`` adjusts them, and the forward's logprob tables (None when no row asked;
         ``prompt``: see `logprobs`)."""
         if prep is None and prompt is None:
-            return sample(logits, params, generators), None
+            return self._ids(sample(logits, params, generators)), None
         tokens = sample(logits if prep is None else self.adjust(logits, prep), params, generators)
-        return tokens, self.logprobs(logits, tokens, prep, prompt)
+        logprobs = self.logprobs(logits, tokens, prep, prompt)
+        if self.offset and logprobs is not None and logprobs.table is not None:
+            logprobs.table[..., 0] += self.offset  # window ids -> vocabulary ids (exact in float64)
+        return self._ids(tokens), logprobs
+
+    def _ids(self, tokens: torch.Tensor) -> torch.Tensor:
+        return tokens + self.offset if self.offset else tokens
 
     def logprobs(self, raw: torch.Tensor, tokens: torch.Tensor, prep: Prepared | None,
                  prompt: torch.Tensor | None = None) -> Logprobs | None:

@@ -393,3 +393,35 @@ def test_an_unsupported_grammar_is_a_value_error_naming_it(kind: str, spec: str,
     pytest.importorskip("llguidance")
     with pytest.raises(ValueError, match=words):
         compile_guided(kind, spec)
+
+
+@pytest.mark.parametrize("lookahead", [False, True])
+def test_a_bias_that_allows_a_window_draws_the_tokens_and_logprobs_of_the_whole_vocabulary(model: Llama,
+                                                                                         lookahead: bool) -> None:
+    """A speech LLM's bias allows its audio codes alone: the engine then draws over that slice of the logits (engine
+    ``window``). Top-p, penalties (whose history holds prompt tokens outside the window), ``min_tokens`` and logprobs
+    must give what the same bias gives over the whole vocabulary (there the first and last ids are allowed at -1e4,
+    which spans the window over everything and changes no probability)."""
+    window = torch.full((CFG.vocab_size,), float("-inf"))
+    window[30:80] = 0.0
+    window[55] = float("-inf")  # a forbidden id inside the window stays forbidden
+    whole = window.clone()
+    whole[0] = whole[-1] = -1e4
+    params = {"a": SamplingParams(temperature=0.8, top_p=0.9, seed=3, logprobs=3, repetition_penalty=1.5),
+              "b": SamplingParams(temperature=1.0, seed=4, min_tokens=4, frequency_penalty=0.5),
+              "c": SamplingParams(temperature=0.0, logprobs=1)}
+    prompts = {"a": prompt(9, 1), "b": prompt(5, 2), "c": prompt(7, 3)}
+    stops = {"b": (40, 90)}  # 90: a stop id outside the window
+    runs = {}
+    for name, bias in (("window", window), ("whole", whole)):
+        eng = engine(model, lookahead=lookahead, logit_bias=bias)
+        assert (eng.window is not None) == (name == "window")
+        runs[name] = run(eng, prompts, params, 8, stops=stops)
+    for rid in prompts:
+        got, want = runs["window"][rid], runs["whole"][rid]
+        assert tokens(got) == tokens(want)
+        assert all(30 <= t < 80 and t != 55 for t in tokens(got))
+        for g, w in zip(got, want):
+            if "logprobs" in w.outputs:
+                torch.testing.assert_close(g.outputs["logprobs"], w.outputs["logprobs"], atol=1e-5, rtol=0)
+    assert len(set(tokens(runs["window"]["a"]))) > 1  # drawn, not a constant: the comparison is not vacuous
