@@ -21,8 +21,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("mstar_dist.conductor.conductor")
 
-OWN_PAUSE_S = 2.0
-"""A gap this long between two checks of the ranks (made every 0.2 s) means the conductor itself did not run."""
 LEAVING_GRACE_S = 2.0
 """How long after a rank left on a signal (``Leaving``) a walk it leaves without a replica is not yet a failure of the
 deployment: when every host is being stopped, the front end's own signal arrives within this."""
@@ -37,7 +35,7 @@ class Liveness:
         if not self.serving:
             return
         gap, self.last_rank_check = now - (self.last_rank_check or now), now
-        if gap > OWN_PAUSE_S:  # this process did not run (stopped, or its host froze): nobody's silence counts
+        if gap > m.OWN_PAUSE_S:  # this process did not run (stopped, or its host froze): nobody's silence counts
             log.warning("the conductor did not run for %.1f s (its process was stopped or starved): the ranks' "
                         "silence over that time does not count", gap)
             for rank in self.last_seen:

@@ -225,6 +225,12 @@ class RankDown(msgspec.Struct, tag=True):
     reason: str
 
 
+OWN_PAUSE_S = 2.0
+"""A gap this long between two of a process's own liveness checks (the conductor checks its ranks every 0.2 s, a rank
+its conductor every turn of a loop that never blocks longer than 20 ms) means that process itself did not run
+(stopped, or its host froze): the other side's silence over that gap does not count (docs/architecture.md §10)."""
+
+
 class Heartbeat(msgspec.Struct, tag=True):
     """The conductor is alive (sent to every live rank every second); a rank that hears nothing from the
     conductor for its rank timeout exits non-zero instead of serving nobody forever."""

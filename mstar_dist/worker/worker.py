@@ -56,10 +56,6 @@ __all__ = ["Worker"]
 
 log = logging.getLogger(__name__)
 
-OWN_PAUSE_S = 2.0
-"""A gap this long between two turns of the loop (which never blocks longer than 20 ms) means the process did not
-run: the conductor's silence over it does not count."""
-
 
 class Worker:
     """One rank's worker. ``channel`` is this rank's control port (already connected to every peer); ``transport``
@@ -486,7 +482,7 @@ class Worker:
         gap, self._last_check = now - self._last_check, now
         if self.conductor_timeout_s is None or self.conductor_seen is None:
             return
-        if gap > OWN_PAUSE_S:
+        if gap > m.OWN_PAUSE_S:
             self.conductor_seen += gap
         silent = now - self.conductor_seen
         if silent <= self.conductor_timeout_s:
