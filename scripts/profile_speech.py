@@ -204,7 +204,10 @@ def main() -> None:
         Path(args.out).write_text(json.dumps({**out, **meta}, indent=2) + "\n")
 
     family, engine, codec = build(args.weights, args.device, max(args.streams))
-    out["bits"] = bits(engine, family, codec, args.device)
+    try:
+        out["bits"] = bits(engine, family, codec, args.device)
+    except Exception as exc:  # the timings below do not depend on it
+        out["bits"] = {"error": f"{type(exc).__name__}: {exc}"}
     print("bits", out["bits"], flush=True)
     save()
     for n in args.streams:
