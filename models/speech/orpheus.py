@@ -25,6 +25,7 @@ tiny random checkpoint of both layouts (``scripts/make_speech_checkpoint.py``).
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,8 @@ from mstar_dist.graph.streaming import SlidingWindow
 from mstar_dist.graph.walk import NodeCall, NodeResult
 from mstar_dist.random_weights import mark_prepared
 from models.llama.chat import DECODE_LOOP, LLM, MAX_DECODE_ITERS, LlamaChat
+
+log = logging.getLogger(__name__)
 
 CODEC = "CODEC"
 VOICES = ("tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe")
@@ -166,9 +169,15 @@ class SpeechCodec(Component):
         return window.view(-1, CODES_PER_FRAME), frames - done, gen, final
 
     def warmup(self) -> None:
-        if self.graphs is not None:
+        if self.graphs is None:
+            return
+        try:
             with torch.cuda.stream(self.stream):
                 self.graphs.capture()
+        except Exception as exc:  # the eager decode gives the same audio, only slower: serve with it, and say why
+            log.warning("CODEC: its CUDA graphs could not be captured (%s: %s); windows decode eagerly",
+                        type(exc).__name__, exc)
+            self.graphs = None
 
     def release(self, request_id: str) -> None:
         self._codes.pop(request_id, None)

@@ -9,11 +9,13 @@ window slicing of decode_frames if streamed audio stops matching a whole decode.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import runpy
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -220,3 +222,17 @@ def test_batched_windows_equal_one_window_at_a_time(tiny):
     # order of the convolutions' sums, which can move a PCM16 sample by one step at a rounding edge, never more
     assert torch.equal(to_pcm16(decode_windows(ours, windows, 1, gens())), to_pcm16(batched))
     assert (to_pcm16(batched).int() - to_pcm16(alone).int()).abs().max() <= 1
+
+
+def test_a_codec_whose_graphs_fail_to_capture_serves_eagerly_and_says_why(tiny, caplog):
+    """A capture that fails on some device (a kernel that cannot be captured) must not stop the rank: the eager decode
+    gives the same audio."""
+    from models.speech.orpheus import SpeechCodec
+
+    _, ours = tiny
+    codec = SpeechCodec(ours, audio_offset=0, codebook_size=SNAC_TINY.codebook_size, device=torch.device("cpu"))
+    codec.graphs = type("Broken", (), {"capture": lambda self: (_ for _ in ()).throw(RuntimeError("no capture"))})()
+    codec.stream = None
+    with mock.patch("torch.cuda.stream", lambda s: contextlib.nullcontext()), caplog.at_level("WARNING"):
+        codec.warmup()
+    assert codec.graphs is None and "could not be captured (RuntimeError: no capture)" in caplog.text
