@@ -52,7 +52,9 @@ class WindowGraphs:
         device = param.device
         pool = None
         for bucket in sorted(self.buckets, reverse=True):
-            codes = [torch.zeros((bucket, self.frames * n), dtype=torch.long, device=device) for n in (1, 2, 4)]
+            strides = self.decoder.config.vq_strides
+            codes = [torch.zeros((bucket, self.frames * strides[0] // s), dtype=torch.long, device=device)
+                     for s in strides]
             noise = torch.zeros((bucket, sum(self.noise_lengths)), dtype=param.dtype, device=device) \
                 if self.noise_lengths else None
             side = torch.cuda.Stream(device)
