@@ -17,9 +17,11 @@ the JSON's ``tokens_at``; the JSON is rewritten after every wave, so a run cut s
 image: ``image_single.yaml`` (sequential CFG: both branch forwards one after the other on one device) against a
 two-rank CFG-parallel placement (main loop + conditional branch on rank 0, unconditional branch on rank 1): time
 per denoising step = the slope of request time between two step counts (so text encoding, VAE and HTTP cancel),
-the same pinned request's PNG bytes on both, and each rank's edge bytes and host-staging copies from /metrics.
+the whole request at each step count (``request_s``; at the larger one, CFG-parallel over sequential end to end), the
+same pinned request's PNG bytes on both, and each rank's edge bytes and host-staging copies from /metrics.
 Weights: any directory of the family's layout (real or random; ``--make tiny|3b`` / ``--make tiny|1b`` writes a
-random one first; Qwen-Image: ``--make tiny`` only). Device: whatever torch sees (one process per GPU).
+random one first; Qwen-Image: ``--make tiny`` or ``--make full``, the published denoiser and VAE, ~41 GB drawn on
+the GPU). Device: whatever torch sees (one process per GPU).
 """
 
 from __future__ import annotations
@@ -225,6 +227,7 @@ def bench_image(args) -> dict:
             server.stop()
     seq, par = (out["placements"][p] for p in placements)
     out["step_speedup_cfg_parallel"] = seq["step_ms"] / par["step_ms"]
+    out["image_s_cfg_parallel_over_sequential"] = par["request_s"][hi] / seq["request_s"][hi]  # end to end, hi steps
     out["same_png_parallel_vs_sequential"] = seq["png_sha256"] == par["png_sha256"]
     return out
 
@@ -264,9 +267,10 @@ def make_checkpoint(args, device: str | None = None) -> None:
 
     if args.what == "image":
         from models.qwen_image.checkpoint import make_qwen_image_checkpoint
-        if args.make != "tiny":
-            raise SystemExit(f"--make {args.make}: Qwen-Image's random checkpoint comes in one size, tiny")
-        return make_qwen_image_checkpoint(Path(args.weights), seed=0)
+        if args.make not in ("tiny", "full"):
+            raise SystemExit(f"--make {args.make}: Qwen-Image's random checkpoint comes in two sizes, tiny and full")
+        return make_qwen_image_checkpoint(Path(args.weights), seed=0, size=args.make,
+                                          device=device or ("cuda" if torch.cuda.is_available() else "cpu"))
     import models.speech.checkpoint as speech
 
     device = device or ("cuda" if torch.cuda.is_available() else None)

@@ -2,7 +2,7 @@
 # GPU runs on the device machine (torch + NCCL preinstalled, no network). Usage, from the repo root there:
 #   bash scripts/gpu_run.sh STEP...   STEP: tests | gpu | engine | tpstop | serving | chat | pd | split | edges |
 #                                           kernels | trace | composite | speech | speech1 | speechprof |
-#                                           image | tp | moe30b | soak | ab SETTING
+#                                           image | imagefull | tp | moe30b | soak | ab SETTING
 # Needs, carried from the dev machine (bash scripts/gpu_prepare.sh makes both): .whl/ (wheels the GPU image lacks:
 # fastapi, starlette, pydantic(-core), annotated-types, typing-inspection, opentelemetry-api, uvicorn, httptools,
 # pyzmq, msgspec, python-multipart, llguidance, soundfile, cffi, pycparser, soxr) and .ckpt/smol-shape (config + tokenizer of SmolLM2-135M; a random same-shaped checkpoint is
@@ -162,6 +162,10 @@ while [ $# -gt 0 ]; do
     image)   # two GPUs: time per denoising step, sequential CFG on one GPU against CFG-parallel on two
              python3 scripts/bench_composite.py image --make tiny --weights /tmp/qwen-image-tiny --size 1024 --steps 8 24 \
                --out "$out/image_h200x2.json" 2>&1 | tail -30 ;;
+    imagefull) # two GPUs: the published denoiser's size (20.4B, random bf16, ~41 GB written first), 1024x1024, 28 and 50
+             # steps: whole requests, sequential CFG on one GPU against CFG-parallel on two, one round
+             timeout -k 15 560 python3 scripts/bench_composite.py image --make full --weights /tmp/qwen-image-full \
+               --size 1024 --steps 28 50 --rounds "${ROUNDS:-1}" --out "$out/image_full_h200x2.json" 2>&1 | tail -30 ;;
     tp)      # two GPUs: TP2 against TP1 of a Qwen3-MoE-shaped checkpoint (NCCL check, then serving at 1 and 32 streams)
              timeout 540 python3 scripts/bench_tp.py --make medium --weights /tmp/moe-medium --streams 1 32 \
                --max-tokens 128 --out "$out/tp_h200x2.json" 2>&1 | tail -30 ;;

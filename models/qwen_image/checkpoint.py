@@ -18,6 +18,7 @@ says so. Nothing here imports diffusers or transformers: serving writes the defa
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from pathlib import Path
@@ -92,6 +93,22 @@ VISION = {"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2
           "fullatt_block_indexes": [0], "window_size": 56, "hidden_act": "silu", "tokens_per_second": 2}
 
 
+TRANSFORMER_FULL = {**TRANSFORMER, "attention_head_dim": 128, "axes_dims_rope": [16, 56, 56], "joint_attention_dim": 3584,
+                    "num_attention_heads": 24, "num_layers": 60}
+"""Qwen/Qwen-Image's transformer/config.json: the published denoiser (about 20B parameters)."""
+VAE_FULL = {**VAE, "base_dim": 96, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2, "temperal_downsample": [False, True, True]}
+"""Qwen/Qwen-Image's vae/config.json."""
+TEXT_FULL = {**TEXT, "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 1, "num_attention_heads": 28,
+             "num_key_value_heads": 4}
+"""Qwen2.5-VL-7B's widths with one layer: the denoiser's conditioning is as wide as the published one's, at a fraction
+of the encoder's time (the benchmarks time the denoising loop, which runs once per step)."""
+LAYOUTS = {"tiny": {"transformer": TRANSFORMER, "vae": VAE, "text": TEXT, "vision": VISION, "dtype": torch.float32},
+           "full": {"transformer": TRANSFORMER_FULL, "vae": VAE_FULL, "text": TEXT_FULL,
+                    "vision": {**VISION, "out_hidden_size": TEXT_FULL["hidden_size"]}, "dtype": torch.bfloat16}}
+"""``make_qwen_image_checkpoint``'s sizes: ``tiny`` (what serving prepares, float32) and ``full`` (the published
+denoiser and VAE with a one-layer text encoder of the published width, bfloat16, about 41 GB)."""
+
+
 def added_tokens() -> tuple[tuple[str, bool], ...]:
     """Qwen2.5-VL's added tokens (content, special) in id order: Qwen3-Omni's first 22."""
     from models.qwen3_omni.checkpoint import ADDED_TOKENS
@@ -132,8 +149,10 @@ def tokenizer_config(tok) -> dict[str, Any]:
             "tokenizer_class": "Qwen2Tokenizer", "unk_token": None}
 
 
-def text_encoder_config(tok) -> dict[str, Any]:
-    """A Qwen2.5-VL config.json (transformers' layout) for TEXT and VISION with the tokenizer's ids."""
+def text_encoder_config(tok, layout: dict = LAYOUTS["tiny"]) -> dict[str, Any]:
+    """A Qwen2.5-VL config.json (transformers' layout) for the layout's text and vision widths with the tokenizer's
+    ids."""
+    TEXT, VISION = layout["text"], layout["vision"]  # noqa: N806
     ids = {name: tok.token_to_id(c) for name, c in (
         ("bos_token_id", "<|endoftext|>"), ("eos_token_id", "<|im_end|>"), ("image_token_id", "<|image_pad|>"),
         ("video_token_id", "<|video_pad|>"), ("vision_start_token_id", "<|vision_start|>"),
@@ -151,9 +170,10 @@ def text_encoder_config(tok) -> dict[str, Any]:
             **{k: v for k, v in ids.items() if k not in ("bos_token_id", "eos_token_id")}}
 
 
-def text_encoder_shapes() -> dict[str, tuple[int, ...]]:
+def text_encoder_shapes(layout: dict = LAYOUTS["tiny"]) -> dict[str, tuple[int, ...]]:
     """Every tensor of Qwen2_5_VLForConditionalGeneration as transformers saves it (``model.*``, ``visual.*``,
     ``lm_head``)."""
+    TEXT, VISION = layout["text"], layout["vision"]  # noqa: N806
     d, inter, kv = TEXT["hidden_size"], TEXT["intermediate_size"], TEXT["num_key_value_heads"]
     kv_dim = kv * d // TEXT["num_attention_heads"]
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (TEXT_VOCAB, d), "model.norm.weight": (d,),
@@ -209,31 +229,33 @@ class _VaeEncoderLayout(nn.Module):
         self.quant_conv = CausalConv3d(2 * c.z_dim, 2 * c.z_dim, (1, 1, 1))
 
 
-def init_tensor(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
-    """The value of tensor ``name`` (module docstring's rules), from a generator seeded by ``seed`` and ``name``."""
+def init_tensor(name: str, shape: tuple[int, ...], seed: int, device: str = "cpu") -> torch.Tensor:
+    """The value of tensor ``name`` (module docstring's rules), from a generator seeded by ``seed`` and ``name``, drawn
+    on ``device`` (another device draws other values; the full size's billions are drawn on a GPU)."""
     import hashlib
 
     if len(shape) == 1 or name.endswith(".gamma"):
         return (torch.zeros if name.endswith(".bias") else torch.ones)(shape)
     key = int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "little") >> 1
-    gen = torch.Generator().manual_seed(key)
+    gen = torch.Generator(device).manual_seed(key)
     std = 1.0 / math.sqrt(math.prod(shape[1:]))
-    return torch.randn(shape, generator=gen).mul_(std)
+    return torch.randn(shape, generator=gen, device=device).mul_(std)
 
 
-def write_tensors(out: Path, shapes: dict[str, tuple[int, ...]], seed: int, stem: str, shards: int) -> None:
+def write_tensors(out: Path, shapes: dict[str, tuple[int, ...]], seed: int, stem: str, shards: int,
+                  dtype: torch.dtype = torch.float32, device: str = "cpu") -> None:
     """``shapes`` as ``shards`` safetensors files (``{stem}.safetensors`` when 1, else ``{stem}-0000K-of-0000N``
-    plus ``{stem}.safetensors.index.json``)."""
+    plus ``{stem}.safetensors.index.json``), in ``dtype``, drawn on ``device``."""
     names = sorted(shapes)
     per = math.ceil(len(names) / shards)
     weight_map: dict[str, str] = {}
     total = 0
     for k in range(shards):
         file = f"{stem}.safetensors" if shards == 1 else f"{stem}-{k + 1:05d}-of-{shards:05d}.safetensors"
-        tensors = {n: init_tensor(n, shapes[n], seed) for n in names[k * per:(k + 1) * per]}
+        tensors = {n: init_tensor(n, shapes[n], seed, device).to(dtype).cpu() for n in names[k * per:(k + 1) * per]}
         save_file(tensors, str(out / file), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, file))
-        total += sum(t.numel() * 4 for t in tensors.values())
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
     if shards > 1:
         _write_json(out / f"{stem}.safetensors.index.json",
                     {"metadata": {"total_size": total}, "weight_map": weight_map})
@@ -247,8 +269,12 @@ def _module_shapes(*modules: nn.Module) -> dict[str, tuple[int, ...]]:
     return {n: tuple(t.shape) for m in modules for n, t in m.state_dict().items()}
 
 
-def make_qwen_image_checkpoint(out: str | Path, *, seed: int = 0) -> Path:
-    """Write the checkpoint into ``out`` (created; FileExistsError if it holds files); returns ``out``."""
+def make_qwen_image_checkpoint(out: str | Path, *, seed: int = 0, size: str = "tiny", device: str = "cpu") -> Path:
+    """Write the checkpoint of ``size`` (``LAYOUTS``) into ``out`` (created; FileExistsError if it holds files), its
+    values drawn on ``device``; returns ``out``."""
+    if size not in LAYOUTS:
+        raise ValueError(f"size must be one of {sorted(LAYOUTS)}, got {size!r}")
+    layout = LAYOUTS[size]
     out = Path(out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     if any(out.iterdir()):
@@ -258,16 +284,20 @@ def make_qwen_image_checkpoint(out: str | Path, *, seed: int = 0) -> Path:
     tok = build_tokenizer()
     tok.save(str(out / "tokenizer" / "tokenizer.json"))
     _write_json(out / "tokenizer" / "tokenizer_config.json", tokenizer_config(tok))
-    _write_json(out / "text_encoder" / "config.json", text_encoder_config(tok))
-    write_tensors(out / "text_encoder", text_encoder_shapes(), seed, "model", shards=2)
-    vae_config = VaeConfig.from_dict(VAE)
+    _write_json(out / "text_encoder" / "config.json", text_encoder_config(tok, layout))
+    write = functools.partial(write_tensors, seed=seed, dtype=layout["dtype"], device=device)
+    write(out / "text_encoder", text_encoder_shapes(layout), stem="model", shards=2)
+    vae_config = VaeConfig.from_dict(layout["vae"])
     with torch.device("meta"):
-        transformer = QwenImageTransformer(TransformerConfig.from_dict(TRANSFORMER))
+        transformer = QwenImageTransformer(TransformerConfig.from_dict(layout["transformer"]))
         vae = (VaeDecoder(vae_config), _VaeEncoderLayout(vae_config))
-    _write_json(out / "transformer" / "config.json", TRANSFORMER)
-    write_tensors(out / "transformer", _module_shapes(transformer), seed, "diffusion_pytorch_model", shards=2)
-    _write_json(out / "vae" / "config.json", VAE)
-    write_tensors(out / "vae", _module_shapes(*vae), seed, "diffusion_pytorch_model", shards=1)
+    shapes = _module_shapes(transformer)
+    _write_json(out / "transformer" / "config.json", layout["transformer"])
+    # shards of about 2 GB (the published layout has 9 of about 5 GB): one is held in memory while it is written
+    write(out / "transformer", shapes, stem="diffusion_pytorch_model",
+          shards=max(2, sum(math.prod(v) for v in shapes.values()) * 2 // (2 << 30)))
+    _write_json(out / "vae" / "config.json", layout["vae"])
+    write(out / "vae", _module_shapes(*vae), stem="diffusion_pytorch_model", shards=1)
     _write_json(out / "scheduler" / "scheduler_config.json", SCHEDULER)
     _write_json(out / "model_index.json", MODEL_INDEX)
     write_marker(out, seed, MADE_BY)

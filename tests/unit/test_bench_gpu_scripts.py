@@ -8,6 +8,8 @@ be misread, the "30B-A3B" shape is not Qwen3-30B-A3B's size, or the MoE benchmar
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -45,6 +47,24 @@ def test_the_30b_a3b_shape_has_qwen3_30b_a3b_parameter_count():
     with torch.device("meta"):
         model = Qwen3Moe(SHAPES["30b-a3b"])
     assert sum(p.numel() for p in model.parameters()) == pytest.approx(30.53e9, rel=2e-3)
+
+
+def test_the_full_qwen_image_layout_is_the_published_denoiser_and_vae():
+    """The image benchmark's ``--make full`` must time the published model's sizes, not a guess at them."""
+    from models.qwen_image.checkpoint import LAYOUTS, _module_shapes, _VaeEncoderLayout, text_encoder_shapes
+    from models.qwen_image.transformer import QwenImageTransformer, TransformerConfig
+    from models.qwen_image.vae import VaeConfig, VaeDecoder
+
+    full = LAYOUTS["full"]
+    with torch.device("meta"):
+        denoiser = QwenImageTransformer(TransformerConfig.from_dict(full["transformer"]))
+        vae = VaeConfig.from_dict(full["vae"])
+        vae_shapes = _module_shapes(VaeDecoder(vae), _VaeEncoderLayout(vae))
+    assert sum(p.numel() for p in denoiser.parameters()) == pytest.approx(20.43e9, rel=2e-3)
+    assert sum(math.prod(s) for s in vae_shapes.values()) == pytest.approx(126.9e6, rel=2e-3)
+    text = text_encoder_shapes(full)
+    assert text["visual.merger.mlp.2.weight"][0] == text["model.embed_tokens.weight"][1] == \
+        full["transformer"]["joint_attention_dim"]  # the conditioning is as wide as the denoiser takes it
 
 
 def test_engine_and_bare_loop_drivers_run_the_tiny_shape():
