@@ -39,7 +39,8 @@ class EngineConfig:
     group): a prefill rank's KV is imported whole by the decode rank, and the front end checks one context."""
     cuda_graphs: bool = True
     """Decode steps replay captured CUDA graphs, one per (rows, context) bucket: a step's launch costs one replay
-    instead of a kernel launch per op. CUDA only."""
+    instead of a kernel launch per op; a speech codec's windows replay graphs of its own (models/snac/graphs.py).
+    CUDA only."""
     prefill_token_budget: int = 4096
     """The most padded prompt tokens (rows x longest prompt) one batched prefill forward takes; prompts beyond it go
     in further forwards of the same turn."""
