@@ -195,8 +195,8 @@ def main() -> None:
         from bench_composite import make_checkpoint  # scripts/ is on the path as this script's folder
 
         make_checkpoint(argparse.Namespace(what="speech", make=args.make, weights=args.weights))
-    meta = dict(command=" ".join(sys.argv), torch=torch.__version__,
-                device=torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu")
+    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
+    meta = dict(command=" ".join(sys.argv), torch=torch.__version__, device=device)
     out: dict = {"code_audio_ms": CODE_AUDIO_MS}
 
     def save() -> None:

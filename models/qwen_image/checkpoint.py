@@ -93,10 +93,11 @@ VISION = {"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2
           "fullatt_block_indexes": [0], "window_size": 56, "hidden_act": "silu", "tokens_per_second": 2}
 
 
-TRANSFORMER_FULL = {**TRANSFORMER, "attention_head_dim": 128, "axes_dims_rope": [16, 56, 56], "joint_attention_dim": 3584,
-                    "num_attention_heads": 24, "num_layers": 60}
+TRANSFORMER_FULL = {**TRANSFORMER, "attention_head_dim": 128, "axes_dims_rope": [16, 56, 56],
+                    "joint_attention_dim": 3584, "num_attention_heads": 24, "num_layers": 60}
 """Qwen/Qwen-Image's transformer/config.json: the published denoiser (about 20B parameters)."""
-VAE_FULL = {**VAE, "base_dim": 96, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2, "temperal_downsample": [False, True, True]}
+VAE_FULL = {**VAE, "base_dim": 96, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2,
+            "temperal_downsample": [False, True, True]}
 """Qwen/Qwen-Image's vae/config.json."""
 TEXT_FULL = {**TEXT, "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 1, "num_attention_heads": 28,
              "num_key_value_heads": 4}

@@ -80,9 +80,6 @@ class KVCacheEngine(Component):
         self.name = name
         self.config = config
         self.logit_bias = None if logit_bias is None else logit_bias.to(device, torch.float32)
-        self.window, self._window_bias = vocab_window(self.logit_bias)
-        """The tokens the bias allows lie in [lo, hi): rows draw over that slice of their logits alone (a speech LLM's
-        audio codes are a fifth of its vocabulary), with the same tokens as over the whole; None: the whole."""
         self.model, self.cache, self.device = model, cache, device
         self.ragged_prefill = bool(getattr(model, "pads_are_inert", False))
         self.prefill_inputs: tuple[str, ...] = tuple(getattr(model, "prefill_inputs", ()))
@@ -110,8 +107,9 @@ class KVCacheEngine(Component):
         self._launched: list[Launched] = []
         """Prefill batches launched in earlier turns whose tokens the host has not taken yet (``prefill_in_flight``)."""
         self._seqs: dict[str, Seq] = {}
-        self.rows = RowExtras(device, cache.max_slots, cache.max_seq_len, grammar_tokenizer, name, self.window)
-        """Penalties, min_tokens, grammars and logprobs of the rows that ask for them (engine/logits.py)."""
+        self.rows = RowExtras(device, cache.max_slots, cache.max_seq_len, grammar_tokenizer, name, self.logit_bias)
+        """Penalties, min_tokens, grammars and logprobs of the rows that ask for them, and the bias's window of ids
+        (engine/logits.py)."""
         self.steps = self.decode_rows = self.joined_rows = 0
         self.prefills = self.prefill_batches = self.prefill_batches_replayed = self.prefill_batches_beside = 0
         self.ahead_rows_used = self.ahead_rows_dropped = 0
@@ -272,7 +270,7 @@ class KVCacheEngine(Component):
                 # and the sampling kernels, greedy and drawn, with a copy of their tokens to the host: the first use of
                 # each costs host time that would otherwise land on the first request's prefill
                 drawn = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_p=0.9, top_k=20)]
-                tokens = sample(self._biased(logits), drawn, [torch.Generator(), torch.Generator()])  # window ids
+                tokens = sample(self.rows.biased(logits), drawn, [torch.Generator(), torch.Generator()])  # window ids
                 wait(self._copy_to_host(tokens)[1])
             finally:
                 self.cache.free(slot)
@@ -350,13 +348,13 @@ class KVCacheEngine(Component):
         """A prefill's first tokens from its logits (rows, 1, V) (``every``: (1, T, V), the prompt's logprobs asked),
         with what its rows' knobs ask beside the draw (engine/logits.py)."""
         ctxs: list[WalkContext] = [c.ctx for c in group]
-        last = self._biased(logits[:, -1])
+        last = self.rows.biased(logits[:, -1])
         special = [i for i, x in enumerate(ctxs) if x.sampling.extras]
         for i in special:
             self.rows.admit(group[i].request_id, ctxs[i].sampling, slots[i], prompts[i], prompts[i].numel())
         prep = self.rows.prepare(ctxs, slots, [p.numel() - 1 for p in prompts], [0] * len(ctxs)) if special else None
-        prompt = prompt_table(self._biased(logits[0], whole=True), prompts[0], ctxs[0].sampling.prompt_logprobs) \
-            if every else None
+        prompt = prompt_table(self.rows.biased(logits[0], whole=True), prompts[0],
+                              ctxs[0].sampling.prompt_logprobs) if every else None
         return self.rows.draw(last, [x.sampling for x in ctxs], _generators(ctxs), prep, prompt)
 
     def _finish_prefill(self, launched: Launched) -> list[NodeResult | Held]:
@@ -415,16 +413,6 @@ class KVCacheEngine(Component):
         if ahead is None or has_ended(ahead.ready):
             return set()
         return {seq.slot for seq in ahead.seqs}
-
-    def _biased(self, logits: torch.Tensor, whole: bool = False) -> torch.Tensor:
-        """Logits (..., V) with the family's bias: only the allowed window's columns (``self.window``, the ids the
-        rows' draw gives back shifted by its start: engine/logits.py), or all of them with ``whole``."""
-        if self.logit_bias is None:
-            return logits
-        if self.window is None or whole:
-            return logits.float() + self.logit_bias
-        lo, hi = self.window
-        return logits[..., lo:hi].float() + self._window_bias
 
     # ---- decode steps ----
     def _ensure_seq(self, call: NodeCall) -> bool:
@@ -563,7 +551,7 @@ class KVCacheEngine(Component):
         states = {row: (generators[row], generators[row].get_state())
                   for row, p in enumerate(params) if keep_states and not p.greedy}
         prep = None if done is None else self.rows.prepare(ctxs, slots, positions, done, inputs=tokens, given=given)
-        return *self.rows.draw(self._biased(logits[:, -1]), params, generators, prep), states
+        return *self.rows.draw(self.rows.biased(logits[:, -1]), params, generators, prep), states
 
     def _copy_out(self, tokens: torch.Tensor, logprobs: Logprobs | None
                   ) -> tuple[torch.Tensor, object, Logprobs | None]:
@@ -602,20 +590,6 @@ class KVCacheEngine(Component):
                             lengths=[s.length for s in picked], tokens=sampled, host=host, ready=ready,
                             generator_states=states, given={k: given[i] for k, i in enumerate(rows) if i in given},
                             logprobs=logprobs)
-
-def vocab_window(bias: torch.Tensor | None) -> tuple[tuple[int, int] | None, torch.Tensor | None]:
-    """((lo, hi), bias[lo:hi]) when every token ``bias`` (V,) allows (a finite entry) lies in [lo, hi) and that is less
-    than the whole vocabulary; else (None, None)."""
-    if bias is None:
-        return None, None
-    allowed = torch.isfinite(bias).nonzero()
-    if not len(allowed):
-        raise ValueError("logit_bias forbids every token")
-    lo, hi = int(allowed[0, 0]), int(allowed[-1, 0]) + 1
-    if hi - lo == bias.shape[0]:
-        return None, None
-    return (lo, hi), bias[lo:hi].contiguous()
-
 
 def _generators(ctxs: list[WalkContext]) -> list[torch.Generator | None]:
     """The rows' sampling generators, made only for rows that draw (a greedy row never does: no generator to build

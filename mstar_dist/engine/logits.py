@@ -86,16 +86,34 @@ class Prepared:
         return bool(self.penalized or self.guided) or self.masked is not None
 
 
+def vocab_window(bias: torch.Tensor | None) -> tuple[tuple[int, int] | None, torch.Tensor | None]:
+    """((lo, hi), bias[lo:hi]) when every token ``bias`` (V,) allows (a finite entry) lies in [lo, hi) and that is less
+    than the whole vocabulary; else (None, None)."""
+    if bias is None:
+        return None, None
+    allowed = torch.isfinite(bias).nonzero()
+    if not len(allowed):
+        raise ValueError("logit_bias forbids every token")
+    lo, hi = int(allowed[0, 0]), int(allowed[-1, 0]) + 1
+    if hi - lo == bias.shape[0]:
+        return None, None
+    return (lo, hi), bias[lo:hi].contiguous()
+
+
 class RowExtras:
     """One KV engine's per-row state for the knobs beyond the draw (see the module docstring)."""
 
     def __init__(self, device: torch.device, max_slots: int, max_seq_len: int,
                  grammar_tokenizer: Callable[[], Any] | None, engine: str,
-                 window: tuple[int, int] | None = None) -> None:
-        """``window`` (lo, hi): the logits handed to `draw` and `adjust` are the columns lo..hi-1 of the vocabulary
-        (the engine's bias allows no token outside), and `draw` gives back vocabulary ids."""
+                 bias: torch.Tensor | None = None) -> None:
+        """``bias`` (V,) on ``device``: the family's fixed logit bias (`biased`). When it allows only the ids of a
+        window [lo, hi) (`vocab_window`), the logits handed to `draw` and `adjust` are those columns alone, and `draw`
+        gives back vocabulary ids."""
         self.device = device
-        self.offset, self.width = (0, None) if window is None else (window[0], window[1] - window[0])
+        self.bias = bias
+        self.window, self._window_bias = vocab_window(bias)
+        lo, hi = self.window or (0, None)
+        self.offset, self.width = lo, None if hi is None else hi - lo
         self.live: set[str] = set()
         """Requests with extras holding a slot here."""
         self.guided = GuidedRows(grammar_tokenizer, engine)
@@ -104,6 +122,15 @@ class RowExtras:
         """(slots, max_seq_len) token ids of penalized rows, made at the first one."""
         self._prompt_len: dict[int, int] = {}
         """Slot of a penalized request -> its prompt's length (the output starts there)."""
+
+    def biased(self, logits: torch.Tensor, whole: bool = False) -> torch.Tensor:
+        """Logits (..., V) with the family's bias: the window's columns alone when there is one (what `draw` takes),
+        or every column with ``whole`` (a prompt's logprobs, of any id)."""
+        if self.bias is None:
+            return logits
+        if self.window is None or whole:
+            return logits.float() + self.bias
+        return logits[..., self.window[0]:self.window[1]].float() + self._window_bias
 
     def admit(self, request_id: str, sampling: Any, slot: int, prompt: torch.Tensor | None, length: int) -> None:
         """The request took ``slot`` with ``length`` positions of KV (a prefill: ``prompt`` its ids; a KV import: the

@@ -415,7 +415,7 @@ def test_a_bias_that_allows_a_window_draws_the_tokens_and_logprobs_of_the_whole_
     runs = {}
     for name, bias in (("window", window), ("whole", whole)):
         eng = engine(model, lookahead=lookahead, logit_bias=bias)
-        assert (eng.window is not None) == (name == "window")
+        assert (eng.rows.window is not None) == (name == "window")
         runs[name] = run(eng, prompts, params, 8, stops=stops)
     for rid in prompts:
         got, want = runs["window"][rid], runs["whole"][rid]
