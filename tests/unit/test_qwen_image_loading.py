@@ -89,3 +89,21 @@ def test_model_kwargs_are_checked(tiny):
         QwenImage(None, sizes=[1])
     with pytest.raises(ValueError, match="default_size must be WIDTHxHEIGHT"):
         QwenImage(None, default_size="big")
+
+
+def test_a_bfloat16_checkpoint_loads_into_float32_with_its_stored_values(tmp_path, monkeypatch):
+    """The published checkpoint (and ``--make full``) stores bfloat16: the family loads it into whatever dtype it runs
+    in, and the values are the stored ones."""
+    import torch
+
+    import models.qwen_image.checkpoint as checkpoint
+    from models.qwen_image.weights import load_transformer
+
+    monkeypatch.setitem(checkpoint.LAYOUTS, "tiny", {**checkpoint.LAYOUTS["tiny"], "dtype": torch.bfloat16})
+    root = make_qwen_image_checkpoint(tmp_path / "bf16", seed=3)
+    stored = load_file(next((root / "transformer").glob("*00001-of-*.safetensors")))
+    assert {t.dtype for t in stored.values()} == {torch.bfloat16}
+    model = load_transformer(root / "transformer", "cpu", torch.float32)
+    params = dict(model.named_parameters())
+    name = next(n for n, t in stored.items() if t.dim() == 2 and n in params)
+    assert params[name].dtype == torch.float32 and torch.equal(params[name], stored[name].float())
