@@ -153,20 +153,20 @@ def tokenizer_config(tok) -> dict[str, Any]:
 def text_encoder_config(tok, layout: dict = LAYOUTS["tiny"]) -> dict[str, Any]:
     """A Qwen2.5-VL config.json (transformers' layout) for the layout's text and vision widths with the tokenizer's
     ids."""
-    TEXT, VISION = layout["text"], layout["vision"]  # noqa: N806
+    text, vision = layout["text"], layout["vision"]
     ids = {name: tok.token_to_id(c) for name, c in (
         ("bos_token_id", "<|endoftext|>"), ("eos_token_id", "<|im_end|>"), ("image_token_id", "<|image_pad|>"),
         ("video_token_id", "<|video_pad|>"), ("vision_start_token_id", "<|vision_start|>"),
         ("vision_end_token_id", "<|vision_end|>"))}
-    head_dim = TEXT["hidden_size"] // TEXT["num_attention_heads"]
+    head_dim = text["hidden_size"] // text["num_attention_heads"]
     section = [head_dim // 8, head_dim // 8, head_dim // 2 - 2 * (head_dim // 8)]
-    text = {**TEXT, "model_type": "qwen2_5_vl_text", "hidden_act": "silu", "attention_dropout": 0.0,
-            "use_sliding_window": False, "sliding_window": None, "max_window_layers": TEXT["num_hidden_layers"],
+    text = {**text, "model_type": "qwen2_5_vl_text", "hidden_act": "silu", "attention_dropout": 0.0,
+            "use_sliding_window": False, "sliding_window": None, "max_window_layers": text["num_hidden_layers"],
             "rope_parameters": {"rope_type": "default", "type": "mrope", "mrope_section": section,
                                 "rope_theta": 1000000.0},
             "bos_token_id": ids["bos_token_id"], "eos_token_id": ids["eos_token_id"], "tie_word_embeddings": False}
     return {"architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl", "dtype": "float32",
-            "tie_word_embeddings": False, "text_config": text, "vision_config": {**VISION,
+            "tie_word_embeddings": False, "text_config": text, "vision_config": {**vision,
                                                                                  "model_type": "qwen2_5_vl_vision"},
             **{k: v for k, v in ids.items() if k not in ("bos_token_id", "eos_token_id")}}
 
@@ -174,12 +174,12 @@ def text_encoder_config(tok, layout: dict = LAYOUTS["tiny"]) -> dict[str, Any]:
 def text_encoder_shapes(layout: dict = LAYOUTS["tiny"]) -> dict[str, tuple[int, ...]]:
     """Every tensor of Qwen2_5_VLForConditionalGeneration as transformers saves it (``model.*``, ``visual.*``,
     ``lm_head``)."""
-    TEXT, VISION = layout["text"], layout["vision"]  # noqa: N806
-    d, inter, kv = TEXT["hidden_size"], TEXT["intermediate_size"], TEXT["num_key_value_heads"]
-    kv_dim = kv * d // TEXT["num_attention_heads"]
+    text, vision = layout["text"], layout["vision"]
+    d, inter, kv = text["hidden_size"], text["intermediate_size"], text["num_key_value_heads"]
+    kv_dim = kv * d // text["num_attention_heads"]
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (TEXT_VOCAB, d), "model.norm.weight": (d,),
                                           "lm_head.weight": (TEXT_VOCAB, d)}
-    for i in range(TEXT["num_hidden_layers"]):
+    for i in range(text["num_hidden_layers"]):
         p = f"model.layers.{i}."
         shapes.update({p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,),
                        p + "self_attn.q_proj.weight": (d, d), p + "self_attn.q_proj.bias": (d,),
@@ -187,10 +187,10 @@ def text_encoder_shapes(layout: dict = LAYOUTS["tiny"]) -> dict[str, tuple[int, 
                        p + "self_attn.v_proj.weight": (kv_dim, d), p + "self_attn.v_proj.bias": (kv_dim,),
                        p + "self_attn.o_proj.weight": (d, d), p + "mlp.gate_proj.weight": (inter, d),
                        p + "mlp.up_proj.weight": (inter, d), p + "mlp.down_proj.weight": (d, inter)})
-    v, vi, ps = VISION["hidden_size"], VISION["intermediate_size"], VISION["patch_size"]
-    merged = v * VISION["spatial_merge_size"] ** 2
-    shapes["visual.patch_embed.proj.weight"] = (v, VISION["in_channels"], VISION["temporal_patch_size"], ps, ps)
-    for i in range(VISION["depth"]):
+    v, vi, ps = vision["hidden_size"], vision["intermediate_size"], vision["patch_size"]
+    merged = v * vision["spatial_merge_size"] ** 2
+    shapes["visual.patch_embed.proj.weight"] = (v, vision["in_channels"], vision["temporal_patch_size"], ps, ps)
+    for i in range(vision["depth"]):
         p = f"visual.blocks.{i}."
         shapes.update({p + "norm1.weight": (v,), p + "norm2.weight": (v,), p + "attn.qkv.weight": (3 * v, v),
                        p + "attn.qkv.bias": (3 * v,), p + "attn.proj.weight": (v, v), p + "attn.proj.bias": (v,),
@@ -198,9 +198,9 @@ def text_encoder_shapes(layout: dict = LAYOUTS["tiny"]) -> dict[str, tuple[int, 
                        p + "mlp.up_proj.weight": (vi, v), p + "mlp.up_proj.bias": (vi,),
                        p + "mlp.down_proj.weight": (v, vi), p + "mlp.down_proj.bias": (v,)})
     shapes.update({"visual.merger.ln_q.weight": (v,), "visual.merger.mlp.0.weight": (merged, merged),
-                   "visual.merger.mlp.0.bias": (merged,), "visual.merger.mlp.2.weight": (VISION["out_hidden_size"],
+                   "visual.merger.mlp.0.bias": (merged,), "visual.merger.mlp.2.weight": (vision["out_hidden_size"],
                                                                                           merged),
-                   "visual.merger.mlp.2.bias": (VISION["out_hidden_size"],)})
+                   "visual.merger.mlp.2.bias": (vision["out_hidden_size"],)})
     return shapes
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from models.snac.frames import FRAME_CODES, frames_to_codes, noise_views, row_noise
+from models.snac.frames import noise_views, row_noise, window_codes
 from models.snac.model import SnacDecoder
 
 
@@ -88,9 +88,8 @@ class WindowGraphs:
             part = windows[start:start + self.max_rows]
             n = part.shape[0]
             cap = self._captured[next(b for b in self.buckets if b >= n)]
-            rows = frames_to_codes(part.reshape(n * n_frames, FRAME_CODES))
-            for into, codes in zip(cap.codes, rows):
-                into[:n].copy_(codes.reshape(n, -1))
+            for into, codes in zip(cap.codes, window_codes(self.decoder, part)):
+                into[:n].copy_(codes)
             if cap.noise is not None:
                 row_noise(self.decoder, n_frames, generators[start:start + n], out=cap.noise)
             cap.graph.replay()

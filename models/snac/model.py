@@ -313,9 +313,10 @@ class SnacDecoder(nn.Module):
         """codes[i]: integer tensor (B, n * vq_strides[0] // vq_strides[i]), coarsest codebook first (24 kHz:
         [B, n], [B, 2n], [B, 4n]). Returns float audio (B, 1, n * frame_samples) in [-1, 1].
 
-        With `config.noise` the output is random: noise comes from `generator` (on the model's device), or
-        the global RNG when None. It equals `snac.SNAC.decode` only when both draw from the same RNG state
-        (one randn per decoder block, in block order); with noise off it is deterministic.
+        With `config.noise` the output is random: noise comes from `generator` (on the model's device), from
+        noise drawn before (`GivenNoise`), or the global RNG when None. It equals `snac.SNAC.decode` only when both
+        draw from the same RNG state (one randn per decoder block, in block order); with noise off it is
+        deterministic.
         """
         self._check_codes(codes)
         return self.decoder(self.quantizer(codes), generator)
